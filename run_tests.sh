@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Sets up the environment (see scripts/ensure_env.sh) and runs the whole test suite.
+# Extra arguments go to pytest, e.g. ./run_tests.sh tests/test_model_parity.py -x
+set -euo pipefail
+cd "$(dirname "$0")"
+source scripts/ensure_env.sh dev
+# Triton kernels are tested on CPU through the interpreter; it is harmless on a GPU machine too.
+export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+exec "$BLOOMNATIVE_PYTHON" -m pytest -q "$@"

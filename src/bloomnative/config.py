@@ -1,0 +1,469 @@
+"""Run configuration: dataclasses with a docstring per field <- TOML file <- CLI overrides.
+
+Each section of the TOML file is one dataclass below; each component is handed only its own
+section. Unknown sections or keys, values of the wrong type and impossible combinations are
+reported with the key's full name (and the nearest valid name) before any model is built.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "debug.toml"
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, described for the person who made it."""
+
+
+@dataclass
+class JobConfig:
+    name: str = "bloomnative"
+    """Run name, shown in logs."""
+    dump_folder: str = "outputs/debug"
+    """Folder for metrics.jsonl, tb/ and checkpoints/ (relative paths are relative to the
+    current directory)."""
+    seed: int = 42
+    """Seed of the weight init, the data order and dropout-free RNG state; same seed, same run."""
+    device: str = "auto"
+    """"auto" (CUDA when present, else CPU), "cuda" or "cpu"."""
+    collective_timeout_s: int = 600
+    """Seconds a collective may wait before the run fails loudly instead of hanging."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "debug"
+    """Shape preset: debug, bloom-560m, bloom-1b1, bloom-1b7, bloom-3b, bloom-7b1, bloom-176b."""
+    n_layer: int = 0
+    """Override the preset's number of blocks (0 keeps the preset)."""
+    hidden_size: int = 0
+    """Override the preset's hidden size (0 keeps the preset)."""
+    n_head: int = 0
+    """Override the preset's head count (0 keeps the preset)."""
+    vocab_size: int = 0
+    """Override the preset's vocabulary size (0 keeps the preset); must cover the tokenizer."""
+    attention: str = "sdpa"
+    """Attention backend: "sdpa" (portable), "flex" (GPU, FlexAttention) or "triton"."""
+    fused_kernels: bool = False
+    """Use the Triton LayerNorm and bias-GeLU kernels."""
+    fused_loss: bool = False
+    """Compute the lm head and cross-entropy chunk by chunk (kernels.linear_cross_entropy), so the
+    full fp32 logits are never in memory."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 200
+    """Optimizer steps to train for."""
+    seq_len: int = 256
+    """Tokens per sample."""
+    global_batch_size: int = 16
+    """Samples per optimizer step, over all data-parallel ranks and micro batches."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward on one rank; the rest is gradient accumulation."""
+    rampup_batch_size: list[int] = field(default_factory=list)
+    """[start, increment, samples]: start at `start` samples per step and grow by `increment`
+    evenly over `samples` consumed samples (Megatron's rampup). Empty: no rampup."""
+    dtype: str = "bf16"
+    """"bf16" (bf16 compute, fp32 master weights, fp32 gradient reduction) or "fp32"."""
+    max_norm: float = 1.0
+    """Clip gradients to this global L2 norm (0 disables)."""
+    max_nonfinite_steps: int = 5
+    """Stop with an error after this many consecutive steps with a non-finite loss or gradient
+    norm (each such step is skipped, not applied)."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the decay (and after it)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (never on biases or LayerNorm weights)."""
+    implementation: str = "auto"
+    """AdamW kernel: "auto" (fused on CUDA, foreach elsewhere), "fused", "foreach" or "for-loop"."""
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = 20
+    """Linear warm-up from 0 to lr over this many steps."""
+    decay_steps: int = 0
+    """Steps (counted from step 0) at which the decay reaches min_lr; 0 means training.steps."""
+    decay_style: str = "cosine"
+    """"cosine", "linear" or "constant" (stay at lr after warm-up)."""
+    warmup_samples: int = 0
+    """If > 0, warm up over this many consumed samples instead of warmup_steps (Megatron's
+    sample-based schedule, the one to use with batch-size rampup)."""
+    decay_samples: int = 0
+    """If > 0, decay over this many consumed samples instead of decay_steps."""
+
+
+@dataclass
+class DataConfig:
+    blend: list[str] = field(default_factory=lambda: ["assets/pydocs/pydocs_text_document"])
+    """Megatron-style blend: dataset prefixes, each optionally preceded by its weight, e.g.
+    ["0.3", "data/a_text_document", "0.7", "data/b_text_document"]."""
+    split: str = "969,30,1"
+    """train,valid,test proportions of each dataset's documents."""
+    tokenizer: str = "assets/pydocs/tokenizer.json"
+    """Path to a Hugging Face tokenizers tokenizer.json (used for metadata and sample output)."""
+    cache_dir: str = ""
+    """Where the sample-index arrays are cached; empty: <dump_folder>/data_cache."""
+    prefetch: bool = True
+    """Prepare the next batch in a background thread."""
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP-like; with dp_shard > 1 this is HSDP)."""
+    dp_shard: int = -1
+    """FSDP shard group size; -1 takes what is left of the world size."""
+    tp: int = 1
+    """Tensor-parallel degree (whole heads per rank)."""
+    pp: int = 1
+    """Pipeline stages (over ranks)."""
+    pp_schedule: str = "1F1B"
+    """GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble."""
+    pp_microbatches: int = 0
+    """Micro batches per pipeline step; 0: the number of micro batches of the batch."""
+    pp_stages_per_rank: int = 1
+    """Virtual stages per pipeline rank (> 1 for interleaved schedules; 2 for ZBV)."""
+    pp_layers_per_stage: list[int] = field(default_factory=list)
+    """Explicit number of blocks per stage (overrides the automatic balance)."""
+    pp_embedding_as_layer: bool = True
+    """Count the embedding and the head as one layer each when balancing stages (as BLOOM did)."""
+    sequence_parallel: bool = True
+    """With tp > 1: shard LayerNorm/dropout regions along the sequence."""
+    loss_parallel: bool = True
+    """With tp > 1: keep the lm head output sharded over the vocabulary in the loss."""
+    zero_stage: int = 3
+    """3: reshard parameters after forward (ZeRO-3); 2: keep them gathered until backward
+    (ZeRO-2). Optimizer state and gradients are always sharded."""
+    cpu_offload: bool = False
+    """Keep FSDP-sharded parameters, gradients and optimizer state in CPU memory."""
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = True
+    """Save checkpoints (every `interval` steps and at the end) and resume from them."""
+    folder: str = "checkpoints"
+    """Sub-folder of the dump folder that holds step-<N>/ checkpoints."""
+    interval: int = 100
+    """Save every this many steps."""
+    keep_latest_k: int = 2
+    """Keep only the newest k complete checkpoints (0 keeps all)."""
+    async_mode: str = "disabled"
+    """"disabled" or "async" (the step loop waits only for the device-to-host copy)."""
+    load_step: int = -1
+    """Step to resume from; -1: the newest complete checkpoint, if any."""
+    initial_hf: str = ""
+    """Hugging Face BLOOM folder to start from when no checkpoint exists (continued
+    pretraining)."""
+    min_free_gib: float = 1.0
+    """Refuse to save (with an error) when the disk has less free space than the checkpoint
+    plus this margin."""
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: str = "none"
+    """"none", "full" (recompute every block) or "selective" (every `every`-th block)."""
+    every: int = 2
+    """With mode = "selective": recompute one block out of this many."""
+
+
+@dataclass
+class CompileConfig:
+    enable: bool = False
+    """torch.compile each block (regional compilation)."""
+
+
+@dataclass
+class MetricsConfig:
+    log_freq: int = 10
+    """Log every this many steps (and the first and last step)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to <dump_folder>/tb."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one device for MFU; 0: look the device up (null MFU on CPU)."""
+
+
+@dataclass
+class ValidationConfig:
+    freq: int = 0
+    """Evaluate every this many steps (0 disables)."""
+    steps: int = 4
+    """Batches of the validation split per evaluation."""
+    seq_len: int = 0
+    """If > 0, also evaluate at this (longer) sequence length: ALiBi's extrapolation."""
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(
+        default_factory=ActivationCheckpointConfig
+    )
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading and overriding
+
+
+def _nearest(name: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    hint = f"did you mean {match[0]!r}? " if match else ""
+    return f"{hint}valid: {', '.join(sorted(valid))}"
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
+    """Checks (TOML) or converts (CLI strings) `value` to the field type `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        (item_tp,) = typing.get_args(tp)[:1]
+        if from_cli and isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    value = ast.literal_eval(text)
+                except (ValueError, SyntaxError) as e:
+                    raise ConfigError(f"{key}: cannot parse {value!r} as a list ({e})") from None
+            else:
+                value = [v.strip() for v in text.split(",") if v.strip()]
+        elif isinstance(value, str) and item_tp is str:
+            value = [value]  # a single blend prefix may be given as a string
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list of {_type_name(item_tp)}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item_tp, from_cli) for i, v in enumerate(value)]
+    if tp is bool:
+        if from_cli and isinstance(value, str):
+            low = value.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise AssertionError(f"{key}: unsupported field type {tp}")
+
+
+def _set(config: Config, section: str, key: str, value: Any, from_cli: bool, where: str) -> None:
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section not in sections:
+        raise ConfigError(
+            f"{where}: unknown section [{section}]; {_nearest(section, list(sections))}"
+        )
+    obj = getattr(config, section)
+    types_ = _field_types(type(obj))
+    if key not in types_:
+        names = [f"{section}.{k}" for k in types_]
+        raise ConfigError(
+            f"{where}: unknown key '{section}.{key}'; {_nearest(f'{section}.{key}', names)}"
+        )
+    try:
+        setattr(obj, key, _coerce(f"{section}.{key}", value, types_[key], from_cli))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_toml(config: Config, path: str | Path) -> None:
+    """Applies a TOML file to `config`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            sections = [f.name for f in dataclasses.fields(Config)]
+            raise ConfigError(
+                f"{path}: top-level key {section!r} must be a [section]; "
+                f"{_nearest(section, sections)}"
+            )
+        for key, value in values.items():
+            _set(config, section, key, value, from_cli=False, where=str(path))
+
+
+def parse_args(argv: list[str]) -> Config:
+    """`--config FILE` (default configs/debug.toml) then `--section.key=value` overrides (also
+    `--section.key value`), applied in order."""
+    config_path: str | None = None
+    overrides: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(
+                f"unexpected argument {arg!r}; use --config FILE or --section.key=value"
+            )
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"{arg} needs a value: {arg}=VALUE")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        if name == "config":
+            config_path = value
+        else:
+            overrides.append((name, value))
+    config = Config()
+    load_toml(config, config_path or DEFAULT_CONFIG)
+    for name, value in overrides:
+        section, dot, key = name.partition(".")
+        if not dot:
+            raise ConfigError(
+                f"--{name}: overrides are --section.key=value (e.g. --training.steps=10)"
+            )
+        _set(config, section, key, value, from_cli=True, where="command line")
+    validate(config)
+    return config
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: str, valid: tuple[str, ...]) -> None:
+    _check(value in valid, f"{key} = {value!r} is not valid; choose one of {', '.join(valid)}")
+
+
+def validate(config: Config) -> None:
+    """Checks that do not need the world size; `parallel.ParallelDims` checks the layout."""
+    from bloomnative.model.args import ATTENTION_BACKENDS, PRESETS
+
+    m, t, o, s = config.model, config.training, config.optimizer, config.lr_scheduler
+    _one_of("model.preset", m.preset, tuple(PRESETS))
+    _one_of("model.attention", m.attention, ATTENTION_BACKENDS)
+    _one_of("training.dtype", t.dtype, ("bf16", "fp32"))
+    _one_of("job.device", config.job.device, ("auto", "cuda", "cpu"))
+    _one_of("lr_scheduler.decay_style", s.decay_style, ("cosine", "linear", "constant"))
+    _one_of("optimizer.implementation", o.implementation, ("auto", "fused", "foreach", "for-loop"))
+    _one_of("checkpoint.async_mode", config.checkpoint.async_mode, ("disabled", "async"))
+    _one_of(
+        "activation_checkpoint.mode",
+        config.activation_checkpoint.mode,
+        ("none", "full", "selective"),
+    )
+    for key in ("n_layer", "hidden_size", "n_head", "vocab_size"):
+        _check(getattr(m, key) >= 0, f"model.{key} must be >= 0 (0 keeps the preset)")
+    for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
+        _check(getattr(t, key) > 0, f"training.{key} must be positive, got {getattr(t, key)}")
+    _check(
+        t.global_batch_size % t.micro_batch_size == 0,
+        f"training.global_batch_size = {t.global_batch_size} is not divisible by "
+        f"training.micro_batch_size = {t.micro_batch_size}",
+    )
+    if t.rampup_batch_size:
+        _check(
+            len(t.rampup_batch_size) == 3,
+            f"training.rampup_batch_size must be [start, increment, samples], "
+            f"got {t.rampup_batch_size}",
+        )
+        start, inc, samples = t.rampup_batch_size
+        _check(
+            start > 0 and inc > 0 and samples > 0,
+            f"training.rampup_batch_size values must be positive, got {t.rampup_batch_size}",
+        )
+        _check(
+            (t.global_batch_size - start) % inc == 0 and start <= t.global_batch_size,
+            f"training.rampup_batch_size: global_batch_size {t.global_batch_size} - start "
+            f"{start} must be a non-negative multiple of increment {inc}",
+        )
+        _check(
+            start % t.micro_batch_size == 0 and inc % t.micro_batch_size == 0,
+            f"training.rampup_batch_size: start {start} and increment {inc} must be "
+            f"multiples of training.micro_batch_size {t.micro_batch_size}",
+        )
+    _check(t.max_norm >= 0, "training.max_norm must be >= 0")
+    _check(
+        0 < o.lr and 0 <= o.min_lr <= o.lr,
+        f"optimizer: need 0 < lr and 0 <= min_lr <= lr (lr={o.lr}, min_lr={o.min_lr})",
+    )
+    _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and beta2 must be in [0, 1)")
+    _check(s.warmup_steps >= 0 and s.decay_steps >= 0, "lr_scheduler steps must be >= 0")
+    decay = s.decay_steps or t.steps
+    _check(
+        s.warmup_samples > 0 or s.warmup_steps <= decay,
+        f"lr_scheduler.warmup_steps = {s.warmup_steps} exceeds the decay end ({decay} steps)",
+    )
+    _check(len(config.data.blend) > 0, "data.blend is empty: give at least one dataset prefix")
+    _check(config.metrics.log_freq > 0, "metrics.log_freq must be positive")
+    _check(config.checkpoint.interval > 0, "checkpoint.interval must be positive")
+    _check(
+        config.validation.freq >= 0 and config.validation.steps > 0,
+        "validation.freq must be >= 0 and validation.steps positive",
+    )

@@ -1,0 +1,53 @@
+"""Attention backends: each computes softmax(q k^T / sqrt(d) + ALiBi, causal) v.
+
+All take q, k, v as [batch, heads, seq, head_dim] and per-head ALiBi slopes [heads].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from bloomnative.model.alibi import alibi_causal_bias
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sdpa_alibi_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor
+) -> torch.Tensor:
+    """Portable path: SDPA with a materialised [heads, seq, seq] ALiBi + causal bias.
+
+    The bias is kept in fp32 when q is fp32; with low-precision inputs SDPA's kernels still
+    accumulate the softmax in fp32.
+    """
+    bias = alibi_causal_bias(slopes, q.shape[-2], q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def _triton_attention(q, k, v, slopes):
+    from bloomnative.kernels import flash_alibi_attention
+
+    return flash_alibi_attention(q, k, v, slopes, causal=True)
+
+
+def _flex_attention(q, k, v, slopes):
+    from bloomnative.kernels import flex_alibi_attention
+
+    return flex_alibi_attention(q, k, v, slopes, causal=True)
+
+
+_BACKENDS: dict[str, AttentionFn] = {
+    "sdpa": sdpa_alibi_attention,
+    "triton": _triton_attention,
+    "flex": _flex_attention,
+}
+
+
+def attention_backend(name: str) -> AttentionFn:
+    """The attention function registered under `name` ("sdpa", "flex" or "triton")."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(_BACKENDS)}")
+    return _BACKENDS[name]

@@ -1,0 +1,39 @@
+"""FSDP2 (`fully_shard`): ZeRO-style sharding of parameters, gradients and optimizer state."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    zero_stage: int,
+    cpu_offload: bool = False,
+) -> None:
+    """Shards each block as its own FSDP unit; the root unit holds the rest (embedding, its
+    LayerNorm, final LayerNorm and the head, which shares the embedding's parameter: a tied
+    weight must live in one unit).
+
+    `dp_mesh` is 1-D (FSDP, ZeRO) or 2-D (dp_replicate, dp_shard: HSDP). Parameters are gathered
+    in `param_dtype` (bf16 for mixed precision) while the sharded fp32 copy is the master weight;
+    gradients are reduce-scattered and accumulated in fp32. zero_stage 3 frees the gathered
+    parameters after each unit's forward (re-gathering them for backward); zero_stage 2 keeps them
+    until backward, trading memory for one all-gather per unit.
+    """
+    if zero_stage not in (2, 3):
+        raise ValueError(f"parallelism.zero_stage must be 2 or 3, got {zero_stage}")
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kwargs = {"mesh": dp_mesh, "mp_policy": mp}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    reshard = zero_stage == 3
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    # The root's parameters are used at both ends of forward (embedding, then head) and first
+    # in backward, so they stay gathered.
+    fully_shard(model, reshard_after_forward=False, **kwargs)

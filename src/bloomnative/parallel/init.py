@@ -1,0 +1,22 @@
+"""Weight initialisation of a model whose parameters may be DTensors (TP and/or FSDP shards)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Gives every parameter the value `model.initial_value` defines for its name, whatever the
+    layout: a sharded parameter receives its slice of the full initial tensor, so every parallel
+    layout starts from the weights of the single-process run."""
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            full = model.initial_value(name, param.to_local().new_empty(param.shape), seed)
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(shard.to_local())
+        else:
+            param.copy_(model.initial_value(name, param, seed))
+    model.init_buffers()

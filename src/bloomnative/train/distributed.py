@@ -1,0 +1,42 @@
+"""Process-group and device set-up for a torchrun-launched (or plain) process."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def pick_device(requested: str) -> torch.device:
+    """ "auto": this rank's CUDA device when CUDA is present, else the CPU."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("job.device = 'cuda' but no CUDA device is available")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(device: torch.device, timeout_s: int) -> tuple[int, int]:
+    """Initialises the default process group (nccl on GPU, gloo on CPU) and returns
+    (rank, world_size). Works without torchrun too, as a world of one."""
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return dist.get_rank(), dist.get_world_size()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,132 @@
+"""Throughput accounting and the metric sinks: console line, metrics.jsonl, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense (no sparsity) bf16 tensor-core peak TFLOP/s per device, from the vendors' datasheets.
+# Matched by substring of torch.cuda.get_device_name(); order matters (most specific first).
+PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
+    ("H200", 989.5),
+    ("GH200", 989.5),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.5),
+    ("H800", 989.5),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("MI300X", 1307.4),
+    ("MI250X", 383.0),
+]
+
+
+def device_peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
+    """Peak dense bf16 TFLOP/s of one device: the override if set, else the table entry for a
+    CUDA device, else None (CPU, or an unknown GPU: MFU is then reported as null)."""
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in PEAK_BF16_TFLOPS:
+        if key in name:
+            return peak
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated device memory (CUDA), or this process's peak resident memory (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
+
+
+class Throughput:
+    """Tokens/s, TFLOP/s and MFU between two log points, per device."""
+
+    def __init__(self, flops_per_token: int, peak_tflops: float | None, world_size: int):
+        self.flops_per_token = flops_per_token
+        self.peak_tflops = peak_tflops
+        self.world_size = world_size
+        self._tokens = 0
+        self._start = time.perf_counter()
+
+    def add_tokens(self, n: int) -> None:
+        self._tokens += n
+
+    def read_and_reset(self) -> dict[str, float | None]:
+        now = time.perf_counter()
+        seconds = max(now - self._start, 1e-9)
+        tokens_per_sec = self._tokens / seconds / self.world_size  # per device
+        tflops = tokens_per_sec * self.flops_per_token / 1e12
+        mfu = tflops / self.peak_tflops if self.peak_tflops else None
+        self._tokens, self._start = 0, now
+        return {"tokens_per_sec": tokens_per_sec, "tflops": tflops, "mfu": mfu}
+
+
+class MetricsLogger:
+    """Writes one row per logged step to the console, metrics.jsonl and TensorBoard.
+    Only rank 0 writes; other ranks get a logger whose methods do nothing."""
+
+    def __init__(self, dump_folder: Path, tensorboard: bool, enabled: bool):
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        if not enabled:
+            return
+        dump_folder.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (dump_folder / "metrics.jsonl").open("a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(dump_folder / "tb"))
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        step = row["step"]
+        self._jsonl.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+        print(format_row(row), flush=True)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def format_row(row: dict[str, Any]) -> str:
+    """One readable console line: `step 10 | loss 7.1234 | lr 3.0e-04 | ...`."""
+    fmt = {
+        "loss": "{:.4f}",
+        "eval_loss": "{:.4f}",
+        "eval_ppl": "{:.2f}",
+        "lr": "{:.2e}",
+        "grad_norm": "{:.3f}",
+        "tokens_per_sec": "{:,.0f}",
+        "tflops": "{:.2f}",
+        "mfu": "{:.1%}",
+        "mem_peak_gib": "{:.2f}",
+    }
+    parts = [f"step {row['step']}"]
+    for key, value in row.items():
+        if key == "step" or value is None:
+            continue
+        text = fmt.get(key, "{}").format(value) if isinstance(value, int | float) else str(value)
+        parts.append(f"{key} {text}")
+    return " | ".join(parts)

@@ -1,0 +1,340 @@
+"""The training loop: build (meta device -> parallelize -> materialise -> init or load), then
+step: forward/backward over micro batches, clip, AdamW, log, evaluate, checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bloomnative.config import Config
+from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
+from bloomnative.model import Bloom, BloomArgs
+from bloomnative.parallel import ParallelDims, clip_grad_norm_, init_weights
+from bloomnative.parallel.fsdp import apply_fsdp
+from bloomnative.train import checkpoint as ckpt
+from bloomnative.train.distributed import init_distributed, pick_device
+from bloomnative.train.loss import cross_entropy_sum
+from bloomnative.train.lr_schedule import LRSchedule
+from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tflops, peak_memory_gib
+from bloomnative.train.optimizer import build_optimizer
+
+
+def model_args_from_config(cfg) -> BloomArgs:
+    """The preset's shape with the non-zero overrides of the [model] section applied."""
+    overrides = {k: getattr(cfg, k) for k in ("n_layer", "hidden_size", "n_head", "vocab_size")}
+    overrides = {k: v for k, v in overrides.items() if v}
+    return BloomArgs.from_preset(
+        cfg.preset, attention=cfg.attention, fused_kernels=cfg.fused_kernels, **overrides
+    )
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient norm."""
+
+
+class Trainer:
+    def __init__(self, config: Config):
+        self.config = config
+        job, train_cfg = config.job, config.training
+        self.device = pick_device(job.device)
+        self.rank, self.world_size = init_distributed(self.device, job.collective_timeout_s)
+        par = config.parallelism
+        self.dims = ParallelDims.resolve(
+            par.dp_replicate, par.dp_shard, par.tp, par.pp, self.world_size
+        )
+        self.model_args = model_args_from_config(config.model)
+        self._check_batch_layout()
+        self.dump = Path(job.dump_folder)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.dp_mesh = self.mesh["dp"]
+
+        torch.manual_seed(job.seed)
+        self.bf16 = train_cfg.dtype == "bf16"
+        with torch.device("meta"):
+            model = Bloom(self.model_args)
+        if self.dims.dp > 1:
+            dp_mesh = (
+                self.mesh["dp_replicate", "dp_shard"]
+                if self.dims.dp_replicate > 1
+                else self.mesh["dp_shard"]
+            )
+            apply_fsdp(
+                model,
+                dp_mesh,
+                torch.bfloat16 if self.bf16 else torch.float32,
+                par.zero_stage,
+                par.cpu_offload,
+            )
+        model.to_empty(device=self.device)
+        init_weights(model, job.seed)
+        model.train()
+        self.model_parts = [model]
+        # Single-rank data parallelism has no FSDP policy to cast with: use autocast instead.
+        use_autocast = self.bf16 and self.dims.dp == 1
+        self.autocast = (
+            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16))
+            if use_autocast
+            else contextlib.nullcontext
+        )
+
+        self.optimizers = [
+            build_optimizer([p], config.optimizer, self.device) for p in self.model_parts
+        ]
+        self.params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+        self.lr_schedule = LRSchedule.from_config(
+            config.lr_scheduler, config.optimizer, train_cfg.steps
+        )
+
+        self._build_data()
+        self.step = 0
+        self.consumed_samples = 0
+        self.nonfinite_skipped = 0
+        self._nonfinite_run = 0  # consecutive skipped steps
+        self.ckpt_folder = self.dump / config.checkpoint.folder
+        self._maybe_resume()
+
+        self.metrics = MetricsLogger(self.dump, config.metrics.tensorboard, self.rank == 0)
+        peak = device_peak_tflops(self.device, config.metrics.peak_tflops)
+        self.throughput = Throughput(
+            self.model_args.flops_per_token(train_cfg.seq_len), peak, self.world_size
+        )
+        if self.rank == 0:
+            self._write_resolved_config()
+            n = self.model_args.num_params()
+            print(
+                f"[bloomnative] {job.name}: {n / 1e6:.1f}M parameters, layout "
+                f"{self.dims.summary}, device {self.device}, dtype {train_cfg.dtype}, "
+                f"starting at step {self.step}",
+                flush=True,
+            )
+
+    # ------------------------------------------------------------------ set-up helpers
+
+    def _check_batch_layout(self) -> None:
+        t, dp = self.config.training, self.dims.dp
+        sizes = [t.global_batch_size] + t.rampup_batch_size[:2]
+        for size in sizes:
+            if size % (t.micro_batch_size * dp):
+                raise ValueError(
+                    f"batch size {size} is not divisible by micro_batch_size * dp = "
+                    f"{t.micro_batch_size} * {dp}; change training.global_batch_size, "
+                    f"training.micro_batch_size or the data-parallel degree"
+                )
+
+    def _build_data(self) -> None:
+        cfg, t, v = self.config.data, self.config.training, self.config.validation
+        max_samples = t.steps * t.global_batch_size
+        valid_samples = max(v.steps * t.global_batch_size, 1) if v.freq else 0
+        cache_dir = cfg.cache_dir or str(self.dump / "data_cache")
+        train_ds, valid_ds, _ = build_gpt_datasets(
+            cfg.blend,
+            cfg.split,
+            t.seq_len,
+            self.config.job.seed,
+            (max_samples, valid_samples, 0),
+            cache_dir,
+        )
+        dp_rank, dp_size = self.dp_mesh.get_local_rank(), self.dims.dp
+        loader = lambda ds: PretrainingLoader(
+            ds, t.micro_batch_size, dp_rank, dp_size, self.device, prefetch=cfg.prefetch
+        )
+        self.train_loader = loader(train_ds)
+        self.make_valid_loader = (lambda: loader(valid_ds)) if valid_ds is not None else None
+        self.valid_long = None
+        if v.freq and v.seq_len:
+            _, long_ds, _ = build_gpt_datasets(
+                cfg.blend,
+                cfg.split,
+                v.seq_len,
+                self.config.job.seed,
+                (1, valid_samples, 0),
+                cache_dir,
+            )
+            self.valid_long = lambda: loader(long_ds)
+
+    def _write_resolved_config(self) -> None:
+        self.dump.mkdir(parents=True, exist_ok=True)
+        lines = []
+        for section, values in self.config.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+            lines.append("")
+        (self.dump / "config.toml").write_text("\n".join(lines))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _state(self) -> dict:
+        return {
+            "model": ckpt.model_state(self.model_parts),
+            "optimizer": ckpt.optimizer_state(self.model_parts, self.optimizers),
+            "train": {
+                "step": torch.tensor(self.step),
+                "consumed_samples": torch.tensor(self.consumed_samples),
+                "nonfinite_skipped": torch.tensor(self.nonfinite_skipped),
+            },
+        }
+
+    def _maybe_resume(self) -> None:
+        cfg = self.config.checkpoint
+        if not cfg.enable:
+            return
+        step = cfg.load_step if cfg.load_step >= 0 else ckpt.latest_step(self.ckpt_folder)
+        if step is None:
+            return
+        path = self.ckpt_folder / f"step-{step}"
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"checkpoint.load_step = {step}: no complete checkpoint at {path}"
+            )
+        state = self._state()
+        ckpt.load(path, state)
+        ckpt.load_model_state(self.model_parts, state["model"])
+        ckpt.load_optimizer_state(self.model_parts, self.optimizers, state["optimizer"])
+        self.step = int(state["train"]["step"])
+        self.consumed_samples = int(state["train"]["consumed_samples"])
+        self.nonfinite_skipped = int(state["train"]["nonfinite_skipped"])
+        self.train_loader.load_state_dict({"consumed_samples": self.consumed_samples})
+        if self.rank == 0:
+            print(f"[bloomnative] resumed from {path}", flush=True)
+
+    def save_checkpoint(self) -> None:
+        cfg = self.config.checkpoint
+        path = ckpt.save(self.ckpt_folder, self.step, self._state(), cfg.keep_latest_k)
+        if self.rank == 0:
+            print(f"[bloomnative] saved {path}", flush=True)
+
+    # ------------------------------------------------------------------ the step
+
+    def global_batch_size(self) -> int:
+        t = self.config.training
+        if not t.rampup_batch_size:
+            return t.global_batch_size
+        start, increment, samples = t.rampup_batch_size
+        return rampup_batch_size(
+            self.consumed_samples, start, increment, samples, t.global_batch_size
+        )
+
+    def forward_backward(self, micro_batches) -> torch.Tensor:
+        """Accumulates gradients of the mean token loss over this rank's micro batches and
+        returns that mean (a 0-d tensor; no host sync). FSDP averages over data-parallel ranks,
+        which makes it the mean over the global batch."""
+        model = self.model_parts[0]
+        local_tokens = sum(labels.numel() for _, labels in micro_batches)
+        total = torch.zeros((), device=self.device)
+        for inputs, labels in micro_batches:
+            with self.autocast():
+                logits = model(inputs)
+            loss = cross_entropy_sum(logits, labels) / local_tokens
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+        gbs = self.global_batch_size()
+        lr = self.lr_schedule(self.step + 1, self.consumed_samples)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        micro_batches = self.train_loader.next_batch(gbs)
+        loss = self.forward_backward(micro_batches)
+        grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm)
+        if torch.isfinite(grad_norm) and torch.isfinite(loss):
+            for opt in self.optimizers:
+                opt.step()
+            self._nonfinite_run = 0
+        else:
+            self.nonfinite_skipped += 1
+            self._nonfinite_run += 1
+            limit = self.config.training.max_nonfinite_steps
+            if self._nonfinite_run >= limit:
+                raise NonFiniteError(
+                    f"step {self.step + 1}: loss or gradient norm has been non-finite for "
+                    f"{limit} consecutive steps (training.max_nonfinite_steps); lower the learning "
+                    f"rate or resume from an earlier checkpoint"
+                )
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.step += 1
+        self.consumed_samples += gbs
+        return loss, grad_norm, lr, gbs
+
+    def _mean_over_dp(self, value: torch.Tensor) -> float:
+        if self.dims.dp > 1:
+            value = value.clone()
+            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
+        return value.item()
+
+    @torch.no_grad()
+    def evaluate(self, make_loader) -> float:
+        loader = make_loader()
+        model = self.model_parts[0]
+        model.eval()
+        total, tokens = torch.zeros((), device=self.device), 0
+        t = self.config.training
+        for _ in range(self.config.validation.steps):
+            for inputs, labels in loader.next_batch(t.global_batch_size):
+                with self.autocast():
+                    total += cross_entropy_sum(model(inputs), labels)
+                tokens += labels.numel()
+        model.train()
+        return self._mean_over_dp(total / tokens)
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> None:
+        t, m, v = self.config.training, self.config.metrics, self.config.validation
+        ckpt_cfg = self.config.checkpoint
+        self.throughput.read_and_reset()
+        try:
+            while self.step < t.steps:
+                loss, grad_norm, lr, gbs = self.train_step()
+                self.throughput.add_tokens(gbs * t.seq_len)
+                if self.step % m.log_freq == 0 or self.step == 1 or self.step == t.steps:
+                    self._log_step(loss, grad_norm, lr, gbs)
+                if v.freq and self.make_valid_loader and self.step % v.freq == 0:
+                    self._log_eval()
+                if ckpt_cfg.enable and (self.step % ckpt_cfg.interval == 0 or self.step == t.steps):
+                    self.save_checkpoint()
+        finally:
+            self.metrics.close()
+
+    def _log_step(self, loss, grad_norm, lr: float, gbs: int) -> None:
+        row = {
+            "step": self.step,
+            "loss": self._mean_over_dp(loss),
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            "global_batch_size": gbs,
+            "consumed_samples": self.consumed_samples,
+            **self.throughput.read_and_reset(),
+            "mem_peak_gib": peak_memory_gib(self.device),
+            "nonfinite_skipped": self.nonfinite_skipped,
+        }
+        self.metrics.log(row)
+
+    def _log_eval(self) -> None:
+        start = time.perf_counter()
+        row = {"step": self.step}
+        row["eval_loss"] = self.evaluate(self.make_valid_loader)
+        row["eval_ppl"] = math.exp(min(row["eval_loss"], 50.0))
+        if self.valid_long is not None:
+            row["eval_loss_long"] = self.evaluate(self.valid_long)
+        row["eval_seconds"] = time.perf_counter() - start
+        self.metrics.log(row)
+        self.throughput.read_and_reset()  # evaluation time is not training throughput
+
+
+def run(config: Config) -> None:
+    trainer = Trainer(config)
+    try:
+        trainer.train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+

@@ -455,11 +455,6 @@ def validate(config: Config) -> None:
     )
     _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and beta2 must be in [0, 1)")
     _check(s.warmup_steps >= 0 and s.decay_steps >= 0, "lr_scheduler steps must be >= 0")
-    decay = s.decay_steps or t.steps
-    _check(
-        s.warmup_samples > 0 or s.warmup_steps <= decay,
-        f"lr_scheduler.warmup_steps = {s.warmup_steps} exceeds the decay end ({decay} steps)",
-    )
     _check(len(config.data.blend) > 0, "data.blend is empty: give at least one dataset prefix")
     _check(config.metrics.log_freq > 0, "metrics.log_freq must be positive")
     _check(config.checkpoint.interval > 0, "checkpoint.interval must be positive")

@@ -114,7 +114,13 @@ class Bloom(nn.Module):
         self.layers = nn.ModuleDict({str(i): BloomBlock(args) for i in range(args.n_layer)})
         self.ln_f = make_layer_norm(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.lm_head.weight = self.word_embeddings.weight  # tied
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Makes the head share the embedding's parameter. Needed again after `to_empty`, which
+        gives each module its own new tensor."""
+        if self.word_embeddings is not None and self.lm_head is not None:
+            self.lm_head.weight = self.word_embeddings.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: int ids [batch, seq] (or, on a later pipeline stage, hidden states

@@ -10,16 +10,23 @@ from torch.distributed.tensor import DTensor
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
+    parameters: list[nn.Parameter],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None = None,
+    not_counted: list[nn.Parameter] = (),
 ) -> torch.Tensor:
     """Clips in place and returns the total L2 norm (before clipping).
+
+    `not_counted`: parameters clipped but left out of the norm (a pipeline's second copy of the
+    tied embedding, whose gradient equals the first copy's).
 
     A DTensor gradient's norm is reduced over its own mesh (FSDP shards, TP shards) and
     replicated DTensor placements are counted once, not once per replica: the double counting
     BLOOM's BF16 optimizer had to fix. Pipeline stages hold disjoint parameters, so their squared
     norms are summed over `pp_group`.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    skip = {id(p) for p in not_counted}
+    grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from bloomnative.config import Config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.parallel import ParallelDims, clip_grad_norm_, init_weights
-from bloomnative.parallel.fsdp import apply_fsdp
+from bloomnative.parallel.parallelize import parallelize_part, split_for_pipeline, validate_layout
+from bloomnative.parallel.pipeline import Pipeline, TiedWeightSync, build_pipeline, stage_owner
 from bloomnative.train import checkpoint as ckpt
 from bloomnative.train.distributed import init_distributed, pick_device
 from bloomnative.train.loss import cross_entropy_sum
@@ -56,31 +59,16 @@ class Trainer:
 
         torch.manual_seed(job.seed)
         self.bf16 = train_cfg.dtype == "bf16"
-        with torch.device("meta"):
-            model = Bloom(self.model_args)
-        if self.dims.dp > 1:
-            dp_mesh = (
-                self.mesh["dp_replicate", "dp_shard"]
-                if self.dims.dp_replicate > 1
-                else self.mesh["dp_shard"]
-            )
-            apply_fsdp(
-                model,
-                dp_mesh,
-                torch.bfloat16 if self.bf16 else torch.float32,
-                par.zero_stage,
-                par.cpu_offload,
-            )
-        model.to_empty(device=self.device)
-        init_weights(model, job.seed)
-        model.train()
-        self.model_parts = [model]
-        # Single-rank data parallelism has no FSDP policy to cast with: use autocast instead.
+        self._build_model()
+        # Without data parallelism there is no FSDP policy to cast with: use autocast instead.
         use_autocast = self.bf16 and self.dims.dp == 1
         self.autocast = (
             (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16))
             if use_autocast
             else contextlib.nullcontext
+        )
+        self.loss_context = (
+            loss_parallel if (self.dims.tp > 1 and par.loss_parallel) else contextlib.nullcontext
         )
 
         self.optimizers = [
@@ -115,6 +103,63 @@ class Trainer:
             )
 
     # ------------------------------------------------------------------ set-up helpers
+
+    def _build_model(self) -> None:
+        """Meta model -> pipeline split -> TP / AC / compile / FSDP -> materialise -> init."""
+        cfg, par, t = self.config, self.config.parallelism, self.config.training
+        with torch.device("meta"):
+            model = Bloom(self.model_args)
+        smallest_batch = min([t.global_batch_size] + t.rampup_batch_size[:1])
+        validate_layout(self.dims, model, par, smallest_batch // self.dims.dp, t.micro_batch_size)
+        self.pp_rank = self.mesh["pp"].get_local_rank()
+        parts, self.stage_ids, self.num_stages = split_for_pipeline(
+            model, self.dims, par, self.pp_rank
+        )
+        param_dtype = torch.bfloat16 if self.bf16 else torch.float32
+        for part in parts:
+            parallelize_part(
+                part,
+                self.mesh,
+                self.dims,
+                par,
+                cfg.activation_checkpoint,
+                cfg.compile.enable,
+                param_dtype,
+            )
+            part.to_empty(device=self.device)
+            init_weights(part, cfg.job.seed)
+            part.train()
+        self.model_parts = parts
+        self._pipelines: dict[int, Pipeline] = {}
+        self.tied_sync = None
+        self.untied_copies: list = []
+        if self.dims.pp > 1:
+            owner = lambda s: stage_owner(s, self.dims.pp, par.pp_schedule)
+            self.tied_sync = TiedWeightSync(parts, self.mesh, owner(0), owner(self.num_stages - 1))
+            self.untied_copies = [
+                p.lm_head.weight
+                for p in parts
+                if p.lm_head is not None and p.word_embeddings is None
+            ]
+
+    def pipeline(self, n_microbatches: int) -> Pipeline:
+        """The pipeline schedule for this many micro batches (rampup changes the count)."""
+        if n_microbatches not in self._pipelines:
+            par = self.config.parallelism
+            self._pipelines[n_microbatches] = build_pipeline(
+                self.model_parts,
+                self.stage_ids,
+                self.num_stages,
+                par.pp_schedule,
+                n_microbatches,
+                self._pipeline_loss,
+                self.device,
+                self.mesh["pp"].get_group(),
+            )
+        return self._pipelines[n_microbatches]
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, labels) / self._loss_denominator
 
     def _check_batch_layout(self) -> None:
         t, dp = self.config.training, self.dims.dp
@@ -222,17 +267,39 @@ class Trainer:
 
     def forward_backward(self, micro_batches) -> torch.Tensor:
         """Accumulates gradients of the mean token loss over this rank's micro batches and
-        returns that mean (a 0-d tensor; no host sync). FSDP averages over data-parallel ranks,
-        which makes it the mean over the global batch."""
-        model = self.model_parts[0]
-        local_tokens = sum(labels.numel() for _, labels in micro_batches)
+        returns that mean (a 0-d tensor, no host sync; 0 on pipeline ranks without the last
+        stage). FSDP averages gradients over data-parallel ranks, which makes it the mean over
+        the global batch."""
+        self._loss_denominator = sum(labels.numel() for _, labels in micro_batches)
+        with self.loss_context():
+            if self.dims.pp > 1:
+                return self._pipeline_forward_backward(micro_batches, train=True)
+            model = self.model_parts[0]
+            total = torch.zeros((), device=self.device)
+            for inputs, labels in micro_batches:
+                with self.autocast():
+                    logits = model(inputs)
+                loss = cross_entropy_sum(logits, labels) / self._loss_denominator
+                loss.backward()
+                total += _local(loss.detach())
+            return total
+
+    def _pipeline_forward_backward(self, micro_batches, train: bool) -> torch.Tensor:
+        n = self.config.parallelism.pp_microbatches or len(micro_batches)
+        pipe = self.pipeline(n)
+        inputs = torch.cat([x for x, _ in micro_batches])
+        labels = torch.cat([y for _, y in micro_batches])
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if pipe.has_first else ()
+        target = labels if pipe.has_last else None
+        with self.autocast():
+            run = pipe.schedule.step if train else pipe.schedule.eval
+            run(*args, target=target, losses=losses if pipe.has_last else None)
+        if train and self.tied_sync is not None:
+            self.tied_sync()
         total = torch.zeros((), device=self.device)
-        for inputs, labels in micro_batches:
-            with self.autocast():
-                logits = model(inputs)
-            loss = cross_entropy_sum(logits, labels) / local_tokens
-            loss.backward()
-            total += loss.detach()
+        for loss in losses:
+            total += _local(loss.detach())
         return total
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float, int]:
@@ -243,7 +310,12 @@ class Trainer:
                 group["lr"] = lr
         micro_batches = self.train_loader.next_batch(gbs)
         loss = self.forward_backward(micro_batches)
-        grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm)
+        grad_norm = clip_grad_norm_(
+            self.params,
+            self.config.training.max_norm,
+            pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
+            not_counted=self.untied_copies,
+        )
         if torch.isfinite(grad_norm) and torch.isfinite(loss):
             for opt in self.optimizers:
                 opt.step()
@@ -264,26 +336,38 @@ class Trainer:
         self.consumed_samples += gbs
         return loss, grad_norm, lr, gbs
 
-    def _mean_over_dp(self, value: torch.Tensor) -> float:
+    def _reduce_loss(self, value: torch.Tensor) -> float:
+        """The loss every rank agrees on: summed over pipeline ranks (only the last stage holds
+        it), averaged over data-parallel ranks."""
+        value = value.detach().clone()
+        if self.dims.pp > 1:
+            dist.all_reduce(value, group=self.mesh["pp"].get_group())
         if self.dims.dp > 1:
-            value = value.clone()
             dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
         return value.item()
 
     @torch.no_grad()
     def evaluate(self, make_loader) -> float:
+        """Mean token loss over `validation.steps` global batches of a validation loader."""
         loader = make_loader()
-        model = self.model_parts[0]
-        model.eval()
-        total, tokens = torch.zeros((), device=self.device), 0
+        for part in self.model_parts:
+            part.eval()
+        total = torch.zeros((), device=self.device)
         t = self.config.training
         for _ in range(self.config.validation.steps):
-            for inputs, labels in loader.next_batch(t.global_batch_size):
-                with self.autocast():
-                    total += cross_entropy_sum(model(inputs), labels)
-                tokens += labels.numel()
-        model.train()
-        return self._mean_over_dp(total / tokens)
+            micro_batches = loader.next_batch(t.global_batch_size)
+            self._loss_denominator = sum(y.numel() for _, y in micro_batches)
+            with self.loss_context():
+                if self.dims.pp > 1:
+                    total += self._pipeline_forward_backward(micro_batches, train=False)
+                    continue
+                for inputs, labels in micro_batches:
+                    with self.autocast():
+                        logits = self.model_parts[0](inputs)
+                    total += _local(cross_entropy_sum(logits, labels)) / self._loss_denominator
+        for part in self.model_parts:
+            part.train()
+        return self._reduce_loss(total / self.config.validation.steps)
 
     # ------------------------------------------------------------------ the loop
 
@@ -307,7 +391,7 @@ class Trainer:
     def _log_step(self, loss, grad_norm, lr: float, gbs: int) -> None:
         row = {
             "step": self.step,
-            "loss": self._mean_over_dp(loss),
+            "loss": self._reduce_loss(loss),
             "lr": lr,
             "grad_norm": grad_norm.item(),
             "global_batch_size": gbs,
@@ -330,6 +414,11 @@ class Trainer:
         self.throughput.read_and_reset()  # evaluation time is not training throughput
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under loss parallelism) as a plain tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def run(config: Config) -> None:
     trainer = Trainer(config)
     try:
@@ -337,4 +426,3 @@ def run(config: Config) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-

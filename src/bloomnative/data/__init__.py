@@ -1,0 +1,50 @@
+"""Data pipeline: Megatron-compatible indexed datasets, sample index, blending, loader.
+
+From raw text to batches::
+
+    tools/preprocess_data.py --input docs.jsonl --tokenizer tokenizer.json \\
+        --output-prefix data/docs --append-eod          # -> data/docs_text_document.{bin,idx}
+
+    train, valid, test = build_gpt_datasets("data/docs_text_document", "969,30,1", seq_len=2048,
+                                            seed=1234, num_samples=(n_train, n_valid, 0),
+                                            cache_dir="cache")
+    loader = PretrainingLoader(train, micro_batch_size=2, dp_rank=rank, dp_size=world)
+    for input_ids, labels in loader.next_batch(global_batch_size):
+        ...
+
+See docs/data.md for the formats and rules.
+"""
+
+from bloomnative.data.blend_spec import BlendEntry, parse_blend
+from bloomnative.data.blended_dataset import BlendedDataset, build_blending_indices
+from bloomnative.data.build_datasets import build_gpt_datasets
+from bloomnative.data.gpt_dataset import GPTDataset
+from bloomnative.data.indexed_builder import IndexedDatasetBuilder
+from bloomnative.data.indexed_dataset import IndexedDataset, IndexedDatasetError
+from bloomnative.data.indexed_format import optimal_token_dtype
+from bloomnative.data.loader import PretrainingLoader
+from bloomnative.data.rampup import rampup_batch_size
+from bloomnative.data.sample_index import SampleIndex, build_sample_index
+from bloomnative.data.splits import parse_split, split_boundaries
+from bloomnative.data.tokenizer import TextTokenizer, load_tokenizer
+
+__all__ = [
+    "BlendEntry",
+    "BlendedDataset",
+    "GPTDataset",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "IndexedDatasetError",
+    "PretrainingLoader",
+    "SampleIndex",
+    "TextTokenizer",
+    "build_blending_indices",
+    "build_gpt_datasets",
+    "build_sample_index",
+    "load_tokenizer",
+    "optimal_token_dtype",
+    "parse_blend",
+    "parse_split",
+    "rampup_batch_size",
+    "split_boundaries",
+]

@@ -1,0 +1,219 @@
+"""Read a Megatron MMIDIDX dataset (``<prefix>.bin`` + ``<prefix>.idx``) through memory maps.
+
+Everything that can be checked cheaply is checked when the dataset is opened, so a truncated,
+corrupt or mismatched pair fails at start-up with the file and the problem named, not hours
+later with a garbage batch. The checks are O(1) or a single vectorised pass over the index.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from bloomnative.data.indexed_format import (
+    DTYPE_CODES,
+    HEADER,
+    MAGIC,
+    VERSION,
+    bin_path,
+    idx_path,
+    index_file_size,
+)
+
+# The magic of Megatron's older non-mmap ("lazy"/"cached") index format.
+_LEGACY_MAGIC = b"TNTIDX\x00\x00"
+
+
+class IndexedDatasetError(ValueError):
+    """A .bin/.idx pair that cannot be used; the message names the file and what is wrong."""
+
+
+class IndexedDataset:
+    """A memory-mapped MMIDIDX dataset: ``len(ds)`` sequences, ``ds[i]`` a numpy view (no copy).
+
+    Args:
+        prefix: path without extension; ``<prefix>.bin`` and ``<prefix>.idx`` must both exist.
+
+    Raises:
+        FileNotFoundError: a file of the pair is missing.
+        IndexedDatasetError: the pair is truncated, corrupt or does not belong together.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = str(prefix)
+        self._open()
+
+    # -- opening and validation ------------------------------------------------------------
+
+    def _open(self) -> None:
+        idx_file, bin_file = idx_path(self.prefix), bin_path(self.prefix)
+        for path in (idx_file, bin_file):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"indexed dataset file {path!r} does not exist; a dataset prefix "
+                    f"{self.prefix!r} needs both {idx_file!r} and {bin_file!r} "
+                    "(give the path without .bin/.idx)"
+                )
+        idx_size = os.path.getsize(idx_file)
+        if idx_size < HEADER.size:
+            raise IndexedDatasetError(
+                f"{idx_file}: truncated: {idx_size} bytes, the header alone needs {HEADER.size}"
+            )
+        idx_map = np.memmap(idx_file, dtype=np.uint8, mode="r")
+        magic, version, code, num_sequences, doc_index_length = HEADER.unpack_from(idx_map, 0)
+        if magic != MAGIC:
+            hint = (
+                " (this is Megatron's older 'lazy'/'cached' TNTIDX format; re-run preprocessing "
+                "with the mmap implementation)"
+                if magic.startswith(_LEGACY_MAGIC)
+                else ""
+            )
+            raise IndexedDatasetError(
+                f"{idx_file}: bad magic {magic!r}, expected {MAGIC!r}: not an MMIDIDX index{hint}"
+            )
+        if version != VERSION:
+            raise IndexedDatasetError(
+                f"{idx_file}: unsupported version {version}, only version {VERSION} exists"
+            )
+        if code not in DTYPE_CODES:
+            valid = ", ".join(f"{c} ({d})" for c, d in DTYPE_CODES.items())
+            raise IndexedDatasetError(f"{idx_file}: unknown dtype code {code}; valid: {valid}")
+        self.dtype: np.dtype = DTYPE_CODES[code]
+
+        expected = index_file_size(num_sequences, doc_index_length)
+        if idx_size != expected:
+            raise IndexedDatasetError(
+                f"{idx_file}: {_describe_size_mismatch(idx_size, expected, num_sequences)}; "
+                f"the header declares {num_sequences} sequences and {doc_index_length} "
+                f"document-index entries, which take exactly {expected} bytes"
+            )
+        offset = HEADER.size
+        self._sizes = np.frombuffer(idx_map, np.int32, num_sequences, offset)
+        offset += self._sizes.nbytes
+        self._pointers = np.frombuffer(idx_map, np.int64, num_sequences, offset)
+        offset += self._pointers.nbytes
+        self._doc_index = np.frombuffer(idx_map, np.int64, doc_index_length, offset)
+        self._validate_index(idx_file)
+
+        bin_size = os.path.getsize(bin_file)
+        self._validate_bin_size(bin_file, bin_size)
+        # np.memmap cannot map an empty file; an empty dataset has no tokens to view anyway.
+        if bin_size == 0:
+            self._tokens = np.empty(0, self.dtype)
+        else:
+            self._tokens = np.memmap(bin_file, dtype=self.dtype, mode="r")
+
+    def _validate_index(self, idx_file: str) -> None:
+        n, docs = len(self._sizes), self._doc_index
+        if len(docs) == 0 or docs[0] != 0 or docs[-1] != n:
+            first = int(docs[0]) if len(docs) else None
+            last = int(docs[-1]) if len(docs) else None
+            raise IndexedDatasetError(
+                f"{idx_file}: corrupt document index: it must start with 0 and end with the "
+                f"sequence count {n}, found first={first} last={last} ({len(docs)} entries)"
+            )
+        if len(docs) > 1 and np.any(np.diff(docs) < 0):
+            raise IndexedDatasetError(f"{idx_file}: corrupt document index: not non-decreasing")
+        if n and self._sizes.min() < 0:
+            bad = int(np.argmin(self._sizes))
+            raise IndexedDatasetError(
+                f"{idx_file}: corrupt sequence lengths: sequence {bad} has length "
+                f"{int(self._sizes[bad])}"
+            )
+
+    def _validate_bin_size(self, bin_file: str, bin_size: int) -> None:
+        itemsize = self.dtype.itemsize
+        total_bytes = int(self._sizes.sum(dtype=np.int64)) * itemsize
+        if bin_size != total_bytes:
+            raise IndexedDatasetError(
+                f"{bin_file}: {bin_size} bytes, but {idx_path(self.prefix)} describes "
+                f"{total_bytes // itemsize} tokens of {self.dtype} = {total_bytes} bytes: "
+                "the .bin is truncated or the pair does not belong together"
+            )
+        n = len(self._sizes)
+        if n and (
+            self._pointers[0] != 0
+            or self._pointers[-1] + int(self._sizes[-1]) * itemsize != bin_size
+            or np.any(self._pointers % itemsize != 0)
+        ):
+            raise IndexedDatasetError(
+                f"{idx_path(self.prefix)}: corrupt sequence pointers: they must start at 0, be "
+                f"multiples of the token size {itemsize} and end at the .bin size {bin_size}"
+            )
+
+    # -- access ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __getitem__(self, index: int | slice) -> np.ndarray | list[np.ndarray]:
+        """Sequence ``index`` as a read-only numpy view; a contiguous slice gives a list of them."""
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError(f"slices of an IndexedDataset must be contiguous, got {index}")
+            return [self.get(i) for i in range(start, stop)]
+        return self.get(index)
+
+    def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of sequence ``index`` (to its end if no length)."""
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"sequence {index} out of range for {self.prefix!r} ({n} sequences)")
+        index = int(index) % n
+        size = int(self._sizes[index])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(
+                f"tokens [{offset}, {offset + length}) out of range for sequence {index} "
+                f"of {self.prefix!r}, which has {size} tokens"
+            )
+        start = int(self._pointers[index]) // self.dtype.itemsize + offset
+        return self._tokens[start : start + length]
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        """int32 tokens per sequence (a read-only view of the .idx)."""
+        return self._sizes
+
+    @property
+    def sequence_pointers(self) -> np.ndarray:
+        """int64 byte offset of each sequence in the .bin."""
+        return self._pointers
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        """int64 first sequence of each document, starting with 0 and ending with ``len(self)``."""
+        return self._doc_index
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the whole dataset."""
+        return len(self._tokens)
+
+    def __getstate__(self) -> dict:
+        # Memory maps do not pickle; a copy in another process re-opens (and re-checks) the files.
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.prefix = state["prefix"]
+        self._open()
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexedDataset({self.prefix!r}: {len(self)} sequences, "
+            f"{len(self._doc_index) - 1} documents, {self.num_tokens} tokens of {self.dtype})"
+        )
+
+
+def _describe_size_mismatch(actual: int, expected: int, num_sequences: int) -> str:
+    if actual < expected:
+        return f"truncated: {actual} bytes"
+    if actual - expected == num_sequences:
+        return (
+            f"{actual} bytes, {num_sequences} more than expected: a multimodal index with "
+            "per-sequence modes, which bloomnative does not read"
+        )
+    return f"{actual - expected} unexpected trailing bytes ({actual} bytes)"

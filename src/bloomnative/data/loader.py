@@ -1,0 +1,135 @@
+"""A stateful, data-parallel-aware loader over the global sample order.
+
+Step ``s`` consumes the next ``global_batch_size`` samples of the dataset's order; data-parallel
+rank ``r`` of ``D`` takes the contiguous ``r``-th ``1/D`` of them, cut into micro batches. The
+samples of a step therefore do not depend on the DP degree, and the whole state is one number,
+``consumed_samples``, that goes into checkpoints: a run resumed on another number of ranks
+continues with exactly the batches the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+Batch = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class PretrainingLoader:
+    """Serves this rank's micro batches of each global batch.
+
+    Args:
+        dataset: ``len`` and ``__getitem__(i) -> int64 array of seq_len + 1 tokens``.
+        micro_batch_size: samples per micro batch.
+        dp_rank: this rank's index among the data-parallel ranks.
+        dp_size: number of data-parallel ranks.
+        device: where batches are delivered; for CUDA the host tensors are pinned and copied
+            without blocking.
+        prefetch: prepare the next step's batch (assuming the same global batch size) in a
+            background thread while the current step runs.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        device: torch.device | str = "cpu",
+        prefetch: bool = True,
+    ) -> None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
+        self.dataset = dataset
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self.consumed_samples = 0
+        self._executor = ThreadPoolExecutor(1, "bloomnative-prefetch") if prefetch else None
+        self._pending: tuple[tuple[int, int], Future] | None = None
+
+    def next_batch(self, global_batch_size: int) -> Batch:
+        """This rank's micro batches of the next step: ``(input_ids, labels)`` pairs of int64
+        ``[micro_batch_size, seq_len]`` tensors on the loader's device."""
+        self._check_batch_size(global_batch_size)
+        key = (self.consumed_samples, global_batch_size)
+        if self._pending is not None and self._pending[0] == key:
+            host_batch = self._pending[1].result()
+        else:
+            host_batch = self._host_batch(*key)
+        self._pending = None
+        self.consumed_samples += global_batch_size
+        if self._executor is not None and self._fits(self.consumed_samples, global_batch_size):
+            next_key = (self.consumed_samples, global_batch_size)
+            self._pending = (next_key, self._executor.submit(self._host_batch, *next_key))
+        non_blocking = self._pin
+        return [
+            (
+                inputs.to(self.device, non_blocking=non_blocking),
+                labels.to(self.device, non_blocking=non_blocking),
+            )
+            for inputs, labels in host_batch
+        ]
+
+    def state_dict(self) -> dict[str, int]:
+        """The position in the global sample order (the same on every rank)."""
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a saved position; a prefetched batch for another position is dropped."""
+        self.consumed_samples = int(state["consumed_samples"])
+        self._pending = None
+
+    def close(self) -> None:
+        """Stop the prefetch thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        self._pending = None
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _host_batch(self, consumed: int, global_batch_size: int) -> Batch:
+        per_rank = global_batch_size // self.dp_size
+        start = consumed + self.dp_rank * per_rank
+        if consumed + global_batch_size > len(self.dataset):
+            raise IndexError(
+                f"the step after {consumed} samples needs samples [{consumed}, "
+                f"{consumed + global_batch_size}), but the dataset has {len(self.dataset)}: "
+                "build it with num_samples covering every step (training.steps x "
+                "global_batch_size)"
+            )
+        samples = np.stack([self.dataset[i] for i in range(start, start + per_rank)])
+        tokens = torch.from_numpy(samples).view(
+            per_rank // self.micro_batch_size, self.micro_batch_size, -1
+        )
+        batch = []
+        for micro in tokens:
+            inputs, labels = micro[:, :-1].contiguous(), micro[:, 1:].contiguous()
+            if self._pin:
+                inputs, labels = inputs.pin_memory(), labels.pin_memory()
+            batch.append((inputs, labels))
+        return batch
+
+    def _check_batch_size(self, global_batch_size: int) -> None:
+        unit = self.micro_batch_size * self.dp_size
+        if global_batch_size < unit or global_batch_size % unit:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} must be a positive multiple of "
+                f"micro_batch_size {self.micro_batch_size} x dp_size {self.dp_size} = {unit} "
+                f"(e.g. {unit}, {2 * unit}, {4 * unit})"
+            )
+
+    def _fits(self, consumed: int, global_batch_size: int) -> bool:
+        return consumed + global_batch_size <= len(self.dataset)
+
+    def __del__(self) -> None:
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,352 @@
+"""Tokenize raw documents into MMIDIDX datasets (the logic behind tools/preprocess_data.py).
+
+Inputs:
+
+* JSON lines (``.jsonl``, ``.json``, ``.ndjson``, optionally ``.gz``): one document per line,
+  a JSON object whose ``json_keys`` hold the text. Blank lines are ignored.
+* Anything else is plain UTF-8 text (optionally ``.gz``): **each file is one document**.
+
+Each JSON key goes to its own dataset ``<output_prefix>_<key>_document.{bin,idx}`` (Megatron's
+naming), one sequence per document, with the EOD token appended when ``append_eod`` is set.
+
+Work is cut into chunks of lines that worker processes tokenize; results are consumed in input
+order, so the output is byte-identical for any number of workers. Only a bounded window of
+chunks is in flight, so memory stays flat however large the input is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bloomnative.data.indexed_builder import IndexedDatasetBuilder
+from bloomnative.data.indexed_format import optimal_token_dtype
+from bloomnative.data.tokenizer import load_tokenizer
+
+_JSON_LINES_SUFFIXES = (".jsonl", ".json", ".ndjson")
+_CHUNK_RECORDS = 256
+_CHUNK_BYTES = 1 << 20
+_MAX_BAD_LINES_SHOWN = 20
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """What to tokenize and where to write it; mirrors the tool's command-line flags."""
+
+    inputs: tuple[str, ...]
+    tokenizer: str
+    output_prefix: str
+    json_keys: tuple[str, ...] = ("text",)
+    workers: int = 1
+    append_eod: bool = False
+    eod_token: str | None = None
+    skip_bad_lines: bool = False
+    log_interval: float = 10.0
+    """Seconds between progress lines."""
+
+
+@dataclass
+class PreprocessSummary:
+    """Counts of one run."""
+
+    documents: int = 0
+    tokens: int = 0
+    empty_documents: int = 0
+    bad_lines: int = 0
+    input_bytes: int = 0
+    seconds: float = 0.0
+    outputs: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return (
+            f"{self.documents:,} documents, {self.tokens:,} tokens "
+            f"({self.empty_documents:,} empty, {self.bad_lines:,} bad lines skipped) "
+            f"from {self.input_bytes / 1e6:,.1f} MB in {self.seconds:.1f} s "
+            f"({rate:,.0f} tokens/s) -> {', '.join(self.outputs)}"
+        )
+
+
+class BadLineError(ValueError):
+    """An input line that cannot be used (invalid JSON or UTF-8, missing or non-text key)."""
+
+
+def output_prefix_for(output_prefix: str, json_key: str) -> str:
+    """Megatron's output name for one JSON key: ``<output_prefix>_<key>_document``."""
+    return f"{output_prefix}_{json_key}_document"
+
+
+def preprocess(
+    config: PreprocessConfig, log: Callable[[str], None] | None = None
+) -> PreprocessSummary:
+    """Tokenize ``config.inputs`` into one MMIDIDX dataset per JSON key.
+
+    Args:
+        config: inputs, tokenizer, outputs and options.
+        log: receives progress and bad-line messages; by default they go to stderr.
+
+    Raises:
+        BadLineError: a bad line without ``skip_bad_lines``; nothing is written in that case.
+    """
+    log = log or _print_to_stderr
+    if config.workers < 1:
+        raise ValueError(f"workers must be at least 1, got {config.workers}")
+    if not config.json_keys:
+        raise ValueError("json_keys is empty; give at least one key, e.g. text")
+    for path in config.inputs:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"input file {path!r} does not exist")
+    tokenizer = load_tokenizer(config.tokenizer, config.eod_token)  # fail early, in this process
+    dtype = optimal_token_dtype(tokenizer.vocab_size)
+    encoder_args = _EncoderArgs(
+        tokenizer_path=config.tokenizer,
+        eod_token=config.eod_token,
+        json_keys=tuple(config.json_keys),
+        append_eod=config.append_eod,
+        dtype=dtype.str,
+    )
+    summary = PreprocessSummary()
+    progress = _Progress(log, config.log_interval)
+    builders: list[IndexedDatasetBuilder] = []
+    encoded = _encode_in_order(_chunks(_read_records(config.inputs)), encoder_args, config.workers)
+    try:
+        for key in config.json_keys:
+            prefix = output_prefix_for(config.output_prefix, key)
+            builders.append(IndexedDatasetBuilder(prefix, dtype=dtype))
+        with contextlib.closing(encoded):  # stops the worker pool on an error
+            for results in encoded:
+                _consume(results, builders, config, summary, log)
+                progress.maybe_report(summary)
+    except BaseException:
+        for builder in builders:
+            builder.abort()
+        raise
+    for builder in builders:
+        builder.finalize()
+    summary.seconds = progress.elapsed()
+    summary.outputs = [builder.prefix for builder in builders]
+    return summary
+
+
+def _consume(
+    results: list[_Encoded],
+    builders: list[IndexedDatasetBuilder],
+    config: PreprocessConfig,
+    summary: PreprocessSummary,
+    log: Callable[[str], None],
+) -> None:
+    for result in results:
+        summary.input_bytes += result.nbytes
+        if result.error is None:
+            _add_document(builders, result.tokens, summary)
+            continue
+        where = f"{config.inputs[result.input_index]}:{result.line}"
+        if not config.skip_bad_lines:
+            raise BadLineError(
+                f"{where}: {result.error}; fix the line or pass --skip-bad-lines "
+                "to skip such lines (nothing was written)"
+            )
+        summary.bad_lines += 1
+        if summary.bad_lines <= _MAX_BAD_LINES_SHOWN:
+            log(f"[preprocess] skipping {where}: {result.error}")
+
+
+def _add_document(
+    builders: list[IndexedDatasetBuilder], tokens: list[np.ndarray], summary: PreprocessSummary
+) -> None:
+    if all(len(t) == 0 for t in tokens):
+        summary.empty_documents += 1
+    for builder, key_tokens in zip(builders, tokens, strict=True):
+        # Like Megatron, an empty text ends a document that has no sequence.
+        if len(key_tokens):
+            builder.add_item(key_tokens)
+        builder.end_document()
+        summary.tokens += len(key_tokens)
+    summary.documents += 1
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Record:
+    input_index: int
+    line: int  # 1-based line of a JSON-lines file; 1 for a plain-text file
+    raw: bytes
+    is_json: bool
+
+
+def is_json_lines(path: str) -> bool:
+    """Whether ``path`` is read as JSON lines (by extension, ignoring a trailing ``.gz``)."""
+    name = path[:-3] if path.endswith(".gz") else path
+    return name.endswith(_JSON_LINES_SUFFIXES)
+
+
+def _open_binary(path: str):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def _read_records(paths: Iterable[str]) -> Iterator[_Record]:
+    for index, path in enumerate(paths):
+        with _open_binary(path) as stream:
+            if not is_json_lines(path):
+                yield _Record(index, 1, stream.read(), is_json=False)
+                continue
+            for line_number, line in enumerate(stream, start=1):
+                if line.strip():
+                    yield _Record(index, line_number, line, is_json=True)
+
+
+def _chunks(records: Iterator[_Record]) -> Iterator[list[_Record]]:
+    chunk: list[_Record] = []
+    size = 0
+    for record in records:
+        chunk.append(record)
+        size += len(record.raw)
+        if len(chunk) >= _CHUNK_RECORDS or size >= _CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+# -- encoding (runs in the worker processes) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _EncoderArgs:
+    tokenizer_path: str
+    eod_token: str | None
+    json_keys: tuple[str, ...]
+    append_eod: bool
+    dtype: str
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    input_index: int
+    line: int
+    nbytes: int
+    tokens: list[np.ndarray]  # one array per JSON key; empty when error is set
+    error: str | None = None
+
+
+class _Encoder:
+    """Turns a chunk of raw records into token arrays, or an error message per bad record."""
+
+    def __init__(self, args: _EncoderArgs) -> None:
+        self.args = args
+        self.tokenizer = load_tokenizer(args.tokenizer_path, args.eod_token)
+        self.dtype = np.dtype(args.dtype)
+
+    def __call__(self, chunk: list[_Record]) -> list[_Encoded]:
+        return [self._encode(record) for record in chunk]
+
+    def _encode(self, record: _Record) -> _Encoded:
+        try:
+            texts = self._texts(record)
+        except BadLineError as error:
+            return _Encoded(record.input_index, record.line, len(record.raw), [], str(error))
+        tokens = []
+        for text in texts:
+            # encode, not encode_batch: one thread per worker, so --workers means what it says.
+            ids = self.tokenizer.encode(text)
+            if ids and self.args.append_eod:
+                ids.append(self.tokenizer.eod_id)
+            tokens.append(np.asarray(ids, dtype=self.dtype))
+        return _Encoded(record.input_index, record.line, len(record.raw), tokens)
+
+    def _texts(self, record: _Record) -> list[str]:
+        try:
+            text = record.raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise BadLineError(f"not valid UTF-8 at byte {error.start}") from None
+        if not record.is_json:
+            return [text] * len(self.args.json_keys)
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise BadLineError(f"invalid JSON: {error.msg} at column {error.colno}") from None
+        if not isinstance(obj, dict):
+            raise BadLineError(f"expected a JSON object, got {type(obj).__name__}")
+        texts = []
+        for key in self.args.json_keys:
+            if key not in obj:
+                raise BadLineError(f"missing key {key!r} (keys present: {sorted(obj)[:10]})")
+            if not isinstance(obj[key], str):
+                raise BadLineError(
+                    f"key {key!r} holds a {type(obj[key]).__name__}, expected a string"
+                )
+            texts.append(obj[key])
+        return texts
+
+
+_WORKER_ENCODER: _Encoder | None = None
+
+
+def _init_worker(args: _EncoderArgs) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = _Encoder(args)
+
+
+def _encode_in_worker(chunk: list[_Record]) -> list[_Encoded]:
+    assert _WORKER_ENCODER is not None, "worker used before _init_worker"
+    return _WORKER_ENCODER(chunk)
+
+
+def _encode_in_order(
+    chunks: Iterator[list[_Record]], args: _EncoderArgs, workers: int
+) -> Iterator[list[_Encoded]]:
+    """Encoded chunks in input order; at most ``4 * workers`` chunks in flight."""
+    if workers == 1:
+        yield from map(_Encoder(args), chunks)
+        return
+    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(args,)) as pool:
+        # Pool.imap would read the whole input ahead; a window of async calls bounds memory.
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
+            if len(pending) >= 4 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# -- progress ----------------------------------------------------------------------------------
+
+
+class _Progress:
+    def __init__(self, log: Callable[[str], None], interval: float) -> None:
+        self.log = log
+        self.interval = interval
+        self.start = self.last = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def maybe_report(self, summary: PreprocessSummary) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.interval:
+            return
+        self.last = now
+        seconds = now - self.start
+        self.log(
+            f"[preprocess] {summary.documents:,} docs, {summary.tokens:,} tokens, "
+            f"{summary.input_bytes / 1e6:,.1f} MB in {seconds:.0f} s | "
+            f"{summary.documents / seconds:,.0f} docs/s, {summary.tokens / seconds:,.0f} tokens/s, "
+            f"{summary.input_bytes / 1e6 / seconds:,.1f} MB/s"
+        )
+
+
+def _print_to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,85 @@
+"""A Hugging Face ``tokenizers`` tokenizer.json with the end-of-document token resolved."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+
+# Tried in order when no EOD token is named: GPT-2/BLOOM-style, then SentencePiece-style names.
+EOD_TOKEN_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+
+class TextTokenizer:
+    """Encodes text to token ids; knows its vocabulary size and end-of-document id.
+
+    Encoding adds no special tokens (no BOS, no post-processor template): pretraining
+    documents are raw text joined by the EOD token that preprocessing appends.
+
+    Args:
+        path: a tokenizer.json file written by the ``tokenizers`` library.
+        eod_token: the end-of-document token; by default the first of
+            ``EOD_TOKEN_CANDIDATES`` that the vocabulary has.
+    """
+
+    def __init__(self, path: str, eod_token: str | None = None) -> None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"tokenizer file {path!r} does not exist; give a Hugging Face tokenizer.json"
+            )
+        self.path = str(path)
+        try:
+            self._tokenizer = Tokenizer.from_file(self.path)
+        except Exception as error:  # the Rust library raises a bare Exception
+            raise ValueError(f"{path}: not a readable tokenizer.json: {error}") from error
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        # Ids can have gaps; the dtype and the embedding must cover the largest one.
+        self.vocab_size: int = max(vocab.values()) + 1
+        self.eod_token, self.eod_id = _resolve_eod(vocab, eod_token, path)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without special tokens."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of several texts (the Rust library may use several threads)."""
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids; special tokens such as the EOD are kept visible."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"TextTokenizer({self.path!r}, vocab_size={self.vocab_size}, "
+            f"eod={self.eod_token!r}:{self.eod_id})"
+        )
+
+
+def load_tokenizer(path: str, eod_token: str | None = None) -> TextTokenizer:
+    """Load a tokenizer.json; see ``TextTokenizer``."""
+    return TextTokenizer(path, eod_token)
+
+
+def _resolve_eod(vocab: dict[str, int], eod_token: str | None, path: str) -> tuple[str, int]:
+    if eod_token is not None:
+        if eod_token not in vocab:
+            raise ValueError(
+                f"EOD token {eod_token!r} is not in the vocabulary of {path}; "
+                f"special tokens it has: {_special_looking(vocab)}"
+            )
+        return eod_token, vocab[eod_token]
+    for candidate in EOD_TOKEN_CANDIDATES:
+        if candidate in vocab:
+            return candidate, vocab[candidate]
+    raise ValueError(
+        f"{path} has none of the usual end-of-document tokens {list(EOD_TOKEN_CANDIDATES)}; "
+        f"name one with --eod-token (special tokens it has: {_special_looking(vocab)})"
+    )
+
+
+def _special_looking(vocab: dict[str, int]) -> list[str]:
+    marked = sorted(t for t in vocab if t.startswith("<") and t.endswith(">") and len(t) > 2)
+    return marked[:20]

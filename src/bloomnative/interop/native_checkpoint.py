@@ -1,0 +1,363 @@
+"""bloomnative's own model format: the canonical state dict and model-only DCP folders.
+
+The canonical state dict is `Bloom.state_dict()` without `lm_head.weight`: the tied head is
+stored once, as `word_embeddings.weight` (the same names `train/checkpoint.py` saves under the
+"model" entry of a training checkpoint). Every importer in this package produces a canonical
+state dict and hands it to `bloom_from_state_dict`; every exporter starts from one.
+
+A model-only checkpoint is a DCP folder holding just the "model" entry of a training checkpoint,
+plus bloom_args.json for the hyper-parameters no tensor shape reveals (the head count). Reading
+one needs no process group: DCP loads into a single process when none is initialised. DCP's
+`.metadata` file is a Python pickle, so read only checkpoints that you (your runs) wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import secrets
+import shutil
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from bloomnative.model import Bloom, BloomArgs
+from bloomnative.model.args import PRESETS
+from bloomnative.train.checkpoint import EMBEDDING, TIED_HEAD, model_state
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MODEL_KEY = "model"
+"""The entry of a DCP checkpoint that holds the model's canonical state dict."""
+RUN_CONFIG = "config.toml"
+"""The resolved config a training run writes into its dump folder."""
+ARGS_FILE = "bloom_args.json"
+"""Written into a model-only checkpoint folder: its BloomArgs (DCP ignores files it did not
+write). Only the fields that no tensor shape reveals are read back."""
+_RECORDED_FIELDS = (
+    "n_layer",
+    "hidden_size",
+    "n_head",
+    "vocab_size",
+    "layer_norm_epsilon",
+    "init_std",
+)
+_FIELDS_NOT_IN_SHAPES = ("n_head", "layer_norm_epsilon", "init_std")
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+class CheckpointFormatError(ValueError):
+    """A model folder or checkpoint that cannot be converted: says which file, which key, what
+    was found and what is valid."""
+
+
+# ---------------------------------------------------------------- canonical state <-> Bloom
+
+
+def args_with(args: BloomArgs, **changes) -> BloomArgs:
+    """`args` with some fields replaced; unknown field names are reported with the valid ones."""
+    valid = {f.name for f in dataclasses.fields(BloomArgs)}
+    unknown = sorted(set(changes) - valid)
+    if unknown:
+        raise TypeError(f"unknown BloomArgs fields {unknown}; valid: {', '.join(sorted(valid))}")
+    return dataclasses.replace(args, **changes)
+
+
+def canonical_state_dict(model: Bloom) -> dict[str, torch.Tensor]:
+    """The model's parameters under canonical names (tied head dropped), as training saves them."""
+    if model.word_embeddings is None or model.lm_head is None or model.ln_f is None:
+        raise CheckpointFormatError(
+            "this model is a pipeline stage (its embedding, final LayerNorm or head was removed); "
+            "export a whole model, or convert the run's checkpoint with tools/convert_hf.py to-hf"
+        )
+    if model.lm_head.weight is not model.word_embeddings.weight:
+        raise CheckpointFormatError(
+            "lm_head.weight is not tied to word_embeddings.weight; BLOOM ties them, and the "
+            "exported formats store the embedding once"
+        )
+    return model_state([model])
+
+
+def expected_shapes(args: BloomArgs) -> dict[str, torch.Size]:
+    """Canonical parameter names and shapes of a model with these arguments (nothing allocated)."""
+    with torch.device("meta"):
+        model = Bloom(args)
+    return {name: t.shape for name, t in model.state_dict().items() if name != TIED_HEAD}
+
+
+def check_state_matches(
+    args: BloomArgs,
+    state: dict[str, torch.Tensor],
+    source: str | Path,
+    display_name: Callable[[str], str] = str,
+) -> None:
+    """Raises CheckpointFormatError listing missing, unexpected and mis-shaped tensors of `state`
+    against a model with `args`; names are shown through `display_name` (the file's own names)."""
+    expected = expected_shapes(args)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    mis_shaped = [
+        f"{display_name(name)}: {tuple(state[name].shape)} in the file, {tuple(shape)} expected"
+        for name, shape in expected.items()
+        if name in state and state[name].shape != shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(map(display_name, missing))}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(map(display_name, unexpected))}")
+    if mis_shaped:
+        problems.append(f"wrong shapes: {'; '.join(mis_shaped)}")
+    if problems:
+        shape = (
+            f"n_layer={args.n_layer}, hidden_size={args.hidden_size}, vocab_size={args.vocab_size}"
+        )
+        raise CheckpointFormatError(
+            f"{source} does not hold a BLOOM model with {shape}:\n  " + "\n  ".join(problems)
+        )
+
+
+def bloom_from_state_dict(
+    args: BloomArgs,
+    state: dict[str, torch.Tensor],
+    source: str | Path,
+    dtype: torch.dtype = torch.float32,
+    display_name: Callable[[str], str] = str,
+) -> Bloom:
+    """Builds a Bloom on CPU whose parameters are the tensors of the canonical `state`.
+
+    The model is built on the meta device and the tensors are assigned (not copied), so a large
+    model is allocated once. `state`'s tensors are cast to `dtype` in place of the dict entries.
+    """
+    check_state_matches(args, state, source, display_name)
+    for name, tensor in state.items():
+        state[name] = tensor.to(device="cpu", dtype=dtype)
+    with torch.device("meta"):
+        model = Bloom(args)
+    model.load_state_dict({**state, TIED_HEAD: state[EMBEDDING]}, strict=True, assign=True)
+    model.lm_head.weight = model.word_embeddings.weight
+    _materialize_buffers(model, torch.device("cpu"))
+    model.init_buffers()
+    return model
+
+
+def _materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Gives the (non-persistent) buffers left on the meta device real storage on `device`."""
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_meta:
+                setattr(module, name, torch.empty_like(buffer, device=device))
+
+
+# ---------------------------------------------------------------- writing folders atomically
+
+
+@contextlib.contextmanager
+def staged_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yields an empty sibling folder to write into; when the block succeeds it becomes
+    `out_dir` (replacing an existing one only with `overwrite`), when it fails it is removed.
+
+    A reader therefore sees either the old folder or the complete new one, never a partial one.
+    """
+    out_dir = Path(out_dir)
+    _check_output_dir(out_dir, overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = _sibling(out_dir, "partial")
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _replace_dir(staging, out_dir)
+
+
+def _check_output_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"output {out_dir} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"output folder {out_dir} exists and is not empty; choose another folder or pass "
+            "overwrite=True (--overwrite on the command line) to replace it"
+        )
+
+
+def _sibling(path: Path, tag: str) -> Path:
+    return path.parent / f".{path.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    if not target.exists():
+        new.rename(target)
+        return
+    old = _sibling(target, "old")
+    target.rename(old)
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- model-only DCP checkpoints
+
+
+def save_native_checkpoint(model: Bloom, out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Writes `model` as a model-only DCP checkpoint folder (the "model" entry of a training
+    checkpoint, canonical names, the model's dtype) plus ARGS_FILE, which records the head
+    count and LayerNorm epsilon that the tensors cannot. Returns the folder."""
+    state = {MODEL_KEY: canonical_state_dict(model)}
+    with staged_output_dir(out_dir, overwrite) as staging, _single_process_dcp():
+        dcp.save(state, checkpoint_id=str(staging), no_dist=True)
+        _write_args_file(model.args, staging)
+    return Path(out_dir)
+
+
+def read_model_shapes(checkpoint_dir: str | Path) -> dict[str, TensorStorageMetadata]:
+    """Canonical name -> stored tensor metadata (global shape, dtype) of the checkpoint's model
+    entry, read from DCP's metadata file without loading any tensor."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not (checkpoint_dir / ".metadata").is_file():
+        raise CheckpointFormatError(
+            f"{checkpoint_dir} is not a DCP checkpoint folder (no .metadata file); give a "
+            "<dump_folder>/checkpoints/step-<N> folder or a to-native output"
+        )
+    metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
+    prefix = MODEL_KEY + "."
+    shapes = {
+        key[len(prefix) :]: meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    if not shapes:
+        raise CheckpointFormatError(f"{checkpoint_dir} has no '{MODEL_KEY}' tensors")
+    return shapes
+
+
+def infer_bloom_args(
+    shapes: dict[str, TensorStorageMetadata], n_head: int, source: str | Path, **overrides
+) -> BloomArgs:
+    """BloomArgs whose shape matches the stored tensors: vocab and hidden size from the
+    embedding, n_layer from the layer indices. The head count is not visible in any shape."""
+    if EMBEDDING not in shapes:
+        raise CheckpointFormatError(f"{source} has no '{MODEL_KEY}.{EMBEDDING}' tensor")
+    vocab_size, hidden_size = shapes[EMBEDDING].size
+    layers = sorted({int(m.group(1)) for name in shapes if (m := _LAYER_KEY.match(name))})
+    if layers != list(range(len(layers))):
+        raise CheckpointFormatError(
+            f"{source}: layer indices {layers} are not 0..{len(layers) - 1}; a checkpoint "
+            "holds every layer of the model"
+        )
+    if hidden_size % n_head:
+        raise CheckpointFormatError(
+            f"{source}: hidden size {hidden_size} (from the embedding) is not divisible by "
+            f"n_head={n_head}"
+        )
+    args = BloomArgs(
+        n_layer=len(layers), hidden_size=hidden_size, n_head=n_head, vocab_size=vocab_size
+    )
+    return args_with(args, **overrides)
+
+
+def recorded_model_args(checkpoint_dir: str | Path) -> dict:
+    """The BloomArgs fields that no tensor shape reveals (n_head, layer_norm_epsilon, init_std),
+    as recorded for `checkpoint_dir`: by the ARGS_FILE a model-only checkpoint carries, else by
+    the resolved config.toml the training run left in its dump folder (two levels up). Empty
+    when neither exists."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if (checkpoint_dir / ARGS_FILE).is_file():
+        return _args_from_args_file(checkpoint_dir / ARGS_FILE)
+    run_config = run_config_path(checkpoint_dir)
+    if run_config.is_file():
+        return _args_from_run_config(run_config)
+    return {}
+
+
+def run_config_path(checkpoint_dir: str | Path) -> Path:
+    """`<dump_folder>/config.toml` for a `<dump_folder>/<checkpoint.folder>/step-<N>` folder."""
+    return Path(checkpoint_dir).resolve().parent.parent / RUN_CONFIG
+
+
+def _write_args_file(args: BloomArgs, folder: Path) -> None:
+    fields = {name: getattr(args, name) for name in _RECORDED_FIELDS}
+    (folder / ARGS_FILE).write_text(json.dumps(fields, indent=2) + "\n")
+
+
+def _args_from_args_file(path: Path) -> dict:
+    try:
+        recorded = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(f"{path}: not valid JSON ({e})") from None
+    return {name: recorded[name] for name in _FIELDS_NOT_IN_SHAPES if name in recorded}
+
+
+def _args_from_run_config(path: Path) -> dict:
+    """The [model] section resolved as the trainer does: the preset, then non-zero overrides."""
+    try:
+        with path.open("rb") as f:
+            model_section = tomllib.load(f).get("model", {})
+    except tomllib.TOMLDecodeError as e:
+        raise CheckpointFormatError(f"{path}: not valid TOML ({e})") from None
+    preset = model_section.get("preset", "debug")
+    if preset not in PRESETS:
+        raise CheckpointFormatError(
+            f"{path}: model.preset = {preset!r} is not one of {', '.join(PRESETS)}"
+        )
+    args = PRESETS[preset]
+    n_head = model_section.get("n_head") or args.n_head
+    return {
+        "n_head": n_head,
+        "layer_norm_epsilon": args.layer_norm_epsilon,
+        "init_std": args.init_std,
+    }
+
+
+def load_native_model(
+    checkpoint_dir: str | Path,
+    n_head: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    **overrides,
+) -> Bloom:
+    """Loads the model of a DCP checkpoint (a full training checkpoint or a model-only one)
+    into one process, on CPU, in `dtype`.
+
+    Shapes come from the checkpoint's metadata. The head count comes from `n_head`, else from
+    `recorded_model_args` (the checkpoint's ARGS_FILE or its run's config.toml); with none of
+    them this raises. `overrides` set further BloomArgs fields (e.g. init_std, attention).
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    shapes = read_model_shapes(checkpoint_dir)
+    recorded = recorded_model_args(checkpoint_dir)
+    recorded_n_head = recorded.pop("n_head", None)
+    n_head = n_head or recorded_n_head
+    if n_head is None:
+        raise CheckpointFormatError(
+            f"{checkpoint_dir}: the head count is not visible in the weights, the folder has no "
+            f"{ARGS_FILE} and {run_config_path(checkpoint_dir)} does not exist; give n_head "
+            "(--n-head N or --preset NAME)"
+        )
+    args = infer_bloom_args(shapes, n_head, checkpoint_dir, **{**recorded, **overrides})
+    state = {
+        name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in shapes.items()
+    }
+    check_state_matches(args, state, checkpoint_dir, display_name=lambda n: f"{MODEL_KEY}.{n}")
+    with _single_process_dcp():
+        dcp.load({MODEL_KEY: state}, checkpoint_id=str(checkpoint_dir), no_dist=True)
+    return bloom_from_state_dict(args, state, checkpoint_dir, dtype)
+
+
+@contextlib.contextmanager
+def _single_process_dcp() -> Iterator[None]:
+    """DCP warns that it runs without a process group; here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        yield

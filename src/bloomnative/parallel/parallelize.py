@@ -1,0 +1,112 @@
+"""Applies the configured parallelism to a meta-device `Bloom`, in torchtitan's order:
+pipeline split -> tensor parallel -> activation checkpointing -> compile -> FSDP."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from bloomnative.config import ActivationCheckpointConfig, ParallelismConfig
+from bloomnative.model import Bloom
+from bloomnative.parallel.activation_checkpoint import apply_activation_checkpointing
+from bloomnative.parallel.compile import apply_compile
+from bloomnative.parallel.dims import LayoutError, ParallelDims
+from bloomnative.parallel.fsdp import apply_fsdp
+from bloomnative.parallel.pipeline import (
+    SCHEDULES,
+    is_multi_stage,
+    split_model,
+    stage_ids_of_rank,
+    stage_layer_counts,
+)
+
+
+def validate_layout(
+    dims: ParallelDims, model: Bloom, par: ParallelismConfig, local_batch: int, micro_batch: int
+) -> None:
+    """Every impossible layout, rejected before anything is allocated, with what to change.
+    `local_batch` is the number of samples one data-parallel rank processes per step."""
+    args = model.args
+    if args.n_head % dims.tp:
+        raise LayoutError(
+            f"model has {args.n_head} heads, not divisible by parallelism.tp = "
+            f"{dims.tp}; choose a tp that divides the head count"
+        )
+    if args.vocab_size % dims.tp:
+        raise LayoutError(
+            f"model.vocab_size = {args.vocab_size} is not divisible by "
+            f"parallelism.tp = {dims.tp}; pad the vocabulary to a multiple of tp"
+        )
+    if dims.tp > 1 and args.fused_kernels:
+        raise LayoutError("model.fused_kernels is not supported with parallelism.tp > 1")
+    if dims.pp > 1:
+        if par.pp_schedule not in SCHEDULES:
+            raise LayoutError(
+                f"parallelism.pp_schedule = {par.pp_schedule!r}; valid: {', '.join(SCHEDULES)}"
+            )
+        multi = is_multi_stage(par.pp_schedule)
+        if multi and par.pp_stages_per_rank < 2:
+            raise LayoutError(
+                f"{par.pp_schedule} runs several stages per rank: set "
+                f"parallelism.pp_stages_per_rank >= 2"
+            )
+        if not multi and par.pp_stages_per_rank != 1:
+            raise LayoutError(
+                f"{par.pp_schedule} runs one stage per rank: set "
+                f"parallelism.pp_stages_per_rank = 1 or use Interleaved1F1B"
+            )
+        num_stages = dims.pp * par.pp_stages_per_rank
+        if num_stages > args.n_layer:
+            raise LayoutError(
+                f"{num_stages} pipeline stages (pp {dims.pp} x "
+                f"{par.pp_stages_per_rank} per rank) but the model has only "
+                f"{args.n_layer} layers"
+            )
+        microbatches = par.pp_microbatches or local_batch // micro_batch
+        if local_batch % microbatches:
+            raise LayoutError(
+                f"{local_batch} samples per data-parallel rank do not split into "
+                f"parallelism.pp_microbatches = {microbatches}"
+            )
+        if microbatches < dims.pp:
+            raise LayoutError(
+                f"{microbatches} pipeline micro batches for pp = {dims.pp}: need "
+                f"at least one per stage; raise parallelism.pp_microbatches or the "
+                f"batch size"
+            )
+
+
+def parallelize_part(
+    part: Bloom,
+    mesh: DeviceMesh,
+    dims: ParallelDims,
+    par: ParallelismConfig,
+    ac: ActivationCheckpointConfig,
+    compile_blocks: bool,
+    param_dtype: torch.dtype,
+) -> None:
+    """TP -> activation checkpointing -> compile -> FSDP on one model part, in place."""
+    if dims.tp > 1:
+        from bloomnative.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(part, mesh["tp"], par.sequence_parallel, par.loss_parallel)
+    apply_activation_checkpointing(part, ac.mode, ac.every)
+    if compile_blocks:
+        apply_compile(part)
+    if dims.dp > 1:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        apply_fsdp(part, dp_mesh, param_dtype, par.zero_stage, par.cpu_offload)
+
+
+def split_for_pipeline(
+    model: Bloom, dims: ParallelDims, par: ParallelismConfig, pp_rank: int
+) -> tuple[list[Bloom], list[int], int]:
+    """This rank's stage modules, their stage ids, and the total number of stages."""
+    if dims.pp == 1:
+        return [model], [0], 1
+    num_stages = dims.pp * par.pp_stages_per_rank
+    counts = stage_layer_counts(
+        model.args.n_layer, num_stages, par.pp_embedding_as_layer, par.pp_layers_per_stage or None
+    )
+    ids = stage_ids_of_rank(pp_rank, dims.pp, par.pp_stages_per_rank, par.pp_schedule)
+    return [split_model(model, sid, counts) for sid in ids], ids, num_stages

@@ -3,7 +3,7 @@
 # Extra arguments go to pytest, e.g. ./run_tests.sh tests/test_model_parity.py -x
 set -euo pipefail
 cd "$(dirname "$0")"
-source scripts/ensure_env.sh dev
+BLOOMNATIVE_EXTRAS=dev source scripts/ensure_env.sh
 # Triton kernels are tested on CPU through the interpreter; it is harmless on a GPU machine too.
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"

@@ -1,10 +1,10 @@
-# Sourced by run_train.sh and run_tests.sh: picks the Python to use and installs what is missing.
+# Sourced by run_train.sh and run_tests.sh (BLOOMNATIVE_EXTRAS=dev for the test extras): picks the Python to use and installs what is missing.
 # Uses the current Python when it already has torch >= 2.11 (as on a GPU machine); otherwise
 # creates .venv next to this repo and installs torch==2.13.0 (the CPU build here) and the package.
 # Idempotent: a stamp file records what was installed, so a second run installs nothing.
 
 _bn_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-_bn_extras="${1:-}"
+_bn_extras="${BLOOMNATIVE_EXTRAS:-}"
 
 _bn_has_torch() {
   "$1" - <<'PY' 2>/dev/null

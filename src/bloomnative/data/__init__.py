@@ -15,18 +15,29 @@ From raw text to batches::
 See docs/data.md for the formats and rules.
 """
 
+from bloomnative.data.blend_order import build_blending_indices
 from bloomnative.data.blend_spec import BlendEntry, parse_blend
-from bloomnative.data.blended_dataset import BlendedDataset, build_blending_indices
+from bloomnative.data.blended_dataset import BlendedDataset
 from bloomnative.data.build_datasets import build_gpt_datasets
 from bloomnative.data.gpt_dataset import GPTDataset
 from bloomnative.data.indexed_builder import IndexedDatasetBuilder
 from bloomnative.data.indexed_dataset import IndexedDataset, IndexedDatasetError
 from bloomnative.data.indexed_format import optimal_token_dtype
-from bloomnative.data.loader import PretrainingLoader
 from bloomnative.data.rampup import rampup_batch_size
 from bloomnative.data.sample_index import SampleIndex, build_sample_index
 from bloomnative.data.splits import parse_split, split_boundaries
 from bloomnative.data.tokenizer import TextTokenizer, load_tokenizer
+
+
+def __getattr__(name: str):
+    # The loader is the only part that needs torch (2-3 s to import); loading it on first use
+    # keeps tools/preprocess_data.py and its worker processes quick to start.
+    if name == "PretrainingLoader":
+        from bloomnative.data.loader import PretrainingLoader
+
+        return PretrainingLoader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BlendEntry",

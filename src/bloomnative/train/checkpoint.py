@@ -52,13 +52,18 @@ def model_state(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model_state(parts: list[nn.Module], state: dict[str, torch.Tensor]) -> None:
+def load_model_state(
+    parts: list[nn.Module], state: dict[str, torch.Tensor], full: bool = False
+) -> None:
+    """Copies canonical-name `state` into the parts. `full`: the tensors are whole (e.g. from a
+    Hugging Face folder) and each rank takes its shard of them."""
+    options = StateDictOptions(strict=False, full_state_dict=full)
     for part in parts:
         names = set(get_model_state_dict(part))
         sd = {k: state[k] for k in names if k in state}
         if TIED_HEAD in names and EMBEDDING not in names:
             sd[TIED_HEAD] = state[EMBEDDING]
-        set_model_state_dict(part, sd, options=StateDictOptions(strict=False))
+        set_model_state_dict(part, sd, options=options)
 
 
 def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
@@ -98,6 +103,12 @@ def save(folder: Path, step: int, state: dict, keep_latest_k: int) -> Path:
 def load(path: Path, state: dict) -> None:
     """Fills `state` in place from the checkpoint at `path`."""
     dcp.load(state, checkpoint_id=str(path))
+
+
+def is_model_only(path: Path) -> bool:
+    """True for a checkpoint with weights but no training state (tools/convert_hf.py to-native)."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return not any(k.startswith("optimizer.") for k in keys)
 
 
 def prune(folder: Path, keep_latest_k: int) -> None:

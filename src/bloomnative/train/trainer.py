@@ -226,17 +226,27 @@ class Trainer:
         }
 
     def _maybe_resume(self) -> None:
+        """Resumes from the newest complete checkpoint (or `load_step`); a model-only one (from
+        tools/convert_hf.py) or `initial_hf` gives the starting weights of a fresh run."""
         cfg = self.config.checkpoint
-        if not cfg.enable:
-            return
-        step = cfg.load_step if cfg.load_step >= 0 else ckpt.latest_step(self.ckpt_folder)
+        step = None
+        if cfg.enable:
+            step = cfg.load_step if cfg.load_step >= 0 else ckpt.latest_step(self.ckpt_folder)
         if step is None:
+            if cfg.initial_hf:
+                self._load_initial_hf(cfg.initial_hf)
             return
         path = self.ckpt_folder / f"step-{step}"
         if not path.is_dir():
             raise FileNotFoundError(
                 f"checkpoint.load_step = {step}: no complete checkpoint at {path}"
             )
+        if ckpt.is_model_only(path):
+            state = {"model": ckpt.model_state(self.model_parts)}
+            ckpt.load(path, state)
+            ckpt.load_model_state(self.model_parts, state["model"])
+            self._say(f"initial weights from model-only checkpoint {path}")
+            return
         state = self._state()
         ckpt.load(path, state)
         ckpt.load_model_state(self.model_parts, state["model"])
@@ -245,14 +255,32 @@ class Trainer:
         self.consumed_samples = int(state["train"]["consumed_samples"])
         self.nonfinite_skipped = int(state["train"]["nonfinite_skipped"])
         self.train_loader.load_state_dict({"consumed_samples": self.consumed_samples})
+        self._say(f"resumed from {path} at step {self.step}")
+
+    def _load_initial_hf(self, hf_dir: str) -> None:
+        """Continued pretraining: every rank reads the Hugging Face folder and keeps its shard."""
+        from bloomnative.interop import load_hf_model
+
+        source = load_hf_model(hf_dir)
+        mine, theirs = self.model_args, source.args
+        for key in ("n_layer", "hidden_size", "n_head", "vocab_size"):
+            if getattr(mine, key) != getattr(theirs, key):
+                raise ValueError(
+                    f"checkpoint.initial_hf = {hf_dir}: its {key} is {getattr(theirs, key)} but "
+                    f"the configured model has {getattr(mine, key)}; set model.preset / "
+                    f"model.{key} to match"
+                )
+        ckpt.load_model_state(self.model_parts, ckpt.model_state([source]), full=True)
+        self._say(f"initial weights from Hugging Face folder {hf_dir}")
+
+    def _say(self, message: str) -> None:
         if self.rank == 0:
-            print(f"[bloomnative] resumed from {path}", flush=True)
+            print(f"[bloomnative] {message}", flush=True)
 
     def save_checkpoint(self) -> None:
         cfg = self.config.checkpoint
         path = ckpt.save(self.ckpt_folder, self.step, self._state(), cfg.keep_latest_k)
-        if self.rank == 0:
-            print(f"[bloomnative] saved {path}", flush=True)
+        self._say(f"saved {path}")
 
     # ------------------------------------------------------------------ the step
 

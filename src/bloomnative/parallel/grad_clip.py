@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -27,13 +29,29 @@ def clip_grad_norm_(
     """
     skip = {id(p) for p in not_counted}
     grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    # Norms are computed per group of gradients sharing a layout (plain tensors, or DTensors on
+    # one mesh with one placement), since DTensor ops cannot mix layouts.
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups[key].append(g)
+    squared = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squared = squared + norm.float() ** 2
     if pp_group is not None:
-        squared = norm.float() ** 2
         dist.all_reduce(squared, group=pp_group)
-        norm = squared.sqrt()
+    norm = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        # Scaling commutes with sharding, so each rank scales its local shards.
+        local = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in parameters
+            if p.grad is not None
+        ]
+        if local:
+            torch._foreach_mul_(local, coef.to(local[0].device))
     return norm

@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from bloomnative.config import OptimizerConfig
 
 
 def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
     """Decay on matrices; none on biases and LayerNorm weights (1-D tensors), as in Megatron
-    and BLOOM. A parameter shared by two parts (the tied embedding) is counted once."""
+    and BLOOM. A parameter shared by two parts (the tied embedding) is counted once.
+
+    Groups are further split by layout (plain tensors, or DTensors of one mesh), because the
+    foreach/fused AdamW kernels run over a whole group and cannot mix them (tensor parallelism
+    without sequence parallelism leaves the LayerNorms as plain tensors).
+    """
     seen: dict[int, nn.Parameter] = {}
     for part in parts:
         for p in part.parameters():
             if p.requires_grad:
                 seen.setdefault(id(p), p)
-    decay = [p for p in seen.values() if p.ndim >= 2]
-    no_decay = [p for p in seen.values() if p.ndim < 2]
+    groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
+    for p in seen.values():
+        layout = id(p.device_mesh) if isinstance(p, DTensor) else None
+        groups[(p.ndim >= 2, layout)].append(p)
     return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, "weight_decay": weight_decay if decay else 0.0}
+        for (decay, _), params in groups.items()
     ]
 
 

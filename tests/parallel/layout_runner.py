@@ -1,0 +1,48 @@
+"""Runs several parallel layouts of one small training job in one torchrun world and saves, per
+layout, metrics.jsonl and the final (gathered) parameters. Driven by test_layouts.py:
+
+    torchrun --nproc-per-node N tests/parallel/layout_runner.py OUT_DIR LAYOUTS_JSON BASE_ARGS...
+
+LAYOUTS_JSON maps a layout name to its list of `--section.key=value` overrides.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from bloomnative.config import parse_args
+from bloomnative.train import checkpoint as ckpt
+from bloomnative.train.trainer import Trainer
+
+
+def gathered_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's parts as whole tensors under canonical names (collective over each mesh)."""
+    state = ckpt.model_state(trainer.model_parts)
+    return {
+        name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+        for name, t in state.items()
+    }
+
+
+def main() -> None:
+    out, layouts, base = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:]
+    for name, overrides in layouts.items():
+        config = parse_args([*base, f"--job.dump_folder={out / name}", *overrides])
+        trainer = Trainer(config)
+        trainer.train()
+        params = gathered_params(trainer)
+        mesh = trainer.mesh
+        if mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0:
+            torch.save(params, out / name / f"params_pp{trainer.pp_rank}.pt")
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -4,42 +4,16 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-
-from bloomnative.data import IndexedDatasetBuilder
+from training_helpers import TINY_RUN, losses_by_step, train_env
 
 RUNNER = Path(__file__).with_name("layout_runner.py")
-REPO = Path(__file__).resolve().parents[2]
-
-# A 4-block model small enough for 8 processes on 2 cores; 5 optimizer steps.
-BASE = [
-    "--model.n_layer=4",
-    "--model.hidden_size=32",
-    "--model.n_head=4",
-    "--model.vocab_size=128",
-    "--training.steps=5",
-    "--training.seq_len=32",
-    "--training.global_batch_size=8",
-    "--training.micro_batch_size=2",
-    "--training.dtype=fp32",
-    "--optimizer.lr=3e-3",
-    "--optimizer.min_lr=3e-4",
-    "--lr_scheduler.warmup_steps=2",
-    "--checkpoint.enable=false",
-    "--metrics.tensorboard=false",
-    "--metrics.log_freq=1",
-    "--data.split=1000,0,0",
-    "--data.prefetch=false",
-    "--validation.freq=0",
-    "--parallelism.dp_shard=-1",
-]
+BASE = [*TINY_RUN, "--training.steps=5", "--checkpoint.enable=false", "--parallelism.dp_shard=-1"]
 
 LAYOUTS = {
     1: {"single": []},
@@ -64,6 +38,11 @@ LAYOUTS = {
             "--parallelism.pp_stages_per_rank=2",
             "--parallelism.pp_schedule=Interleaved1F1B",
         ],
+        "pp2_interleaved_zero_bubble": [
+            "--parallelism.pp=2",
+            "--parallelism.pp_stages_per_rank=2",
+            "--parallelism.pp_schedule=InterleavedZeroBubble",
+        ],
         "pp2_uneven_1_3": ["--parallelism.pp=2", "--parallelism.pp_layers_per_stage=1,3"],
         "fsdp2_ac_full": ["--activation_checkpoint.mode=full"],
         "tp2_ac_selective": [
@@ -78,27 +57,11 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    prefix = str(tmp_path_factory.mktemp("data") / "synthetic_text_document")
-    rng = np.random.default_rng(0)
-    with IndexedDatasetBuilder(prefix, vocab_size=128) as builder:
-        for _ in range(200):
-            # Documents with structure (a repeating pattern plus noise) so the loss moves.
-            length = int(rng.integers(20, 120))
-            start = int(rng.integers(0, 128))
-            doc = (start + np.arange(length) * int(rng.integers(1, 5))) % 128
-            noise = rng.random(length) < 0.2
-            doc[noise] = rng.integers(0, 128, noise.sum())
-            builder.add_document(doc)
-    return prefix
-
-
-@pytest.fixture(scope="module")
-def runs(dataset, tmp_path_factory) -> Path:
+def runs(synthetic_corpus, tmp_path_factory) -> Path:
     """Runs all layouts, one torchrun world per world size."""
     out = tmp_path_factory.mktemp("layouts")
-    base = [*BASE, f"--data.blend={dataset}", f"--data.cache_dir={out / 'cache'}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
+    base = [*BASE, f"--data.blend={synthetic_corpus}", f"--data.cache_dir={out / 'cache'}"]
+    env = train_env()
     for nproc, layouts in LAYOUTS.items():
         cmd = [
             sys.executable,
@@ -118,8 +81,7 @@ def runs(dataset, tmp_path_factory) -> Path:
 
 
 def losses(folder: Path) -> list[float]:
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return [row["loss"] for row in rows if "loss" in row]
+    return list(losses_by_step(folder).values())
 
 
 def params(folder: Path) -> dict[str, torch.Tensor]:

@@ -57,14 +57,14 @@ def build_blending_indices(
         dataset_index, _ = _chairman_order(scaled, total, num_samples)
     dataset_sample_index = _running_count(dataset_index, len(scaled))
     if len(dataset_index) < num_samples:
+        # Tile the period: in repetition p, each dataset's samples are shifted by p times the
+        # number it supplies per period.
         repeats = -(-num_samples // period)
-        per_period = np.bincount(dataset_index, minlength=len(scaled))
-        period_number = np.repeat(np.arange(repeats, dtype=np.int64), period)[:num_samples]
+        per_period = np.bincount(dataset_index, minlength=len(scaled))[dataset_index]
+        tiled = np.arange(repeats, dtype=np.int64)[:, None] * per_period[None, :]
+        tiled += dataset_sample_index
+        dataset_sample_index = tiled.reshape(-1)[:num_samples]
         dataset_index = np.tile(dataset_index, repeats)[:num_samples]
-        dataset_sample_index = (
-            np.tile(dataset_sample_index, repeats)[:num_samples]
-            + period_number * per_period[dataset_index]
-        )
     return dataset_index, dataset_sample_index
 
 

@@ -35,8 +35,9 @@ def build_gpt_datasets(
         seq_len: training sequence length.
         seed: shuffle seed.
         num_samples: samples needed per split (0: one epoch of that split).
-        cache_dir: where index arrays are cached (``None``/``""``: built in memory).
-            Collective under ``torch.distributed``: every rank must call this.
+        cache_dir: where index arrays are cached (``None``/``""``: built in memory). With a
+            cache under ``torch.distributed`` the call is collective over the default group
+            (rank 0 builds, the others wait at a barrier): call it on every rank.
         valid_seq_len: sequence length of the valid and test splits (default ``seq_len``),
             e.g. longer, to check ALiBi's extrapolation.
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from bloomnative.data.index_cache import cached_arrays
 from bloomnative.data.indexed_dataset import IndexedDataset
+from bloomnative.data.indexed_format import bin_path, idx_path
 from bloomnative.data.sample_index import SampleIndex, build_sample_index
 
 # Bump when build_sample_index changes what it returns, so stale caches are not reused.
@@ -62,7 +63,7 @@ class GPTDataset:
     def _description(self, num_samples: int, seed: int) -> dict:
         # Everything the arrays depend on. The file sizes and index mtime stand in for the
         # content: a re-tokenized dataset gets a new mtime and so a fresh index.
-        bin_file, idx_file = self.indexed.prefix + ".bin", self.indexed.prefix + ".idx"
+        bin_file, idx_file = bin_path(self.indexed.prefix), idx_path(self.indexed.prefix)
         return {
             "kind": "gpt_sample_index",
             "version": SAMPLE_INDEX_VERSION,

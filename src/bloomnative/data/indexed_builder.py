@@ -173,6 +173,11 @@ class IndexedDatasetBuilder:
         else:
             self.abort()
 
+    def __del__(self) -> None:
+        # A builder dropped without finalize() must not leave its temporary file behind.
+        if not getattr(self, "_closed", True):
+            self.abort()
+
     @property
     def num_sequences(self) -> int:
         return len(self._sizes)

@@ -259,7 +259,6 @@ class _Encoder:
             return _Encoded(record.input_index, record.line, len(record.raw), [], str(error))
         tokens = []
         for text in texts:
-            # encode, not encode_batch: one thread per worker, so --workers means what it says.
             ids = self.tokenizer.encode(text)
             if ids and self.args.append_eod:
                 ids.append(self.tokenizer.eod_id)
@@ -296,6 +295,9 @@ _WORKER_ENCODER: _Encoder | None = None
 
 def _init_worker(args: _EncoderArgs) -> None:
     global _WORKER_ENCODER
+    # One thread per worker: the Rust tokenizer would otherwise spread each encode over every
+    # core, and N workers would fight over the cores N times over.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER_ENCODER = _Encoder(args)
 
 
@@ -307,10 +309,8 @@ def _encode_in_worker(chunk: list[_Record]) -> list[_Encoded]:
 def _encode_in_order(
     chunks: Iterator[list[_Record]], args: _EncoderArgs, workers: int
 ) -> Iterator[list[_Encoded]]:
-    """Encoded chunks in input order; at most ``4 * workers`` chunks in flight."""
-    if workers == 1:
-        yield from map(_Encoder(args), chunks)
-        return
+    """Encoded chunks in input order; at most ``4 * workers`` chunks in flight. Even one
+    worker is a separate process, so ``workers`` is the number of cores used."""
     with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(args,)) as pool:
         # Pool.imap would read the whole input ahead; a window of async calls bounds memory.
         pending: deque = deque()

@@ -22,6 +22,7 @@ from bloomnative.parallel.parallelize import parallelize_part, split_for_pipelin
 from bloomnative.parallel.pipeline import Pipeline, TiedWeightSync, build_pipeline, stage_owner
 from bloomnative.train import checkpoint as ckpt
 from bloomnative.train.distributed import init_distributed, pick_device
+from bloomnative.train.faults import StopRequest
 from bloomnative.train.loss import cross_entropy_sum
 from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tflops, peak_memory_gib
@@ -85,6 +86,12 @@ class Trainer:
         self.nonfinite_skipped = 0
         self._nonfinite_run = 0  # consecutive skipped steps
         self.ckpt_folder = self.dump / config.checkpoint.folder
+        self.checkpointer = ckpt.Checkpointer(
+            self.ckpt_folder,
+            config.checkpoint.keep_latest_k,
+            config.checkpoint.async_mode == "async",
+            config.checkpoint.min_free_gib,
+        )
         self._maybe_resume()
 
         self.metrics = MetricsLogger(self.dump, config.metrics.tensorboard, self.rank == 0)
@@ -214,8 +221,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _state(self) -> dict:
-        return {
+    def _state(self, with_rng: bool = True) -> dict:
+        """Everything a resume needs. The data loader's state is `consumed_samples`: the global
+        sample order does not depend on the layout, so it is all the loader needs."""
+        state = {
             "model": ckpt.model_state(self.model_parts),
             "optimizer": ckpt.optimizer_state(self.model_parts, self.optimizers),
             "train": {
@@ -224,6 +233,9 @@ class Trainer:
                 "nonfinite_skipped": torch.tensor(self.nonfinite_skipped),
             },
         }
+        if with_rng:
+            state["rng"] = ckpt.rng_state()
+        return state
 
     def _maybe_resume(self) -> None:
         """Resumes from the newest complete checkpoint (or `load_step`); a model-only one (from
@@ -247,10 +259,16 @@ class Trainer:
             ckpt.load_model_state(self.model_parts, state["model"])
             self._say(f"initial weights from model-only checkpoint {path}")
             return
-        state = self._state()
+        # RNG states are per rank: restored only when this rank's key was saved.
+        state = self._state(with_rng=False)
+        rng = ckpt.rng_state()
+        if all(f"rng.{key}" in ckpt.saved_keys(path) for key in rng):
+            state["rng"] = rng
         ckpt.load(path, state)
         ckpt.load_model_state(self.model_parts, state["model"])
         ckpt.load_optimizer_state(self.model_parts, self.optimizers, state["optimizer"])
+        if "rng" in state:
+            ckpt.restore_rng_state(state["rng"])
         self.step = int(state["train"]["step"])
         self.consumed_samples = int(state["train"]["consumed_samples"])
         self.nonfinite_skipped = int(state["train"]["nonfinite_skipped"])
@@ -278,9 +296,13 @@ class Trainer:
             print(f"[bloomnative] {message}", flush=True)
 
     def save_checkpoint(self) -> None:
-        cfg = self.config.checkpoint
-        path = ckpt.save(self.ckpt_folder, self.step, self._state(), cfg.keep_latest_k)
-        self._say(f"saved {path}")
+        start = time.perf_counter()
+        self.checkpointer.save(self.step, self._state())
+        mode = "started" if self.checkpointer.async_mode else "saved"
+        self._say(
+            f"{mode} checkpoint step-{self.step} in {self.ckpt_folder} "
+            f"({time.perf_counter() - start:.2f}s blocking)"
+        )
 
     # ------------------------------------------------------------------ the step
 
@@ -400,8 +422,11 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> None:
+        """Trains to `training.steps`, or until asked to stop (SIGTERM, SIGUSR1 or a STOP file
+        in the dump folder), saving a checkpoint at the step where it stops."""
         t, m, v = self.config.training, self.config.metrics, self.config.validation
         ckpt_cfg = self.config.checkpoint
+        stop = StopRequest(self.dump / "STOP", self.device)
         self.throughput.read_and_reset()
         try:
             while self.step < t.steps:
@@ -411,9 +436,16 @@ class Trainer:
                     self._log_step(loss, grad_norm, lr, gbs)
                 if v.freq and self.make_valid_loader and self.step % v.freq == 0:
                     self._log_eval()
-                if ckpt_cfg.enable and (self.step % ckpt_cfg.interval == 0 or self.step == t.steps):
+                stopping = stop.should_stop()
+                last = self.step == t.steps
+                if ckpt_cfg.enable and (self.step % ckpt_cfg.interval == 0 or last or stopping):
                     self.save_checkpoint()
+                if stopping:
+                    self._say(f"stopping at step {self.step}: {stop.reason}")
+                    break
+            self.checkpointer.wait()
         finally:
+            stop.restore()
             self.metrics.close()
 
     def _log_step(self, loss, grad_norm, lr: float, gbs: int) -> None:

@@ -1,0 +1,164 @@
+"""tools/convert_hf.py: Hugging Face <-> native DCP checkpoints, driven through main()."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hf_testing import make_hf_bloom, relative_error, save_hf_bloom, tokens, transformers
+
+from bloomnative.interop import CheckpointFormatError, load_hf_model, load_native_model
+from bloomnative.train import checkpoint as ckpt
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPE = dict(hidden_size=96, n_head=3, n_layer=2, vocab_size=120)
+# The trainer's checkpoint functions, used here without a process group, say so.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("convert_hf", REPO / "tools" / "convert_hf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+convert_hf = load_tool()
+
+
+@pytest.fixture
+def hf_bloom() -> transformers.BloomForCausalLM:
+    return make_hf_bloom(**SHAPE, seed=2)
+
+
+@pytest.fixture
+def hf_folder(tmp_path, hf_bloom) -> Path:
+    return save_hf_bloom(hf_bloom, tmp_path / "hf")
+
+
+def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return transformers.BloomForCausalLM.from_pretrained(folder).eval()(ids).logits.float()
+
+
+def write_training_checkpoint(dump: Path, model, step: int) -> Path:
+    """A full checkpoint as the trainer writes one: model, AdamW state and counters."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(tokens(SHAPE["vocab_size"])).sum().backward()
+    optimizer.step()
+    state = {
+        "model": ckpt.model_state([model]),
+        "optimizer": ckpt.optimizer_state([model], [optimizer]),
+        "train": {"step": torch.tensor(step), "consumed_samples": torch.tensor(64)},
+    }
+    folder = dump / "checkpoints"
+    ckpt.Checkpointer(folder, keep_latest_k=0, async_mode=False, min_free_gib=0).save(step, state)
+    return folder / f"step-{step}"
+
+
+def test_to_native_then_to_hf_reproduces_the_logits(tmp_path, hf_folder, hf_bloom):
+    native = tmp_path / "native"
+    assert convert_hf.main(["to-native", "--hf", str(hf_folder), "--out", str(native)]) == 0
+    assert (native / ".metadata").is_file()
+    out = tmp_path / "back"
+    argv = ["to-hf", "--checkpoint", str(native), "--out", str(out), "--n-head", "3"]
+    assert convert_hf.main(argv) == 0
+    ids = tokens(SHAPE["vocab_size"])
+    with torch.no_grad():
+        reference = hf_bloom(ids).logits
+    assert relative_error(hf_logits(out, ids), reference) < 1e-6
+
+
+def test_training_checkpoint_exports_with_heads_from_the_run_config(tmp_path, hf_folder):
+    model = load_hf_model(hf_folder)
+    dump = tmp_path / "run"
+    step_dir = write_training_checkpoint(dump, model, step=7)
+    (dump / "config.toml").write_text('[model]\npreset = "debug"\nn_head = 3\n')
+    out = tmp_path / "exported"
+    assert convert_hf.main(["to-hf", "--checkpoint", str(step_dir), "--out", str(out)]) == 0
+    ids = tokens(SHAPE["vocab_size"], seed=4)
+    with torch.no_grad():
+        assert relative_error(hf_logits(out, ids), model(ids)) < 1e-6
+
+
+def test_bf16_export_with_tokenizer_loads_in_transformers(tmp_path, hf_folder, hf_bloom):
+    native = tmp_path / "native"
+    convert_hf.main(["to-native", "--hf", str(hf_folder), "--out", str(native)])
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text("{}")
+    out = tmp_path / "bf16"
+    argv = ["to-hf", "--checkpoint", str(native), "--out", str(out), "--n-head", "3"]
+    assert convert_hf.main([*argv, "--dtype", "bf16", "--tokenizer", str(tokenizer)]) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert (out / "tokenizer.json").is_file()
+    hf = transformers.BloomForCausalLM.from_pretrained(out)
+    assert hf.transformer.word_embeddings.weight.dtype == torch.bfloat16
+    ids = tokens(SHAPE["vocab_size"])
+    with torch.no_grad():
+        assert relative_error(hf(ids).logits, hf_bloom(ids).logits) < 0.05
+
+
+def test_native_checkpoint_loads_into_a_training_model_by_canonical_names(tmp_path, hf_folder):
+    native = tmp_path / "native"
+    convert_hf.main(["to-native", "--hf", str(hf_folder), "--out", str(native)])
+    reference = load_hf_model(hf_folder)
+    model = load_native_model(native, n_head=3)
+    fresh = type(model)(model.args)
+    state = {"model": ckpt.model_state([fresh])}
+    ckpt.load(native, state)
+    ckpt.load_model_state([fresh], state["model"])
+    expected = reference.state_dict()
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    assert fresh.lm_head.weight is fresh.word_embeddings.weight
+
+
+def test_to_native_records_what_the_shapes_cannot_show(tmp_path, hf_folder):
+    config_path = hf_folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config["layer_norm_epsilon"] = 1e-6
+    config_path.write_text(json.dumps(config))
+    native = tmp_path / "native"
+    convert_hf.main(["to-native", "--hf", str(hf_folder), "--out", str(native)])
+    assert json.loads((native / "bloom_args.json").read_text())["n_head"] == 3
+    out = tmp_path / "out"
+    assert convert_hf.main(["to-hf", "--checkpoint", str(native), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["n_head"], config["layer_norm_epsilon"]) == (3, 1e-6)
+
+
+def test_head_count_is_required_when_nothing_records_it(tmp_path, hf_folder, capsys):
+    native = tmp_path / "native"
+    convert_hf.main(["to-native", "--hf", str(hf_folder), "--out", str(native)])
+    (native / "bloom_args.json").unlink()
+    out = tmp_path / "out"
+    assert convert_hf.main(["to-hf", "--checkpoint", str(native), "--out", str(out)]) == 1
+    assert "--n-head" in capsys.readouterr().err
+    assert not out.exists()
+    with pytest.raises(CheckpointFormatError, match="not divisible by n_head=5"):
+        load_native_model(native, n_head=5)
+
+
+def test_errors_are_reported_without_a_traceback(tmp_path, capsys):
+    argv = ["to-hf", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x"), "--n-head", "2"]
+    assert convert_hf.main(argv) == 1
+    assert "not a DCP checkpoint folder" in capsys.readouterr().err
+    assert convert_hf.main(["to-native", "--hf", str(tmp_path), "--out", str(tmp_path / "y")]) == 1
+    assert "has no config.json" in capsys.readouterr().err
+
+
+def test_to_native_refuses_to_overwrite_without_the_flag(tmp_path, hf_folder, capsys):
+    argv = ["to-native", "--hf", str(hf_folder), "--out", str(tmp_path / "native")]
+    assert convert_hf.main(argv) == 0
+    assert convert_hf.main(argv) == 1
+    assert "--overwrite" in capsys.readouterr().err
+    assert convert_hf.main([*argv, "--overwrite"]) == 0
+
+
+def test_shard_sizes_parse_decimal_and_binary_units():
+    assert convert_hf.parse_size("5GB") == 5 * 10**9
+    assert convert_hf.parse_size("512MiB") == 512 * 2**20
+    assert convert_hf.parse_size("1000") == 1000

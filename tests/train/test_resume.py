@@ -1,0 +1,160 @@
+"""Checkpoints make interruptions a non-event: resuming gives the losses of the run that never
+stopped, after a clean stop, a SIGKILL (also in the middle of a save), SIGTERM or a STOP file,
+and under another parallel layout."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from training_helpers import (
+    TINY_RUN,
+    losses_by_step,
+    metric_rows,
+    run_training,
+    train_command,
+    train_env,
+)
+
+STEPS = 6
+
+
+def args(dump: Path, corpus: str, *extra: str) -> list[str]:
+    return [
+        *TINY_RUN,
+        f"--data.blend={corpus}",
+        f"--job.dump_folder={dump}",
+        f"--training.steps={STEPS}",
+        f"--lr_scheduler.decay_steps={STEPS}",  # the schedule must not depend on where we stop
+        "--checkpoint.interval=2",
+        "--checkpoint.keep_latest_k=0",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(synthetic_corpus, tmp_path_factory) -> dict[str, dict[int, float]]:
+    """The reference runs, fp32 and bf16, in one process each."""
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        dump = tmp_path_factory.mktemp(f"uninterrupted_{dtype}")
+        run_training(args(dump, synthetic_corpus, f"--training.dtype={dtype}"))
+        out[dtype] = losses_by_step(dump)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_resume_after_a_clean_stop_is_bit_identical(
+    uninterrupted, synthetic_corpus, tmp_path, dtype
+):
+    run_training(
+        args(tmp_path, synthetic_corpus, f"--training.dtype={dtype}", "--training.steps=3")
+    )
+    assert (tmp_path / "checkpoints" / "step-3").is_dir()
+    run_training(args(tmp_path, synthetic_corpus, f"--training.dtype={dtype}"))
+    assert losses_by_step(tmp_path) == uninterrupted[dtype]
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early with {proc.returncode}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("timed out waiting for the training run")
+        time.sleep(0.02)
+
+
+def _start(run_args: list[str], **env) -> subprocess.Popen:
+    return subprocess.Popen(
+        train_command(run_args),
+        env={**train_env(), **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(uninterrupted, synthetic_corpus, tmp_path):
+    # Each save waits 1 s before it is marked complete, so once step-4 is complete the run is
+    # still busy (steps 5-6 and the final save) when the kill lands.
+    proc = _start(args(tmp_path, synthetic_corpus), BLOOMNATIVE_FAULT_SAVE_DELAY_S="1")
+    _wait_for(lambda: (tmp_path / "checkpoints" / "step-4").is_dir(), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "checkpoints" / "step-6").exists()
+    run_training(args(tmp_path, synthetic_corpus))
+    assert losses_by_step(tmp_path) == uninterrupted["fp32"]
+
+
+def test_sigkill_during_a_save_keeps_the_previous_checkpoint(
+    uninterrupted, synthetic_corpus, tmp_path
+):
+    # The fault-injection knob holds every save between writing its files and marking the
+    # checkpoint complete, so the kill lands inside the save of step 4.
+    proc = _start(args(tmp_path, synthetic_corpus), BLOOMNATIVE_FAULT_SAVE_DELAY_S="30")
+    ckpts = tmp_path / "checkpoints"
+    _wait_for(
+        lambda: (ckpts / "step-4.partial").is_dir() and (ckpts / "step-2").is_dir(),
+        proc,
+        timeout=180,
+    )
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (ckpts / "step-4").exists()
+    run_training(args(tmp_path, synthetic_corpus))
+    assert not (ckpts / "step-4.partial").exists()  # cleaned up by the next save
+    assert losses_by_step(tmp_path) == uninterrupted["fp32"]
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGUSR1", "STOP file"])
+def test_stop_request_saves_the_current_step_and_exits_zero(synthetic_corpus, tmp_path, how):
+    proc = _start(
+        args(
+            tmp_path,
+            synthetic_corpus,
+            "--training.steps=1000000",
+            "--checkpoint.interval=1000",
+            f"--lr_scheduler.decay_steps={STEPS}",
+        )
+    )
+    _wait_for(
+        lambda: (
+            (tmp_path / "metrics.jsonl").is_file()
+            and len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= 2
+        ),
+        proc,
+    )
+    if how == "STOP file":
+        (tmp_path / "STOP").touch()
+    else:
+        proc.send_signal(getattr(signal, how))
+    assert proc.wait(timeout=120) == 0
+    steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoints").glob("step-*"))
+    stopped_at = max(losses_by_step(tmp_path))
+    assert steps == [stopped_at]
+    if how == "STOP file":
+        (tmp_path / "STOP").unlink()
+    proc = run_training(args(tmp_path, synthetic_corpus, f"--training.steps={stopped_at + 2}"))
+    assert f"resumed from {tmp_path / 'checkpoints' / f'step-{stopped_at}'}" in proc.stdout
+    logged_after = [row["step"] for row in metric_rows(tmp_path)][-2:]
+    assert logged_after == [stopped_at + 1, stopped_at + 2]
+
+
+def test_disk_check_refuses_to_save_and_deletes_nothing(synthetic_corpus, tmp_path):
+    run_training(args(tmp_path, synthetic_corpus, "--training.steps=2"))
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    proc = subprocess.run(
+        train_command(args(tmp_path, synthetic_corpus, "--checkpoint.min_free_gib=1e9")),
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "not enough disk space to save a checkpoint" in proc.stderr
+    assert "checkpoint.min_free_gib" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before

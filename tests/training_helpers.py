@@ -1,0 +1,90 @@
+"""Shared by the trainer tests: a small synthetic corpus and ways to launch training runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from bloomnative.data import IndexedDatasetBuilder
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A 4-block model small enough for 8 CPU processes; fp32; no validation, no TensorBoard.
+TINY_RUN = [
+    "--model.n_layer=4",
+    "--model.hidden_size=32",
+    "--model.n_head=4",
+    "--model.vocab_size=128",
+    "--training.seq_len=32",
+    "--training.global_batch_size=8",
+    "--training.micro_batch_size=2",
+    "--training.dtype=fp32",
+    "--optimizer.lr=3e-3",
+    "--optimizer.min_lr=3e-4",
+    "--lr_scheduler.warmup_steps=2",
+    "--metrics.tensorboard=false",
+    "--metrics.log_freq=1",
+    "--data.split=1000,0,0",
+    "--data.prefetch=false",
+    "--validation.freq=0",
+]
+
+
+def build_synthetic_corpus(prefix: str, documents: int = 200, vocab: int = 128) -> str:
+    """Documents with structure (arithmetic sequences plus 20% noise) so the loss can fall."""
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(prefix, vocab_size=vocab) as builder:
+        for _ in range(documents):
+            length = int(rng.integers(20, 120))
+            doc = (
+                int(rng.integers(0, vocab)) + np.arange(length) * int(rng.integers(1, 5))
+            ) % vocab
+            noise = rng.random(length) < 0.2
+            doc[noise] = rng.integers(0, vocab, noise.sum())
+            builder.add_document(doc)
+    return prefix
+
+
+def train_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
+
+
+def train_command(args: list[str], nproc: int = 0) -> list[str]:
+    """`python -m bloomnative.train.main ARGS` (a world of one), or under torchrun."""
+    if nproc:
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        return [sys.executable, *launcher, "-m", "bloomnative.train.main", *args]
+    return [sys.executable, "-m", "bloomnative.train.main", *args]
+
+
+def run_training(
+    args: list[str], nproc: int = 0, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        train_command(args, nproc),
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"training failed ({proc.returncode}): {' '.join(args)}\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def metric_rows(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses_by_step(dump: Path) -> dict[int, float]:
+    """Training loss per step; a step logged twice (before a crash and after the resume) keeps
+    its last value."""
+    return {row["step"]: row["loss"] for row in metric_rows(dump) if "loss" in row}

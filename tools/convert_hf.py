@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""Convert BLOOM weights between Hugging Face folders and bloomnative DCP checkpoints.
+
+  to-native  Hugging Face folder -> model-only DCP checkpoint folder
+  to-hf      any saved step (full training checkpoint or model-only) -> Hugging Face folder
+
+Runs in one process on CPU; no torchrun or process group is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bloomnative.interop import (
+    CheckpointFormatError,
+    load_hf_model,
+    load_native_model,
+    save_hf_model,
+    save_native_checkpoint,
+)
+from bloomnative.interop.hf import GiB
+from bloomnative.model import PRESETS
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+TO_NATIVE_HELP = """\
+Writes a model-only DCP checkpoint (the "model" entry of a training checkpoint, fp32) and
+bloom_args.json (head count, LayerNorm epsilon) next to it.
+
+Continued pretraining does not need this conversion: set checkpoint.initial_hf to the Hugging
+Face folder and the trainer starts from it. To start a run from the native folder instead, place
+it as <job.dump_folder>/checkpoints/step-0 (e.g. --out outputs/run/checkpoints/step-0).
+"""
+
+TO_HF_HELP = """\
+Exports the model of a checkpoint folder (<job.dump_folder>/checkpoints/step-<N>, or a
+to-native output) as a folder that transformers.BloomForCausalLM.from_pretrained loads.
+Shapes are read from the checkpoint. The head count is not visible in any shape: it comes from
+--n-head, else --preset, else the checkpoint's bloom_args.json (to-native outputs), else the
+run's resolved config two folders up (<job.dump_folder>/config.toml).
+"""
+
+
+def log(message: str) -> None:
+    print(f"[convert_hf] {message}", file=sys.stderr, flush=True)
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5 * 10**9, '512MiB' -> 512 * 2**20, '1000' -> 1000 bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; use bytes or a number with KB, MB, GB, KiB, MiB or GiB"
+        )
+    number, unit = match.groups()
+    return int(float(number) * (_UNITS[unit.lower()] if unit else 1))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="convert_hf.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    to_native = commands.add_parser(
+        "to-native",
+        help="Hugging Face folder -> model-only DCP checkpoint",
+        description=TO_NATIVE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    to_native.add_argument("--hf", required=True, type=Path, help="Hugging Face BLOOM folder")
+    to_native.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
+    to_native.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+    to_hf = commands.add_parser(
+        "to-hf",
+        help="checkpoint folder -> Hugging Face folder",
+        description=TO_HF_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    to_hf.add_argument("--checkpoint", required=True, type=Path, help="DCP checkpoint folder")
+    to_hf.add_argument("--out", required=True, type=Path, help="Hugging Face folder to write")
+    to_hf.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype")
+    to_hf.add_argument("--tokenizer", type=Path, help="tokenizer.json (or a folder with one)")
+    heads = to_hf.add_mutually_exclusive_group()
+    heads.add_argument("--n-head", type=int, help="attention heads of the model")
+    heads.add_argument("--preset", choices=list(PRESETS), help="take the head count (and init std)")
+    to_hf.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=5 * GiB,
+        help="largest safetensors file, e.g. 5GiB (default) or 2GB",
+    )
+    to_hf.add_argument("--bos-token-id", type=int, help="written to config.json")
+    to_hf.add_argument("--eos-token-id", type=int, help="written to config.json")
+    to_hf.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    return parser
+
+
+def convert_to_native(args: argparse.Namespace) -> None:
+    log(f"reading Hugging Face folder {args.hf}")
+    model = load_hf_model(args.hf)
+    log(f"model: {_describe(model)}")
+    out = save_native_checkpoint(model, args.out, overwrite=args.overwrite)
+    log(f"wrote model-only checkpoint {out}")
+
+
+def convert_to_hf(args: argparse.Namespace) -> None:
+    overrides: dict = {"n_head": args.n_head}
+    if args.preset:
+        preset = PRESETS[args.preset]
+        overrides = {"n_head": preset.n_head, "init_std": preset.init_std}
+    log(f"reading checkpoint {args.checkpoint}")
+    model = load_native_model(args.checkpoint, **overrides)
+    log(f"model: {_describe(model)}")
+    out = save_hf_model(
+        model,
+        args.out,
+        dtype=DTYPES[args.dtype],
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        tokenizer_file=args.tokenizer,
+        bos_token_id=args.bos_token_id,
+        eos_token_id=args.eos_token_id,
+    )
+    log(f"wrote Hugging Face folder {out} ({args.dtype})")
+
+
+def _describe(model) -> str:
+    a = model.args
+    return (
+        f"n_layer={a.n_layer} hidden_size={a.hidden_size} n_head={a.n_head} "
+        f"vocab_size={a.vocab_size} ({a.num_params() / 1e6:.1f}M parameters)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    convert = convert_to_native if args.command == "to-native" else convert_to_hf
+    try:
+        convert(args)
+    except (CheckpointFormatError, FileExistsError, FileNotFoundError) as e:
+        log(f"error: {e}")
+        return 1
+    log(f"done in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

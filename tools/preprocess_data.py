@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Tokenize documents into Megatron MMIDIDX datasets (<prefix>_<key>_document.{bin,idx}).
+
+    python tools/preprocess_data.py --input corpus.jsonl.gz --json-keys text \\
+        --tokenizer tokenizer.json --output-prefix data/corpus --workers 8 --append-eod
+
+The logic lives in bloomnative.data.preprocess; this is its command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Run from a checkout without installing: the package lives in ../src.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from bloomnative.data.preprocess import (  # noqa: E402
+    BadLineError,
+    PreprocessConfig,
+    preprocess,
+)
+
+INPUT_HELP = """\
+input files. By extension: .jsonl / .json / .ndjson (optionally .gz) are JSON lines, one
+document per line, a JSON object holding --json-keys; blank lines are ignored. Any other file
+(e.g. .txt, .txt.gz) is plain UTF-8 text and the WHOLE FILE IS ONE DOCUMENT (split large text
+files into one file per document, or convert them to JSON lines)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE", help=INPUT_HELP)
+    parser.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        metavar="KEY",
+        help="JSON keys to tokenize, one output dataset each (default: text)",
+    )
+    parser.add_argument("--tokenizer", required=True, help="Hugging Face tokenizers tokenizer.json")
+    parser.add_argument(
+        "--output-prefix",
+        required=True,
+        help="writes <output-prefix>_<key>_document.bin/.idx for each key",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="tokenizer processes (output does not depend on it)"
+    )
+    parser.add_argument(
+        "--append-eod", action="store_true", help="append the EOD token to every document"
+    )
+    parser.add_argument(
+        "--eod-token",
+        default=None,
+        help='EOD token (default: the first of "<|endoftext|>", "</s>", "<eos>", '
+        '"<|end_of_text|>" in the vocabulary)',
+    )
+    parser.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="skip lines with invalid JSON / UTF-8 or a missing key (counted in the summary); "
+        "without it the first bad line stops the run and nothing is written",
+    )
+    parser.add_argument(
+        "--log-interval", type=float, default=10.0, help="seconds between progress lines"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = PreprocessConfig(
+        inputs=tuple(args.input),
+        tokenizer=args.tokenizer,
+        output_prefix=args.output_prefix,
+        json_keys=tuple(args.json_keys),
+        workers=args.workers,
+        append_eod=args.append_eod,
+        eod_token=args.eod_token,
+        skip_bad_lines=args.skip_bad_lines,
+        log_interval=args.log_interval,
+    )
+    try:
+        summary = preprocess(config)
+    except (BadLineError, FileNotFoundError, ValueError) as error:
+        print(f"preprocess_data: error: {error}", file=sys.stderr)
+        return 1
+    print(f"[preprocess] done: {summary.describe()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Non-finite losses are skipped (and counted) instead of corrupting the weights, and a run that
+keeps producing them stops with a clear message."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from training_helpers import TINY_RUN, metric_rows, train_command, train_env
+
+# Runs the real trainer in a fresh process with forward_backward returning NaN at chosen steps.
+INJECT_NAN = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from bloomnative.config import parse_args
+    from bloomnative.train.trainer import Trainer
+
+    nan_steps = set(json.loads(sys.argv[1]))
+    trainer = Trainer(parse_args(sys.argv[2:]))
+    real = trainer.forward_backward
+
+    def forward_backward(micro_batches):
+        loss = real(micro_batches)
+        if trainer.step + 1 in nan_steps:
+            for p in trainer.params:
+                p.grad.fill_(float("nan"))
+        return loss
+
+    trainer.forward_backward = forward_backward
+    trainer.train()
+    """
+)
+
+
+def run_with_nan(tmp_path: Path, corpus: str, nan_steps: list[int], *extra: str):
+    script = tmp_path / "inject.py"
+    script.write_text(INJECT_NAN)
+    argv = [
+        *TINY_RUN,
+        f"--data.blend={corpus}",
+        f"--job.dump_folder={tmp_path / 'run'}",
+        "--checkpoint.enable=false",
+        *extra,
+    ]
+    return subprocess.run(
+        [sys.executable, str(script), json.dumps(nan_steps), *argv],
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_nan_gradient_step_is_skipped_and_counted(tmp_path, synthetic_corpus):
+    proc = run_with_nan(tmp_path, synthetic_corpus, [3], "--training.steps=5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {row["step"]: row for row in metric_rows(tmp_path / "run")}
+    assert [rows[s]["nonfinite_skipped"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
+    assert all(rows[s]["loss"] == rows[s]["loss"] for s in rows)  # later losses are finite
+
+
+def test_consecutive_nonfinite_steps_stop_the_run_with_a_message(tmp_path, synthetic_corpus):
+    proc = run_with_nan(
+        tmp_path,
+        synthetic_corpus,
+        [2, 3, 4],
+        "--training.steps=10",
+        "--training.max_nonfinite_steps=3",
+    )
+    assert proc.returncode != 0
+    assert "non-finite for 3 consecutive steps (training.max_nonfinite_steps)" in proc.stderr
+
+
+def test_config_errors_stop_before_any_work_with_exit_code_2(tmp_path):
+    proc = subprocess.run(
+        train_command(["--training.stepz=3"]),
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "unknown key 'training.stepz'" in proc.stderr

@@ -1,0 +1,88 @@
+"""End to end: the launcher trains and leaves metrics, TensorBoard events and a checkpoint; the
+same seed gives the same run; training can start from a Hugging Face folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from training_helpers import REPO, TINY_RUN, losses_by_step, metric_rows, run_training
+
+from bloomnative.data import PretrainingLoader, build_gpt_datasets
+
+REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops", "mfu", "mem_peak_gib"}
+
+
+def test_run_train_sh_writes_metrics_tensorboard_and_a_checkpoint(tmp_path):
+    """The real launcher with the default (debug) config on the bundled corpus, cut short."""
+    proc = subprocess.run(
+        [
+            str(REPO / "run_train.sh"),
+            "--training.steps=3",
+            "--training.seq_len=64",
+            "--validation.freq=3",
+            "--validation.steps=1",
+            "--metrics.log_freq=1",
+            f"--job.dump_folder={tmp_path}",
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = metric_rows(tmp_path)
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    for row in train_rows:
+        assert REQUIRED <= set(row), REQUIRED - set(row)
+        assert row["mfu"] is None  # CPU, no configured peak
+        assert row["tokens_per_sec"] > 0 and row["tflops"] > 0
+    assert any("eval_loss" in r for r in rows)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert (tmp_path / "checkpoints" / "step-3").is_dir()
+    assert "step 3 | loss" in proc.stdout
+
+
+def test_two_runs_with_the_same_seed_are_identical(tmp_path, synthetic_corpus):
+    runs = []
+    for name in ("a", "b"):
+        run_training(
+            [
+                *TINY_RUN,
+                f"--data.blend={synthetic_corpus}",
+                "--training.steps=4",
+                f"--job.dump_folder={tmp_path / name}",
+                "--checkpoint.enable=false",
+            ]
+        )
+        runs.append(losses_by_step(tmp_path / name))
+    assert runs[0] == runs[1] and len(runs[0]) == 4
+
+
+def test_initial_hf_starts_from_the_hugging_face_weights(tmp_path, synthetic_corpus):
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(vocab_size=128, hidden_size=32, n_layer=4, n_head=4)
+    hf = transformers.BloomForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    run_training(
+        [
+            *TINY_RUN,
+            f"--data.blend={synthetic_corpus}",
+            "--training.steps=1",
+            f"--job.dump_folder={tmp_path / 'run'}",
+            "--checkpoint.enable=false",
+            f"--checkpoint.initial_hf={tmp_path / 'hf'}",
+        ]
+    )
+    train, _, _ = build_gpt_datasets(synthetic_corpus, "1000,0,0", 32, 42, (8, 0, 0), None)
+    batches = PretrainingLoader(train, 8, 0, 1, prefetch=False).next_batch(8)
+    ((inputs, labels),) = batches
+    with torch.no_grad():
+        expected = F.cross_entropy(hf(inputs).logits.flatten(0, 1), labels.flatten())
+    assert losses_by_step(tmp_path / "run")[1] == pytest.approx(expected.item(), rel=1e-5)

@@ -16,9 +16,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from bloomnative.config import Config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
-from bloomnative.model import Bloom, BloomArgs
-from bloomnative.parallel import ParallelDims, clip_grad_norm_, init_weights
-from bloomnative.parallel.parallelize import parallelize_part, split_for_pipeline, validate_layout
+from bloomnative.model import Bloom
+from bloomnative.parallel import clip_grad_norm_, init_weights
+from bloomnative.parallel.parallelize import parallelize_part, split_for_pipeline
 from bloomnative.parallel.pipeline import Pipeline, TiedWeightSync, build_pipeline, stage_owner
 from bloomnative.train import checkpoint as ckpt
 from bloomnative.train.distributed import init_distributed, pick_device
@@ -27,15 +27,7 @@ from bloomnative.train.loss import cross_entropy_sum
 from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tflops, peak_memory_gib
 from bloomnative.train.optimizer import build_optimizer
-
-
-def model_args_from_config(cfg) -> BloomArgs:
-    """The preset's shape with the non-zero overrides of the [model] section applied."""
-    overrides = {k: getattr(cfg, k) for k in ("n_layer", "hidden_size", "n_head", "vocab_size")}
-    overrides = {k: v for k, v in overrides.items() if v}
-    return BloomArgs.from_preset(
-        cfg.preset, attention=cfg.attention, fused_kernels=cfg.fused_kernels, **overrides
-    )
+from bloomnative.train.preflight import check_run
 
 
 class NonFiniteError(RuntimeError):
@@ -49,11 +41,7 @@ class Trainer:
         self.device = pick_device(job.device)
         self.rank, self.world_size = init_distributed(self.device, job.collective_timeout_s)
         par = config.parallelism
-        self.dims = ParallelDims.resolve(
-            par.dp_replicate, par.dp_shard, par.tp, par.pp, self.world_size
-        )
-        self.model_args = model_args_from_config(config.model)
-        self._check_batch_layout()
+        self.dims, self.model_args = check_run(config, self.world_size)
         self.dump = Path(job.dump_folder)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_mesh = self.mesh["dp"]
@@ -113,11 +101,9 @@ class Trainer:
 
     def _build_model(self) -> None:
         """Meta model -> pipeline split -> TP / AC / compile / FSDP -> materialise -> init."""
-        cfg, par, t = self.config, self.config.parallelism, self.config.training
+        cfg, par = self.config, self.config.parallelism
         with torch.device("meta"):
             model = Bloom(self.model_args)
-        smallest_batch = min([t.global_batch_size] + t.rampup_batch_size[:1])
-        validate_layout(self.dims, model, par, smallest_batch // self.dims.dp, t.micro_batch_size)
         self.pp_rank = self.mesh["pp"].get_local_rank()
         parts, self.stage_ids, self.num_stages = split_for_pipeline(
             model, self.dims, par, self.pp_rank
@@ -167,17 +153,6 @@ class Trainer:
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return cross_entropy_sum(logits, labels) / self._loss_denominator
-
-    def _check_batch_layout(self) -> None:
-        t, dp = self.config.training, self.dims.dp
-        sizes = [t.global_batch_size] + t.rampup_batch_size[:2]
-        for size in sizes:
-            if size % (t.micro_batch_size * dp):
-                raise ValueError(
-                    f"batch size {size} is not divisible by micro_batch_size * dp = "
-                    f"{t.micro_batch_size} * {dp}; change training.global_batch_size, "
-                    f"training.micro_batch_size or the data-parallel degree"
-                )
 
     def _build_data(self) -> None:
         cfg, t, v = self.config.data, self.config.training, self.config.validation

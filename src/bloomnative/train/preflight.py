@@ -1,0 +1,75 @@
+"""Checks a run can start, before anything expensive: the config, the parallel layout for the
+world size, and the data files. `run_train.sh` calls it before launching torchrun:
+
+    python -m bloomnative.train.preflight --world-size 8 --config configs/X.toml --k=v ...
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from bloomnative.config import Config, ConfigError, ModelConfig, parse_args
+from bloomnative.model import BloomArgs
+from bloomnative.parallel import LayoutError, ParallelDims
+from bloomnative.parallel.parallelize import validate_layout
+
+
+def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
+    """The preset's shape with the non-zero overrides of the [model] section applied."""
+    overrides = {k: getattr(cfg, k) for k in ("n_layer", "hidden_size", "n_head", "vocab_size")}
+    overrides = {k: v for k, v in overrides.items() if v}
+    return BloomArgs.from_preset(
+        cfg.preset, attention=cfg.attention, fused_kernels=cfg.fused_kernels, **overrides
+    )
+
+
+def check_data_files(config: Config) -> None:
+    """Every dataset prefix of the blend has its .bin and .idx."""
+    from bloomnative.data import parse_blend
+
+    for entry in parse_blend(config.data.blend):
+        for suffix in (".bin", ".idx"):
+            path = Path(entry.prefix + suffix)
+            if not path.is_file():
+                raise ConfigError(
+                    f"data.blend: {path} does not exist (prefix {entry.prefix!r}); make it with "
+                    f"tools/preprocess_data.py or fix the path"
+                )
+
+
+def check_run(config: Config, world_size: int) -> tuple[ParallelDims, BloomArgs]:
+    """Resolves and checks the layout for `world_size`; returns it with the model shape."""
+    par, t = config.parallelism, config.training
+    dims = ParallelDims.resolve(par.dp_replicate, par.dp_shard, par.tp, par.pp, world_size)
+    args = model_args_from_config(config.model)
+    batch_sizes = [t.global_batch_size, *t.rampup_batch_size[:2]]
+    validate_layout(dims, args, par, batch_sizes, t.micro_batch_size)
+    check_data_files(config)
+    return dims, args
+
+
+def main(argv: list[str]) -> int:
+    world_size = 1
+    if argv and argv[0].startswith("--world-size"):
+        name, _, value = argv[0].partition("=")
+        argv = argv[1:]
+        if not value:
+            value, argv = argv[0], argv[1:]
+        world_size = int(value)
+    try:
+        config = parse_args(argv)
+        dims, args = check_run(config, world_size)
+    except (ConfigError, LayoutError, ValueError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"[bloomnative] preflight ok: {config.model.preset} ({args.num_params() / 1e6:.1f}M "
+        f"parameters), layout {dims.summary}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

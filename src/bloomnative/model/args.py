@@ -72,7 +72,7 @@ class BloomArgs:
 _BLOOM_VOCAB = 250_880
 
 PRESETS: dict[str, BloomArgs] = {
-    "debug": BloomArgs(n_layer=4, hidden_size=256, n_head=8, vocab_size=8192),
+    "debug": BloomArgs(n_layer=4, hidden_size=192, n_head=6, vocab_size=8192),
     "bloom-560m": BloomArgs(n_layer=24, hidden_size=1024, n_head=16, vocab_size=_BLOOM_VOCAB),
     "bloom-1b1": BloomArgs(n_layer=24, hidden_size=1536, n_head=16, vocab_size=_BLOOM_VOCAB),
     "bloom-1b7": BloomArgs(n_layer=24, hidden_size=2048, n_head=16, vocab_size=_BLOOM_VOCAB),

@@ -16,7 +16,7 @@ RUNNER = Path(__file__).with_name("layout_runner.py")
 BASE = [*TINY_RUN, "--training.steps=5", "--checkpoint.enable=false", "--parallelism.dp_shard=-1"]
 
 LAYOUTS = {
-    1: {"single": []},
+    1: {"single": [], "single_fused_loss": ["--model.fused_loss=true"]},
     2: {
         "fsdp2_zero3": ["--parallelism.zero_stage=3"],
         "fsdp2_zero2": ["--parallelism.zero_stage=2"],
@@ -45,6 +45,8 @@ LAYOUTS = {
         ],
         "pp2_uneven_1_3": ["--parallelism.pp=2", "--parallelism.pp_layers_per_stage=1,3"],
         "fsdp2_ac_full": ["--activation_checkpoint.mode=full"],
+        "fsdp2_fused_loss": ["--model.fused_loss=true"],
+        "pp2_fused_loss": ["--parallelism.pp=2", "--model.fused_loss=true"],
         "tp2_ac_selective": [
             "--parallelism.tp=2",
             "--activation_checkpoint.mode=selective",

@@ -115,6 +115,9 @@ class Bloom(nn.Module):
         self.ln_f = make_layer_norm(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
+        # Set by a trainer whose loss applies the head itself (a fused, chunked lm head +
+        # cross-entropy that never holds all the logits): forward then stops before the head.
+        self.head_in_loss = False
 
     def tie_weights(self) -> None:
         """Makes the head share the embedding's parameter. Needed again after `to_empty`, which
@@ -133,7 +136,7 @@ class Bloom(nn.Module):
             h = layer(h)
         if self.ln_f is not None:
             h = self.ln_f(h)
-        if self.lm_head is not None:
+        if self.lm_head is not None and not self.head_in_loss:
             h = self.lm_head(h)
         return h
 

@@ -70,6 +70,10 @@ class Layout:
     pp_layers_per_stage: tuple[int, ...] = ()
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    pp_keeps_outputs: bool = True
+    """torch.distributed.pipelining's `step(return_outputs=True)` default, which the trainer
+    uses: the last stage keeps every micro batch's logits and concatenates them at the end of
+    the step."""
     zero_stage: int = 3
     """1: Megatron-DeepSpeed's BF16Optimizer (bf16 weights, bf16 and fp32 gradients replicated;
     fp32 master weights and AdamW moments sharded over all data-parallel ranks) -- estimator
@@ -334,10 +338,13 @@ def model_state_components(
 
 
 def gradients_persist(layout: Layout, workload: Workload) -> bool:
-    """Gradients exist during forward/backward when an earlier micro batch produced them
-    (accumulation, or a pipeline interleaving micro batches); with one micro batch they appear
-    only as the backward frees activations (zero_grad sets them to None)."""
-    return workload.microbatches > 1 or layout.pp > 1
+    """Gradients exist at the activation peak when an earlier micro batch's backward produced
+    them: gradient accumulation, or a pipeline that interleaves forwards and backwards. With one
+    micro batch, or GPipe (all forwards first), they appear only as the backward frees
+    activations (zero_grad sets them to None)."""
+    if layout.pp > 1:
+        return layout.pp_schedule != "GPipe"
+    return workload.microbatches > 1
 
 
 def _optimizer_step_temporary(
@@ -366,10 +373,10 @@ def _fsdp_states(
         gathered = root + sum(blocks)
         gathered_formula = f"{prec.compute} x all units (zero 2 keeps blocks gathered to backward)"
     else:
-        gathered = root + sum(blocks[:2])
+        gathered = root
         gathered_formula = (
-            f"{prec.compute} x (root unit + current and prefetched block): zero 3 reshards "
-            "blocks after forward; the root (embedding/head) stays gathered"
+            f"{prec.compute} x root unit (embedding/head, kept gathered); zero 3 reshards blocks "
+            "after forward and re-gathers two in backward (see the backward working set)"
         )
     return [
         Component("fp32 master weights (sharded)", FP32 * sharded, "resident", "4 x P/dp_shard"),
@@ -642,17 +649,20 @@ def loss_transient(
     """The loss's extra buffers at its worst moment, on top of `loss_saved_terms`.
 
     Unfused: log_softmax's backward holds the fp32 gradient of the log-probabilities and
-    produces the fp32 gradient of the logits (2 x 4*b*s*V/t). In the forward the fp32 upcast of
-    bf16 logits (4*b*s*V/t) is smaller. Fused: the fp32 d_weight accumulator (4*V/t*h) and one
-    chunk of logits (plus two fp32 copies of it on the torch path, off GPU).
+    produces the fp32 gradient of the logits (2 x 4*b*s*V/t). Under DTensor loss parallelism
+    the fused nll/log_softmax backward holds three (zeros, exp(log-probs), their sum). In the
+    forward the fp32 upcast of bf16 logits (4*b*s*V/t) is smaller. Fused: the fp32 d_weight
+    accumulator (4*V/t*h) and one chunk of logits (plus two fp32 copies of it on the torch
+    path, off GPU).
     """
     tokens, vocab = _tokens(workload), local_vocab(args, layout)
     if not workload.fused_loss:
+        buffers = 3 if layout.tp > 1 and layout.loss_parallel else 2
         return Component(
             "loss backward buffers (fp32 grads of log-probs and logits)",
-            2 * FP32 * tokens * vocab,
+            buffers * FP32 * tokens * vocab,
             "fwd_bwd",
-            "2 x 4 x b*s*V/t",
+            f"{buffers} x 4 x b*s*V/t",
         )
     rows = min(tokens, fused_loss_chunk_rows(vocab, prec.compute))
     chunk = rows * vocab * (prec.compute + (2 * FP32 if device_type != "cuda" else 0))
@@ -816,14 +826,15 @@ def _stage_activation_components(
                 "ln_f input + lm_head input",
             )
         )
+        # In a pipeline the logits are the stage's output, held by the schedule (see
+        # `_pipeline_buffer_components`); without one, the trainer holds them.
+        loss_terms = [t for t in terms["loss"] if layout.pp == 1 or t.name != "logits"]
         components.append(
             Component(
-                "loss: logits + fp32 log-probs"
-                if not workload.fused_loss
-                else "loss: d_hidden + d_weight",
-                in_flight * _sum(terms["loss"]),
+                "loss: " + " + ".join(t.name for t in loss_terms),
+                in_flight * _sum(loss_terms),
                 "fwd_bwd",
-                f"{in_flight} x (" + " + ".join(t.source for t in terms["loss"]) + ")",
+                f"{in_flight} x (" + " + ".join(t.source for t in loss_terms) + ")",
             )
         )
     working = block_backward_buffers(args, layout, workload, prec)
@@ -868,6 +879,32 @@ def _pipeline_buffer_components(
                 else f"{n} micro batches - {in_flight} in flight (counted as block inputs)",
             )
         )
+    if last and not workload.fused_loss:
+        logits = _tokens(workload) * local_vocab(args, layout) * prec.compute
+        if layout.pp_keeps_outputs and not deepspeed:
+            components += [
+                Component(
+                    f"{name} logits of every micro batch (return_outputs)",
+                    n * logits,
+                    "resident",
+                    f"{n} x b*s*V/t kept by the schedule until the next step",
+                ),
+                Component(
+                    f"{name} merged logits at the end of the step",
+                    n * logits,
+                    "optimizer",
+                    f"torch.cat of {n} x b*s*V/t",
+                ),
+            ]
+        else:
+            components.append(
+                Component(
+                    f"{name} logits of in-flight micro batches",
+                    in_flight * logits,
+                    "fwd_bwd",
+                    f"{in_flight} x b*s*V/t (the stage output, kept for backward)",
+                )
+            )
     if not last:
         count = 1 if deepspeed else n
         components.append(
@@ -989,6 +1026,9 @@ def _backward_transient(
         largest_block = max((n for u, n in units.items() if u != "root"), default=0)
         working += (prec.compute + FP32) * largest_block
         parts.append("one block's unsharded grad + fp32 reduce-scatter input")
+        if layout.zero_stage == 3:
+            working += 2 * prec.compute * largest_block
+            parts.append("current + prefetched block re-gathered")
     candidates = [Component("backward working set", working, "fwd_bwd", " + ".join(parts))]
     if layout.num_stages - 1 in stage_ids:
         candidates.append(loss_transient(args, layout, workload, prec, device_type))

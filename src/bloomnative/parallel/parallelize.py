@@ -41,7 +41,10 @@ def validate_layout(
             f"{dims.tp}; pad the vocabulary to a multiple of tp"
         )
     if dims.tp > 1 and args.fused_kernels:
-        raise LayoutError("model.fused_kernels is not supported with parallelism.tp > 1")
+        raise LayoutError(
+            "model.fused_kernels is not supported with parallelism.tp > 1 (the Triton LayerNorm "
+            "and bias-GeLU ops have no DTensor sharding rules yet); set it to false"
+        )
     for size in batch_sizes:
         if size % (micro_batch * dims.dp):
             raise LayoutError(

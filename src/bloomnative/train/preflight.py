@@ -45,6 +45,11 @@ def check_run(config: Config, world_size: int) -> tuple[ParallelDims, BloomArgs]
     args = model_args_from_config(config.model)
     batch_sizes = [t.global_batch_size, *t.rampup_batch_size[:2]]
     validate_layout(dims, args, par, batch_sizes, t.micro_batch_size)
+    if config.model.fused_loss and dims.tp > 1:
+        raise LayoutError(
+            "model.fused_loss is for tp = 1; with tensor parallelism use parallelism.loss_parallel "
+            "(the logits stay sharded over the vocabulary)"
+        )
     check_data_files(config)
     return dims, args
 

@@ -23,7 +23,7 @@ from bloomnative.parallel.pipeline import Pipeline, TiedWeightSync, build_pipeli
 from bloomnative.train import checkpoint as ckpt
 from bloomnative.train.distributed import init_distributed, pick_device
 from bloomnative.train.faults import StopRequest
-from bloomnative.train.loss import cross_entropy_sum
+from bloomnative.train.loss import cross_entropy_sum, fused_head_cross_entropy_sum
 from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tflops, peak_memory_gib
 from bloomnative.train.optimizer import build_optimizer
@@ -123,6 +123,13 @@ class Trainer:
             init_weights(part, cfg.job.seed)
             part.train()
         self.model_parts = parts
+        # With the fused loss, the part holding the head returns hidden states and the loss
+        # applies the head.
+        self.head_part = None
+        if cfg.model.fused_loss:
+            self.head_part = next((p for p in parts if p.lm_head is not None), None)
+            for part in parts:
+                part.head_in_loss = True
         self._pipelines: dict[int, Pipeline] = {}
         self.tied_sync = None
         self.untied_copies: list = []
@@ -151,8 +158,15 @@ class Trainer:
             )
         return self._pipelines[n_microbatches]
 
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, labels) / self._loss_denominator
+    def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._loss_sum(output, labels) / self._loss_denominator
+
+    def _loss_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Token-summed cross-entropy of the last stage's output: logits, or with
+        `model.fused_loss` the final hidden states, to which the loss applies the head."""
+        if self.head_part is None:
+            return cross_entropy_sum(output, labels)
+        return fused_head_cross_entropy_sum(output, self.head_part.lm_head.weight, labels)
 
     def _build_data(self) -> None:
         cfg, t, v = self.config.data, self.config.training, self.config.validation
@@ -304,7 +318,7 @@ class Trainer:
             for inputs, labels in micro_batches:
                 with self.autocast():
                     logits = model(inputs)
-                loss = cross_entropy_sum(logits, labels) / self._loss_denominator
+                loss = self._loss_sum(logits, labels) / self._loss_denominator
                 loss.backward()
                 total += _local(loss.detach())
             return total
@@ -389,7 +403,7 @@ class Trainer:
                 for inputs, labels in micro_batches:
                     with self.autocast():
                         logits = self.model_parts[0](inputs)
-                    total += _local(cross_entropy_sum(logits, labels)) / self._loss_denominator
+                    total += _local(self._loss_sum(logits, labels)) / self._loss_denominator
         for part in self.model_parts:
             part.train()
         return self._reduce_loss(total / self.config.validation.steps)

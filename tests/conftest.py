@@ -1,4 +1,5 @@
 import pytest
+
 from training_helpers import build_synthetic_corpus
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from training_helpers import TINY_RUN, losses_by_step, train_env
 
 RUNNER = Path(__file__).with_name("layout_runner.py")

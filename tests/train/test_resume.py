@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from training_helpers import (
     TINY_RUN,
     losses_by_step,

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from training_helpers import TINY_RUN, losses_by_step, run_training
 
 STEPS, SAVED = 6, 3

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from training_helpers import REPO, TINY_RUN, losses_by_step, metric_rows, run_training
 
 from bloomnative.data import PretrainingLoader, build_gpt_datasets
+from training_helpers import REPO, TINY_RUN, losses_by_step, metric_rows, run_training
 
 REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops", "mfu", "mem_peak_gib"}
 

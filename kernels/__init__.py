@@ -1,0 +1,36 @@
+"""Triton kernels for BLOOM training, each an autograd-aware op with a pure-torch reference.
+
+Every op runs its Triton kernel on CUDA tensors (and on CPU under ``TRITON_INTERPRET=1``) and
+its torch reference otherwise, so model code calls them unconditionally; see
+:mod:`bloomnative.kernels._dispatch` for the rule and ``docs/kernels.md`` for the math.
+"""
+
+from ._dispatch import poison_outputs, use_triton
+from .bias_gelu import bias_gelu, bias_gelu_reference
+from .flash_alibi_attention import (
+    flash_alibi_attention,
+    flash_alibi_attention_reference,
+)
+from .flex_alibi_attention import causal_block_mask, flex_alibi_attention
+from .layer_norm import layer_norm, layer_norm_reference
+from .linear_cross_entropy import (
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+    vocab_parallel_linear_cross_entropy,
+)
+
+__all__ = [
+    "bias_gelu",
+    "bias_gelu_reference",
+    "causal_block_mask",
+    "flash_alibi_attention",
+    "flash_alibi_attention_reference",
+    "flex_alibi_attention",
+    "layer_norm",
+    "layer_norm_reference",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
+    "poison_outputs",
+    "use_triton",
+    "vocab_parallel_linear_cross_entropy",
+]

@@ -1,0 +1,94 @@
+"""ALiBi attention through FlexAttention: the compiler-generated peer of the hand-written kernel.
+
+``torch.nn.attention.flex_attention`` with
+
+* a ``score_mod`` adding ``slopes[h] * (kv_idx - q_idx)`` to each scaled score (the same
+  relative ALiBi form as :mod:`bloomnative.kernels.flash_alibi_attention`), and
+* a causal ``BlockMask`` (built once per (q_len, kv_len, device) and cached), so blocks above the
+  diagonal are skipped and only diagonal blocks evaluate the mask.
+
+On CUDA the call goes through a ``torch.compile``d wrapper (FlexAttention is only fast compiled;
+inside an outer ``torch.compile`` region it is simply inlined). Elsewhere it runs FlexAttention's
+eager reference implementation, which has no backward on CPU: this op is for GPUs, and the
+portable CPU path is :func:`~bloomnative.kernels.flash_alibi_attention` / SDPA.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+_BLOCK_MASKS: dict[tuple[int, int, str], BlockMask] = {}
+_compiled_flex_alibi: Any = None
+
+
+def _causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor):
+    return q_idx >= kv_idx
+
+
+def causal_block_mask(q_len: int, kv_len: int, device: torch.device) -> BlockMask:
+    """The causal ``BlockMask`` for these lengths on ``device``, built once and cached.
+
+    Call it outside ``torch.compile`` regions to build the mask ahead of time (as
+    :func:`flex_alibi_attention` does when called eagerly).
+    """
+    key = (q_len, kv_len, str(device))
+    mask = _BLOCK_MASKS.get(key)
+    if mask is None:
+        mask = create_block_mask(_causal, None, None, q_len, kv_len, device=device)
+        _BLOCK_MASKS[key] = mask
+    return mask
+
+
+def _flex_alibi(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    block_mask: BlockMask | None,
+    scale: float,
+) -> torch.Tensor:
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask, scale=scale)
+
+
+def flex_alibi_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """ALiBi attention with FlexAttention; same contract as
+    :func:`~bloomnative.kernels.flash_alibi_attention` (``[batch, heads, seq, head_dim]``,
+    fp32 ``slopes[heads]``, score ``q.k * scale + slope * (key_pos - query_pos)``).
+
+    Differentiable on CUDA. On CPU only the forward is available (FlexAttention has no CPU
+    backward).
+    """
+    global _compiled_flex_alibi
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(
+            "flex_alibi_attention: q, k and v must all be [batch, heads, seq, head_dim] with the "
+            f"same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if slopes.shape != (q.shape[1],):
+        raise ValueError(
+            f"flex_alibi_attention: slopes must have shape [{q.shape[1]}] (one per head), "
+            f"got {tuple(slopes.shape)}"
+        )
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    slopes = slopes.to(device=q.device, dtype=torch.float32)
+    seq = q.shape[-2]
+    block_mask = causal_block_mask(seq, seq, q.device) if causal else None
+    if q.is_cuda and not torch.compiler.is_compiling():
+        if _compiled_flex_alibi is None:
+            _compiled_flex_alibi = torch.compile(_flex_alibi, fullgraph=True, dynamic=False)
+        return _compiled_flex_alibi(q, k, v, slopes, block_mask, scale)
+    return _flex_alibi(q, k, v, slopes, block_mask, scale)

@@ -47,15 +47,16 @@ def uninterrupted(synthetic_corpus, tmp_path_factory) -> dict[str, dict[int, flo
     return out
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype,save_mode", [("fp32", "disabled"), ("bf16", "disabled"), ("fp32", "async")]
+)
 def test_resume_after_a_clean_stop_is_bit_identical(
-    uninterrupted, synthetic_corpus, tmp_path, dtype
+    uninterrupted, synthetic_corpus, tmp_path, dtype, save_mode
 ):
-    run_training(
-        args(tmp_path, synthetic_corpus, f"--training.dtype={dtype}", "--training.steps=3")
-    )
-    assert (tmp_path / "checkpoints" / "step-3").is_dir()
-    run_training(args(tmp_path, synthetic_corpus, f"--training.dtype={dtype}"))
+    options = [f"--training.dtype={dtype}", f"--checkpoint.async_mode={save_mode}"]
+    run_training(args(tmp_path, synthetic_corpus, *options, "--training.steps=3"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-3"]
+    run_training(args(tmp_path, synthetic_corpus, *options))
     assert losses_by_step(tmp_path) == uninterrupted[dtype]
 
 

@@ -47,6 +47,7 @@ LAYOUTS = {
         "pp2_uneven_1_3": ["--parallelism.pp=2", "--parallelism.pp_layers_per_stage=1,3"],
         "fsdp2_ac_full": ["--activation_checkpoint.mode=full"],
         "fsdp2_fused_loss": ["--model.fused_loss=true"],
+        "fsdp2_ac_compile": ["--activation_checkpoint.mode=full", "--compile.enable=true"],
         "pp2_fused_loss": ["--parallelism.pp=2", "--model.fused_loss=true"],
         "tp2_ac_selective": [
             "--parallelism.tp=2",

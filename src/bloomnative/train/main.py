@@ -6,17 +6,25 @@ from __future__ import annotations
 import sys
 
 from bloomnative.config import ConfigError, parse_args
+from bloomnative.parallel import LayoutError
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 trained (or stopped on request, with a checkpoint), 2 configuration error
+    (reported before any model is built); other failures raise."""
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:  # before any process group or model exists
+    except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from bloomnative.train.trainer import run
+    from bloomnative.train.trainer import Trainer
 
-    run(config)
+    try:
+        trainer = Trainer(config)
+    except (ConfigError, LayoutError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    trainer.run()
     return 0
 
 

@@ -410,6 +410,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
+    def run(self) -> None:
+        """`train`, then release the process group."""
+        try:
+            self.train()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
     def train(self) -> None:
         """Trains to `training.steps`, or until asked to stop (SIGTERM, SIGUSR1 or a STOP file
         in the dump folder), saving a checkpoint at the step where it stops."""
@@ -466,12 +474,3 @@ class Trainer:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (the loss under loss parallelism) as a plain tensor."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def run(config: Config) -> None:
-    trainer = Trainer(config)
-    try:
-        trainer.train()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

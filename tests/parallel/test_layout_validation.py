@@ -1,0 +1,117 @@
+"""Every impossible layout is rejected before anything is allocated, saying what to change."""
+
+import pytest
+
+from bloomnative.config import ConfigError, parse_args
+from bloomnative.parallel import LayoutError
+from bloomnative.parallel.pipeline import stage_layer_counts
+from bloomnative.train.preflight import check_run, main
+
+
+def check(world_size: int, *overrides: str):
+    return check_run(parse_args(list(overrides)), world_size)
+
+
+@pytest.mark.parametrize(
+    "world,overrides,message",
+    [
+        (
+            8,
+            ["--parallelism.tp=3"],
+            r"world size 8 is not divisible by dp_replicate\*tp\*pp = 1\*3\*1",
+        ),
+        (
+            8,
+            ["--parallelism.dp_shard=3", "--parallelism.tp=2"],
+            r"dp_replicate\*dp_shard\*tp\*pp = 1\*3\*2\*1 = 6 but the world size is 8",
+        ),
+        (4, ["--parallelism.tp=4"], r"6 heads, not divisible by parallelism.tp = 4"),
+        (
+            2,
+            [
+                "--parallelism.tp=2",
+                "--model.n_head=2",
+                "--model.hidden_size=64",
+                "--model.vocab_size=8193",
+            ],
+            r"vocab_size = 8193 is not divisible by parallelism.tp = 2",
+        ),
+        (8, ["--parallelism.pp=8"], r"8 pipeline stages .* but the model has only 4 layers"),
+        (
+            2,
+            ["--parallelism.pp=2", "--parallelism.pp_schedule=Interleaved1F1B"],
+            r"Interleaved1F1B runs several stages per rank: set parallelism.pp_stages_per_rank",
+        ),
+        (
+            2,
+            ["--parallelism.pp=2", "--parallelism.pp_stages_per_rank=2"],
+            r"1F1B runs one stage per rank",
+        ),
+        (
+            2,
+            ["--parallelism.pp=2", "--parallelism.pp_schedule=Bogus"],
+            r"pp_schedule = 'Bogus'; valid: GPipe, 1F1B",
+        ),
+        (
+            4,
+            [
+                "--parallelism.pp=2",
+                "--training.global_batch_size=8",
+                "--training.micro_batch_size=4",
+            ],
+            r"1 pipeline micro batches for pp = 2",
+        ),
+        (
+            2,
+            ["--training.global_batch_size=12", "--training.micro_batch_size=4"],
+            r"batch size 12 is not divisible by micro_batch_size \* dp = 4 \* 2",
+        ),
+        (
+            2,
+            [
+                "--training.global_batch_size=16",
+                "--training.micro_batch_size=4",
+                "--training.rampup_batch_size=4,4,100",
+            ],
+            r"batch size 4 is not divisible by micro_batch_size \* dp = 4 \* 2",
+        ),
+        (
+            2,
+            ["--parallelism.pp=2", "--parallelism.pp_layers_per_stage=1,2"],
+            r"pp_layers_per_stage = \[1, 2\] must have 2 entries summing to n_layer = 4",
+        ),
+        (
+            2,
+            ["--parallelism.tp=2", "--model.fused_kernels=true"],
+            r"fused_kernels is not supported with parallelism.tp > 1",
+        ),
+        (2, ["--parallelism.tp=2", "--model.fused_loss=true"], r"use parallelism.loss_parallel"),
+    ],
+)
+def test_impossible_layout_is_rejected_with_what_to_change(world, overrides, message):
+    with pytest.raises(LayoutError, match=message):
+        check(world, *overrides)
+
+
+def test_missing_dataset_is_named_before_start(tmp_path):
+    with pytest.raises(ConfigError, match=r"nowhere_text_document.bin does not exist"):
+        check(1, f"--data.blend={tmp_path / 'nowhere_text_document'}")
+
+
+def test_valid_layouts_resolve_dp_shard_from_the_world_size():
+    dims, args = check(8, "--parallelism.tp=2", "--parallelism.pp=2")
+    assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 1, 2, 2)
+    assert args.n_layer == 4
+
+
+def test_preflight_cli_exits_2_with_the_message(capsys):
+    assert main(["--world-size", "4", "--parallelism.tp=4"]) == 2
+    assert "6 heads, not divisible by parallelism.tp = 4" in capsys.readouterr().err
+    assert main(["--world-size=2", "--parallelism.tp=2"]) == 0
+
+
+def test_bloom_176b_stages_count_the_embedding_and_head_as_layers():
+    assert stage_layer_counts(70, 12, embedding_as_layer=True) == [5] + [6] * 10 + [5]
+    assert stage_layer_counts(6, 3, embedding_as_layer=True) == [2, 3, 1]
+    assert stage_layer_counts(6, 3, embedding_as_layer=False) == [2, 2, 2]
+    assert stage_layer_counts(6, 3, True, explicit=[1, 1, 4]) == [1, 1, 4]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +13,15 @@ import torch.nn.functional as F
 import transformers
 
 from bloomnative.data import PretrainingLoader, build_gpt_datasets
-from training_helpers import REPO, TINY_RUN, losses_by_step, metric_rows, run_training
+from bloomnative.interop import load_native_model
+from training_helpers import (
+    REPO,
+    TINY_RUN,
+    losses_by_step,
+    metric_rows,
+    run_training,
+    train_env,
+)
 
 REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops", "mfu", "mem_peak_gib"}
 
@@ -86,3 +95,62 @@ def test_initial_hf_starts_from_the_hugging_face_weights(tmp_path, synthetic_cor
     with torch.no_grad():
         expected = F.cross_entropy(hf(inputs).logits.flatten(0, 1), labels.flatten())
     assert losses_by_step(tmp_path / "run")[1] == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_hf_export_of_a_trained_run_loads_in_transformers_with_the_same_logits(
+    tmp_path, synthetic_corpus
+):
+    dump = tmp_path / "run"
+    run_training(
+        [
+            *TINY_RUN,
+            f"--data.blend={synthetic_corpus}",
+            "--training.steps=3",
+            f"--job.dump_folder={dump}",
+            "--parallelism.dp_shard=2",
+        ],
+        nproc=2,
+    )
+    step = dump / "checkpoints" / "step-3"
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "convert_hf.py"),
+            "to-hf",
+            "--checkpoint",
+            str(step),
+            "--out",
+            str(tmp_path / "hf"),
+        ],
+        check=True,
+        env=train_env(),
+        capture_output=True,
+        timeout=300,
+    )
+    ours = load_native_model(step)
+    theirs = transformers.BloomForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    trained = ours.layers["0"].self_attention.dense.bias
+    assert trained.abs().max() > 0  # biases start at zero: these weights were trained
+    tokens = torch.randint(0, 128, (2, 32))
+    with torch.no_grad():
+        expected, got = ours(tokens), theirs(tokens).logits
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
+
+
+def test_validation_at_a_longer_sequence_length_is_logged(tmp_path, synthetic_corpus):
+    dump = tmp_path / "run"
+    run_training(
+        [
+            *TINY_RUN,
+            f"--data.blend={synthetic_corpus}",
+            "--training.steps=2",
+            f"--job.dump_folder={dump}",
+            "--checkpoint.enable=false",
+            "--data.split=900,100,0",
+            "--validation.freq=2",
+            "--validation.steps=1",
+            "--validation.seq_len=64",
+        ]
+    )
+    (row,) = [r for r in metric_rows(dump) if "eval_loss" in r]
+    assert row["step"] == 2 and row["eval_loss_long"] > 0 and row["eval_ppl"] > 1

@@ -385,6 +385,14 @@ class Trainer:
             dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
         return value.item()
 
+    def _max_over_ranks(self, value: float) -> float:
+        """The largest value any rank has (memory: the rank that limits the layout)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor(value, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
     @torch.no_grad()
     def evaluate(self, make_loader) -> float:
         """Mean token loss over `validation.steps` global batches of a validation loader."""
@@ -454,7 +462,7 @@ class Trainer:
             "global_batch_size": gbs,
             "consumed_samples": self.consumed_samples,
             **self.throughput.read_and_reset(),
-            "mem_peak_gib": peak_memory_gib(self.device),
+            "mem_peak_gib": self._max_over_ranks(peak_memory_gib(self.device)),
             "nonfinite_skipped": self.nonfinite_skipped,
         }
         self.metrics.log(row)

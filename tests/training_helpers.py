@@ -50,8 +50,13 @@ def build_synthetic_corpus(prefix: str, documents: int = 200, vocab: int = 128) 
     return prefix
 
 
+# Set by torchrun for its workers; a launched run must not inherit them from the test process.
+_LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"}
+
+
 def train_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
 
 
 def train_command(args: list[str], nproc: int = 0) -> list[str]:

@@ -22,17 +22,24 @@ def pick_device(requested: str) -> torch.device:
 
 def init_distributed(device: torch.device, timeout_s: int) -> tuple[int, int]:
     """Initialises the default process group (nccl on GPU, gloo on CPU) and returns
-    (rank, world_size). Works without torchrun too, as a world of one."""
+    (rank, world_size). Without torchrun (no WORLD_SIZE in the environment) it is a world of one
+    on an in-memory store: no port is opened."""
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+        single = (
+            {}
+            if "WORLD_SIZE" in os.environ
+            else {
+                "store": dist.HashStore(),
+                "rank": 0,
+                "world_size": 1,
+            }
+        )
         dist.init_process_group(
             backend=backend,
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
+            **single,
         )
     return dist.get_rank(), dist.get_world_size()
 

@@ -316,9 +316,10 @@ class Trainer:
             model = self.model_parts[0]
             total = torch.zeros((), device=self.device)
             for inputs, labels in micro_batches:
+                # The output is not kept in a variable, so the [b, s, vocab] logits are freed
+                # as soon as the loss's backward has used them.
                 with self.autocast():
-                    logits = model(inputs)
-                loss = self._loss_sum(logits, labels) / self._loss_denominator
+                    loss = self._loss_sum(model(inputs), labels) / self._loss_denominator
                 loss.backward()
                 total += _local(loss.detach())
             return total
@@ -331,9 +332,12 @@ class Trainer:
         losses: list[torch.Tensor] = []
         args = (inputs,) if pipe.has_first else ()
         target = labels if pipe.has_last else None
+        kept = losses if pipe.has_last else None
         with self.autocast():
-            run = pipe.schedule.step if train else pipe.schedule.eval
-            run(*args, target=target, losses=losses if pipe.has_last else None)
+            if train:  # return_outputs=False: the last stage keeps no micro batch's logits
+                pipe.schedule.step(*args, target=target, losses=kept, return_outputs=False)
+            else:
+                pipe.schedule.eval(*args, target=target, losses=kept)
         if train and self.tied_sync is not None:
             self.tied_sync()
         total = torch.zeros((), device=self.device)

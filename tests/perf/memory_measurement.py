@@ -1,0 +1,144 @@
+"""Measuring what a real training step allocates on CPU, for the planner's tests.
+
+- model states: the bytes of the live parameters, gradients and AdamW moments (exact);
+- saved activations: every tensor autograd saves for backward during one micro batch's forward
+  and loss, collected with saved-tensor hooks and de-duplicated by storage, parameters excluded
+  (with bf16 autocast this includes the weight casts the linears save), plus the logits the
+  trainer holds until the backward;
+- the step's peak: every allocation and free the c10 CPU allocator reports to the profiler
+  (profile_memory=True) during one full `Trainer.train_step()`, replayed in time order on top of
+  the bytes already live (weights and AdamW moments). On CPU this is the quantity
+  torch.cuda.max_memory_allocated reports on GPU. Blocks allocated before the profiled step and
+  freed during it (a pipeline's logits of the previous step) are neither counted as live nor
+  seen being freed, so they cancel out.
+
+The framework overhead (CUDA context, allocator slack) has no CPU counterpart and is left out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
+
+from bloomnative.config import parse_args
+from bloomnative.parallel import memory_estimate as me
+from bloomnative.train.loss import cross_entropy_sum
+from bloomnative.train.trainer import Trainer
+
+MICRO_BATCH, SEQ, MICRO_BATCHES = 4, 128, 2
+
+
+def build_trainer(dump: Path, *overrides: str) -> Trainer:
+    """The debug model at seq 128, 2 micro batches of 4 per step, no checkpoints or logs."""
+    config = parse_args(
+        [
+            f"--job.dump_folder={dump}",
+            "--checkpoint.enable=false",
+            "--metrics.tensorboard=false",
+            "--validation.freq=0",
+            "--data.prefetch=false",
+            "--training.steps=4",
+            f"--training.seq_len={SEQ}",
+            f"--training.micro_batch_size={MICRO_BATCH}",
+            f"--training.global_batch_size={MICRO_BATCH * MICRO_BATCHES}",
+            "--optimizer.implementation=foreach",
+            *overrides,
+        ]
+    )
+    return Trainer(config)
+
+
+def predict(trainer: Trainer) -> me.RankEstimate:
+    """The planner's estimate for this trainer's config, layout and pipeline rank, on CPU."""
+    layout = me.layout_from_config(trainer.config.parallelism, trainer.world_size)
+    workload = me.workload_from_config(trainer.config, layout, device_type="cpu")
+    pp_rank = trainer.mesh["pp"].get_local_rank()
+    return me.estimate_rank(trainer.model_args, layout, workload, pp_rank, device_type="cpu")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding `t`'s bytes on this rank (a DTensor's shard, a collective's
+    result)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    if isinstance(t, AsyncCollectiveTensor):
+        t = t.elem
+    return t
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`."""
+    storages = {}
+    for t in map(local, tensors):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def parameters(trainer: Trainer) -> list[torch.Tensor]:
+    return [p for part in trainer.model_parts for p in part.parameters()]
+
+
+def optimizer_state_tensors(trainer: Trainer) -> list[torch.Tensor]:
+    return [
+        value
+        for opt in trainer.optimizers
+        for state in opt.state.values()
+        for value in state.values()
+        if torch.is_tensor(value) and value.numel() > 1  # not the step counters
+    ]
+
+
+def measured_step_peak(trainer: Trainer) -> int:
+    """Peak live bytes during one train_step: the bytes live before it plus the highest point
+    of the running sum of the allocator's allocation (+) and free (-) events."""
+    live_before = storage_bytes(parameters(trainer) + optimizer_state_tensors(trainer))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer.train_step()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return live_before + peak
+
+
+def saved_activation_bytes(trainer: Trainer) -> int:
+    """Bytes of the distinct storages autograd saves in one micro batch's forward + loss, plus
+    the logits, which nothing saves but the trainer holds until the backward is done."""
+    model = trainer.model_parts[0]
+    params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = local(t).untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    inputs, labels = trainer.train_loader.next_batch(MICRO_BATCH * MICRO_BATCHES)[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with trainer.autocast():
+            logits = model(inputs)
+        cross_entropy_sum(logits, labels)
+    logits = local(logits)
+    saved[logits.untyped_storage().data_ptr()] = logits.untyped_storage().nbytes()
+    return sum(saved.values())
+
+
+def predicted_saved_bytes(estimate: me.RankEstimate) -> int:
+    """Stored activations, the loss's saved tensors and (bf16) autocast's weight casts, which
+    the linears save too."""
+    names = ("activations:", "loss:", "autocast bf16 weight copies")
+    return sum(c.bytes for c in estimate.components if c.name.startswith(names))
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured

@@ -1,0 +1,111 @@
+"""tools/bench_train.py end to end on CPU: a few real training steps, timed and reported."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL_RUN = [
+    "--training.seq_len=128",
+    "--training.global_batch_size=8",
+    "--training.micro_batch_size=4",
+    "--data.prefetch=false",
+    "--matmul-size=256",
+    "--warmup=1",
+    "--steps=2",
+]
+
+
+def run_bench(tmp_path: Path, *args: str, timeout: int = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "2"}
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_train.py"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def positive_finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+def check_run(result: dict, steps: int) -> None:
+    for key in (
+        "step_time_s_median",
+        "step_time_s_p90",
+        "tokens_per_sec_median",
+        "tokens_per_sec_p90",
+        "tflops_median",
+        "mfu_matmul_ceiling",
+        "first_step_s",
+    ):
+        assert positive_finite(result[key]), (key, result[key])
+    assert result["tokens_per_sec_p90"] <= result["tokens_per_sec_median"]
+    assert len(result["step_times_s"]) == steps
+    assert math.isfinite(result["loss_first"]) and math.isfinite(result["loss_last"])
+    assert result["mfu_device_peak"] is None  # CPU, no --peak-tflops
+    assert positive_finite(result["memory"]["peak_rss_gib"])
+
+
+def test_bench_train_reports_ours_and_hugging_face(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_bench(
+        tmp_path,
+        *SMALL_RUN,
+        "--model.n_layer=2",
+        "--baseline=hf",
+        "--baseline-modes=eager",
+        "--auto-recompute",
+        "--device-memory-gib=1",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["torch"] and report["date"]
+    assert report["config"]["seq_len"] == 128 and report["config"]["n_layer"] == 2
+    assert positive_finite(report["matmul_ceiling"]["tflops"])
+    ours, theirs = report["bloomnative"], report["baseline"]["hf_eager"]
+    check_run(ours, steps=2)
+    check_run(theirs, steps=2)
+    assert ours["compile_s"] is None  # compile.enable is false
+    chosen = report["recompute_chosen_by_planner"]  # the planner picked what was run
+    assert chosen["predicted_device_gib"] <= chosen["capacity_gib"] == 1
+    assert report["config"]["activation_checkpoint"] == chosen["mode"]
+    assert 0 < report["memory_plan"]["allocated_peak_gib"] < 1
+    ratio = report["ratio_ours_over_hf_eager"]
+    assert math.isclose(
+        ratio, ours["tokens_per_sec_median"] / theirs["tokens_per_sec_median"], rel_tol=1e-9
+    )
+    # The same batches from the same initial-loss scale: both start near ln(vocab).
+    assert abs(theirs["loss_first"] - ours["loss_first"]) < 0.5
+    assert "ratio_ours_over_hf_eager" in proc.stdout
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("bench_train", REPO / "tools/bench_train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_train_rejects_bad_flags(capsys):
+    bench = load_tool()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--steps=0"])
+    assert exit_info.value.code == 2
+    assert "--warmup and --steps must be at least 1" in capsys.readouterr().err
+    assert bench.main(["--training.sq_len=128"]) == 2
+    assert "training.seq_len" in capsys.readouterr().err  # the nearest valid key

@@ -1,0 +1,692 @@
+#!/usr/bin/env python
+"""Benchmark full bloomnative training steps, optionally against Hugging Face's BloomForCausalLM.
+
+    python tools/bench_train.py --config configs/debug.toml --training.seq_len=128 \\
+        --warmup 2 --steps 5 --json bench.json [--baseline hf]
+
+Every `--section.key=value` of the trainer's config is accepted (see docs/performance.md). A step
+is `Trainer.train_step()`: data, forward/backward over the micro batches, clip, AdamW. After
+`--warmup` steps, `--steps` steps are timed one by one (synchronising the device around each)
+and reported per device:
+
+- tokens/s at the median step time, and at the p90 step time (the rate 90% of steps reach);
+- TFLOP/s (`BloomArgs.flops_per_token`: 6N + 12*L*h*s per token);
+- MFU against the device's datasheet peak (null on CPU unless --peak-tflops) and against a
+  matmul ceiling measured here, before and after the runs (median of large square matmuls:
+  bf16 on GPU, fp32 on CPU), with a `stable` flag that is false when the device was shared;
+- peak allocated and reserved memory (CUDA) or peak resident set size (CPU), next to the memory
+  planner's prediction for the same run (`memory_plan`);
+- the first step's time and, with compile.enable, compile time = first step - median step
+  (`--cold-compile`: with empty Inductor/Triton caches).
+
+`--auto-recompute` lets the planner pick the least activation checkpointing that fits the
+device. `--baseline hf` then replays the same token batches through transformers'
+BloomForCausalLM built with the same shape (random init), in the same dtype (fp32 weights, bf16
+autocast when training.dtype = "bf16"), with the same loss, learning-rate schedule, gradient
+clipping and torch.optim.AdamW (fused on CUDA), eagerly and under torch.compile, and reports
+ours / theirs. Single process only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bloomnative.config import Config, ConfigError, parse_args
+from bloomnative.model import BloomArgs
+from bloomnative.parallel.dims import LayoutError
+from bloomnative.parallel.memory_estimate import PlanError
+from bloomnative.train.lr_schedule import LRSchedule
+from bloomnative.train.metrics import device_peak_tflops
+
+# Applied before the user's overrides (which win): a benchmark writes no checkpoints, no
+# TensorBoard events and runs no validation.
+BENCH_CONFIG_DEFAULTS = [
+    "--checkpoint.enable=false",
+    "--metrics.tensorboard=false",
+    "--validation.freq=0",
+]
+BASELINES = ("hf",)
+BASELINE_MODES = ("eager", "compile")
+
+
+@dataclass
+class BenchOptions:
+    warmup: int
+    steps: int
+    json_path: str | None
+    baseline: str | None
+    baseline_modes: tuple[str, ...]
+    peak_tflops: float
+    matmul_size: int
+    matmul_repeats: int
+    cold_compile: bool
+    auto_recompute: bool
+    device_memory_gib: float
+
+
+def parse_bench_args(argv: list[str], scratch: str) -> tuple[BenchOptions, Config, list[str]]:
+    """Bench flags, and the trainer config from everything else (--config, --section.key).
+    The run's dump folder defaults to `scratch`; training.steps to warmup + steps."""
+    parser = argparse.ArgumentParser(
+        prog="bench_train.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="Any --section.key=value of the trainer config may follow, e.g. "
+        "--model.preset=bloom-560m --training.seq_len=2048 --compile.enable=true",
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    parser.add_argument("--json", dest="json_path", help="write the results here as JSON")
+    parser.add_argument("--baseline", choices=BASELINES, help="also run Hugging Face's model")
+    parser.add_argument(
+        "--baseline-modes",
+        default="eager,compile",
+        help="comma-separated baseline runs: eager, compile (default both)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="device peak TFLOP/s for MFU (default: the datasheet table; none on CPU)",
+    )
+    parser.add_argument(
+        "--matmul-size",
+        type=int,
+        default=0,
+        help="side of the square matmuls of the ceiling (default 8192 on GPU, 1024 on CPU)",
+    )
+    parser.add_argument("--matmul-repeats", type=int, default=10)
+    parser.add_argument(
+        "--auto-recompute",
+        action="store_true",
+        help="let the memory planner pick the least activation checkpointing that fits the "
+        "device (tools/estimate_memory.py --choose-recompute) before building the trainer",
+    )
+    parser.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=0.0,
+        help="device memory for --auto-recompute (default: the CUDA device's total memory)",
+    )
+    parser.add_argument(
+        "--cold-compile",
+        action="store_true",
+        help="compile with empty Inductor and Triton caches (fresh temporary "
+        "TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR), so compile_s is what a first run pays",
+    )
+    known, rest = parser.parse_known_args(argv)
+    if known.warmup < 1 or known.steps < 1:
+        parser.error("--warmup and --steps must be at least 1 (the first step is never timed)")
+    modes = tuple(m.strip() for m in known.baseline_modes.split(",") if m.strip())
+    bad = [m for m in modes if m not in BASELINE_MODES]
+    if bad or not modes:
+        parser.error(f"--baseline-modes {known.baseline_modes!r}; valid: eager, compile")
+    options = BenchOptions(
+        warmup=known.warmup,
+        steps=known.steps,
+        json_path=known.json_path,
+        baseline=known.baseline,
+        baseline_modes=modes,
+        peak_tflops=known.peak_tflops,
+        matmul_size=known.matmul_size,
+        matmul_repeats=known.matmul_repeats,
+        cold_compile=known.cold_compile,
+        auto_recompute=known.auto_recompute,
+        device_memory_gib=known.device_memory_gib,
+    )
+    steps_needed = [f"--training.steps={known.warmup + known.steps}"]
+    dump = [f"--job.dump_folder={scratch}"]
+    config = parse_args(BENCH_CONFIG_DEFAULTS + steps_needed + dump + rest)
+    return options, config, rest
+
+
+# --------------------------------------------------------------------------------- measuring
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PeakMemory:
+    """Peak allocated/reserved bytes on CUDA; peak resident set size of the process on CPU
+    (VmHWM, reset through /proc/self/clear_refs where Linux allows it)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.rss_resettable = False
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.rss_resettable = True
+        except OSError:
+            self.rss_resettable = False
+
+    def read(self) -> dict[str, float | None]:
+        if self.device.type == "cuda":
+            return {
+                "peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved(self.device) / 2**30,
+                "peak_rss_gib": None,
+            }
+        return {
+            "peak_allocated_gib": None,
+            "peak_reserved_gib": None,
+            "peak_rss_gib": _peak_rss_bytes() / 2**30,
+            "peak_rss_since_reset": self.rss_resettable,
+        }
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+
+
+def matmul_ceiling_tflops(device: torch.device, size: int, repeats: int) -> dict:
+    """Median TFLOP/s of `repeats` [size x size] @ [size x size] matmuls (bf16 on CUDA, fp32
+    on CPU): what this device reaches on the training step's dominant op, for an MFU that does
+    not depend on a datasheet. Measured before and after the runs; the higher is the ceiling
+    (a shared machine can be slowed down for a moment, never sped up)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    size = size or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(5):  # warm: thread pools, clocks, cuBLAS heuristics
+        a @ b
+    synchronize(device)
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        rates.append(2 * size**3 / (time.perf_counter() - start) / 1e12)
+    return {
+        "tflops": statistics.median(rates),
+        "dtype": str(dtype).removeprefix("torch."),
+        "size": size,
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass
+class StepTimes:
+    first: float
+    timed: list[float]
+    losses: list[float]
+
+
+def run_steps(
+    step: Callable[[], float], warmup: int, steps: int, device: torch.device, memory: PeakMemory
+) -> StepTimes:
+    """Runs `warmup` steps (the first timed on its own: it includes compilation), resets the
+    memory peak, then times each of `steps` steps with the device synchronised around it."""
+    losses = []
+    synchronize(device)
+    start = time.perf_counter()
+    losses.append(step())
+    synchronize(device)
+    first = time.perf_counter() - start
+    for _ in range(warmup - 1):
+        losses.append(step())
+    synchronize(device)
+    memory.reset()
+    timed = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        losses.append(step())
+        synchronize(device)
+        timed.append(time.perf_counter() - start)
+    return StepTimes(first, timed, losses)
+
+
+def summarize(
+    times: StepTimes,
+    tokens_per_step: float,
+    flops_per_token: int,
+    peak_tflops: float | None,
+    compiled: bool,
+    memory: dict,
+) -> dict:
+    """Throughput figures of one run, per device."""
+    median = statistics.median(times.timed)
+    p90 = percentile(times.timed, 90)
+    tokens_per_sec = tokens_per_step / median
+    tflops = tokens_per_sec * flops_per_token / 1e12
+    return {
+        "step_time_s_median": median,
+        "step_time_s_p90": p90,
+        "tokens_per_sec_median": tokens_per_sec,
+        "tokens_per_sec_p90": tokens_per_step / p90,
+        "tflops_median": tflops,
+        "mfu_device_peak": tflops / peak_tflops if peak_tflops else None,
+        "mfu_matmul_ceiling": None,  # filled in once the ceiling is known
+        "first_step_s": times.first,
+        "compile_s": max(times.first - median, 0.0) if compiled else None,
+        "loss_first": times.losses[0],
+        "loss_last": times.losses[-1],
+        "memory": memory,
+        "step_times_s": times.timed,
+    }
+
+
+# --------------------------------------------------------------------------------- runs
+
+
+class RecordingLoader:
+    """Wraps the trainer's loader and keeps every batch it serves, so a baseline can replay
+    exactly the token data bloomnative trained on."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.batches: list = []
+
+    def next_batch(self, global_batch_size: int):
+        batch = self.loader.next_batch(global_batch_size)
+        self.batches.append(batch)
+        return batch
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list]:
+    """Times Trainer.train_step(); returns the summary and the batches it consumed."""
+    from bloomnative.train.trainer import Trainer
+
+    start = time.perf_counter()
+    trainer = Trainer(config)
+    build_s = time.perf_counter() - start
+    recorder = RecordingLoader(trainer.train_loader)
+    trainer.train_loader = recorder
+    memory = PeakMemory(trainer.device)
+    tokens = []
+
+    def step() -> float:
+        loss, _, _, gbs = trainer.train_step()
+        tokens.append(gbs * config.training.seq_len / trainer.world_size)
+        return float(loss)  # this rank's loss (0 on pipeline ranks without the last stage)
+
+    times = run_steps(step, options.warmup, options.steps, trainer.device, memory)
+    peak = device_peak_tflops(trainer.device, options.peak_tflops)
+    result = summarize(
+        times,
+        statistics.mean(tokens[-options.steps :]),
+        trainer.model_args.flops_per_token(config.training.seq_len),
+        peak,
+        config.compile.enable,
+        memory.read(),
+    )
+    result["build_s"] = build_s
+    result["world_size"] = trainer.world_size
+    result["layout"] = trainer.dims.summary
+    return result, recorder.batches
+
+
+def build_hf_model(args: BloomArgs, device: torch.device, seed: int):
+    """transformers' BloomForCausalLM with bloomnative's shape, random init, no dropout."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    hf_config = BloomConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        layer_norm_epsilon=args.layer_norm_epsilon,
+        initializer_range=args.init_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
+    torch.manual_seed(seed)
+    return BloomForCausalLM(hf_config).to(device).train()
+
+
+def hf_optimizer(model, config: Config, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with bloomnative's hyper-parameters and decay rule (matrices only), fused on CUDA."""
+    o = config.optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(
+        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused, foreach=not fused
+    )
+
+
+def bench_hf(
+    config: Config,
+    args: BloomArgs,
+    batches: list,
+    mode: str,
+    options: BenchOptions,
+    device: torch.device,
+) -> dict:
+    """The baseline step on the recorded batches: the same learning-rate schedule, forward/
+    backward per micro batch with the same summed fp32 cross-entropy, clip_grad_norm_, AdamW."""
+    model = build_hf_model(args, device, config.job.seed)
+    optimizer = hf_optimizer(model, config, device)
+    forward = torch.compile(model) if mode == "compile" else model
+    bf16 = config.training.dtype == "bf16"
+    max_norm = config.training.max_norm
+    schedule = LRSchedule.from_config(config.lr_scheduler, config.optimizer, config.training.steps)
+    replay = enumerate(batches, start=1)
+    consumed = 0
+    memory = PeakMemory(device)
+
+    def step() -> float:
+        nonlocal consumed
+        step_number, micro_batches = next(replay)
+        lr = schedule(step_number, consumed)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        consumed += config.training.global_batch_size
+        denominator = sum(labels.numel() for _, labels in micro_batches)
+        total = torch.zeros((), device=device)
+        for inputs, labels in micro_batches:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits = forward(input_ids=inputs).logits
+            loss = (
+                F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+                / denominator
+            )
+            loss.backward()
+            total += loss.detach()
+        if max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total.item()
+
+    tokens_per_step = config.training.global_batch_size * config.training.seq_len
+    times = run_steps(step, options.warmup, options.steps, device, memory)
+    result = summarize(
+        times,
+        tokens_per_step,
+        args.flops_per_token(config.training.seq_len),
+        device_peak_tflops(device, options.peak_tflops),
+        mode == "compile",
+        memory.read(),
+    )
+    return result
+
+
+def release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------- report
+
+
+def environment(device: torch.device) -> dict:
+    try:
+        hf_version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        hf_version = None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": device.type,
+        "device_name": name or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__,
+        "transformers": hf_version,
+        "python": platform.python_version(),
+    }
+
+
+def describe_config(config: Config, args: BloomArgs) -> dict:
+    t, p = config.training, config.parallelism
+    return {
+        "preset": config.model.preset,
+        "n_layer": args.n_layer,
+        "hidden_size": args.hidden_size,
+        "n_head": args.n_head,
+        "vocab_size": args.vocab_size,
+        "params": args.num_params(),
+        "flops_per_token": args.flops_per_token(t.seq_len),
+        "seq_len": t.seq_len,
+        "global_batch_size": t.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "dtype": t.dtype,
+        "attention": config.model.attention,
+        "fused_kernels": config.model.fused_kernels,
+        "compile": config.compile.enable,
+        "activation_checkpoint": config.activation_checkpoint.mode,
+        "activation_checkpoint_every": config.activation_checkpoint.every,
+        "tp": p.tp,
+        "pp": p.pp,
+        "dp_shard": p.dp_shard,
+        "dp_replicate": p.dp_replicate,
+    }
+
+
+def runs_of(baseline: dict | None) -> list[dict]:
+    """The baseline runs that completed (a run that ran out of memory carries only "error")."""
+    return [r for r in (baseline or {}).values() if "error" not in r]
+
+
+def format_summary(report: dict) -> str:
+    rows = [("bloomnative", report["bloomnative"])]
+    failed = []
+    for mode, result in (report.get("baseline") or {}).items():
+        if "error" in result:
+            failed.append(f"{mode}: {result['error']}")
+        else:
+            rows.append((mode, result))
+    mem_key = "peak_allocated_gib" if report["device"] == "cuda" else "peak_rss_gib"
+    header = (
+        f"{'run':<13}{'tok/s med':>12}{'tok/s p90':>12}{'TFLOP/s':>10}{'MFU peak':>10}"
+        f"{'MFU ceil':>10}{'mem GiB':>9}{'1st step s':>12}"
+    )
+    lines = [header]
+    for name, r in rows:
+        mfu = r["mfu_device_peak"]
+        mem = r["memory"][mem_key]
+        lines.append(
+            f"{name:<13}{r['tokens_per_sec_median']:>12,.0f}{r['tokens_per_sec_p90']:>12,.0f}"
+            f"{r['tflops_median']:>10.3f}{'-' if mfu is None else f'{mfu:.1%}':>10}"
+            f"{r['mfu_matmul_ceiling']:>10.1%}{'-' if mem is None else f'{mem:.2f}':>9}"
+            f"{r['first_step_s']:>12.2f}"
+        )
+    lines += failed
+    ceiling = report["matmul_ceiling"]
+    lines.append(
+        f"matmul ceiling {ceiling['tflops']:.3f} TFLOP/s ({ceiling['dtype']} {ceiling['size']}^3; "
+        f"before {ceiling['tflops_before']:.3f}, after {ceiling['tflops_after']:.3f})"
+    )
+    if not ceiling["stable"]:
+        lines.append(
+            "WARNING: the matmul ceiling moved by > 20% during the run: the device was shared"
+        )
+    for key in ("ratio_ours_over_hf_eager", "ratio_ours_over_hf_compile"):
+        if key in report:
+            lines.append(f"{key}: {report[key]:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as scratch:
+        try:
+            options, config, overrides = parse_bench_args(argv, scratch)
+        except ConfigError as e:
+            print(f"bench_train.py: error: {e}", file=sys.stderr)
+            return 2
+        if options.cold_compile:
+            # Read by Inductor and Triton whenever they look for a cached artifact.
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(scratch, "inductor_cache"))
+            os.environ["TRITON_CACHE_DIR"] = str(Path(scratch, "triton_cache"))
+        try:
+            return run_benchmark(argv, options, config, overrides)
+        except (PlanError, LayoutError) as e:
+            print(f"bench_train.py: error: {e}", file=sys.stderr)
+            return 2
+
+
+def choose_recompute(
+    config: Config, args: BloomArgs, device: torch.device, options: BenchOptions
+) -> dict:
+    """Sets config.activation_checkpoint to the planner's least recompute that fits this
+    device (bloomnative.parallel.memory_estimate) and returns what it chose."""
+    from bloomnative.parallel import memory_estimate as me
+
+    if options.device_memory_gib:
+        capacity = int(options.device_memory_gib * me.GiB)
+    elif device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+    else:
+        raise me.PlanError("--auto-recompute on CPU needs --device-memory-gib")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = me.layout_from_config(config.parallelism, world)
+    workload = me.workload_from_config(config, layout, device.type)
+    overhead = me.Overhead() if device.type == "cuda" else me.Overhead.none()
+    choice = me.least_recompute_that_fits(args, layout, workload, capacity, overhead, device.type)
+    if choice is None:
+        raise me.PlanError(
+            f"the planner finds no activation checkpointing that fits {capacity / me.GiB:.1f} GiB; "
+            f"lower training.micro_batch_size or add parallelism"
+        )
+    chosen, plan = choice
+    config.activation_checkpoint.mode = chosen.recompute
+    config.activation_checkpoint.every = chosen.recompute_every
+    return {
+        "mode": chosen.recompute,
+        "every": chosen.recompute_every,
+        "predicted_device_gib": plan.worst.device_bytes / me.GiB,
+        "predicted_allocated_gib": plan.worst.allocated_peak / me.GiB,
+        "capacity_gib": capacity / me.GiB,
+    }
+
+
+def planned_memory(config: Config, args: BloomArgs, device: torch.device) -> dict | None:
+    """The planner's prediction for this run on global rank 0 (pipeline rank 0), next to which
+    the measured peak is reported: every GPU benchmark also checks the planner."""
+    from bloomnative.parallel import memory_estimate as me
+
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        layout = me.layout_from_config(config.parallelism, world)
+        workload = me.workload_from_config(config, layout, device.type)
+        overhead = me.Overhead() if device.type == "cuda" else me.Overhead.none()
+        rank0 = me.estimate_rank(args, layout, workload, 0, overhead, device.type)
+    except me.PlanError as e:
+        return {"error": str(e)}
+    return {
+        "allocated_peak_gib": rank0.allocated_peak / me.GiB,
+        "device_gib": rank0.device_bytes / me.GiB,
+        "peak_phase": rank0.peak_phase,
+    }
+
+
+def run_benchmark(
+    argv: list[str], options: BenchOptions, config: Config, overrides: list[str]
+) -> int:
+    """Our run, then the baselines; prints the summary and writes the JSON (rank 0)."""
+    from bloomnative.train.distributed import pick_device
+    from bloomnative.train.preflight import model_args_from_config
+
+    device = pick_device(config.job.device)
+    args = model_args_from_config(config.model)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if options.baseline and world > 1:
+        print("bench_train.py: error: --baseline runs in a single process", file=sys.stderr)
+        return 2
+    planned = choose_recompute(config, args, device, options) if options.auto_recompute else None
+    ceiling_before = matmul_ceiling_tflops(device, options.matmul_size, options.matmul_repeats)
+    ours, batches = bench_bloomnative(config, options)
+    report = {
+        "tool": "bench_train",
+        "command": "python tools/bench_train.py " + " ".join(argv),
+        **environment(device),
+        "config": describe_config(config, args),
+        "overrides": overrides,
+        "warmup": options.warmup,
+        "steps": options.steps,
+        "cold_compile_cache": options.cold_compile,
+        "recompute_chosen_by_planner": planned,
+        "device_peak_tflops": device_peak_tflops(device, options.peak_tflops),
+        "bloomnative": ours,
+        "memory_plan": planned_memory(config, args, device),
+        "baseline": None,
+    }
+    if options.baseline == "hf":
+        report["baseline"] = {}
+        for mode in options.baseline_modes:
+            release_memory(device)  # the previous run's model and optimizer are garbage now
+            try:
+                result = bench_hf(config, args, batches, mode, options, device)
+            except torch.OutOfMemoryError as e:
+                # Hugging Face's eager attention materialises the scores: at sizes bloomnative
+                # fits, the baseline may not. Recorded, not fatal.
+                report["baseline"][f"hf_{mode}"] = {"error": f"out of memory: {e}".strip()[:300]}
+                continue
+            report["baseline"][f"hf_{mode}"] = result
+            ratio = ours["tokens_per_sec_median"] / result["tokens_per_sec_median"]
+            report[f"ratio_ours_over_hf_{mode}"] = ratio
+    ceiling_after = matmul_ceiling_tflops(device, options.matmul_size, options.matmul_repeats)
+    ceiling = max(ceiling_before, ceiling_after, key=lambda c: c["tflops"])
+    drift = abs(ceiling_before["tflops"] - ceiling_after["tflops"]) / ceiling["tflops"]
+    report["matmul_ceiling"] = ceiling | {
+        "tflops_before": ceiling_before["tflops"],
+        "tflops_after": ceiling_after["tflops"],
+        # A ceiling that moved by more than 20% during the run, or that a run beats, means
+        # something else was using the device (a shared CPU): the figures are not trustworthy.
+        "stable": drift <= 0.2,
+    }
+    for result in [ours, *runs_of(report["baseline"])]:
+        result["mfu_matmul_ceiling"] = result["tflops_median"] / ceiling["tflops"]
+        if result["mfu_matmul_ceiling"] > 1.0:  # the ceiling itself was measured while slowed
+            report["matmul_ceiling"]["stable"] = False
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(format_summary(report), flush=True)
+        if options.json_path:
+            Path(options.json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(options.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

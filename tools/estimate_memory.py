@@ -1,0 +1,270 @@
+#!/usr/bin/env python
+"""Estimate per-device training memory for a bloomnative config, before launching it.
+
+    python tools/estimate_memory.py --config configs/bloom-1b7.toml --model.attention=triton
+    python tools/estimate_memory.py --config configs/bloom-176b.toml --parallelism.zero_stage=1 \\
+        --attention-memory materialized --device-memory-gib 80
+
+Takes the trainer's own config (--config FILE and any --section.key=value), so what is planned
+is what runs. Prints, for the pipeline rank that needs the most memory, every component
+(weights, gradients, AdamW moments, gathered weights, activations, loss buffers, pipeline
+buffers, framework overhead) with its formula, the total, and the largest micro batch that fits
+--device-memory-gib. The formulas are in bloomnative/parallel/memory_estimate.py and
+docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from bloomnative.config import Config, ConfigError, parse_args
+from bloomnative.parallel import memory_estimate as me
+from bloomnative.parallel.dims import LayoutError
+from bloomnative.train.preflight import model_args_from_config
+
+
+def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
+    parser = argparse.ArgumentParser(
+        prog="estimate_memory.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="Any --section.key=value of the trainer config may follow. "
+        "--parallelism.zero_stage=1 models Megatron-DeepSpeed's BF16Optimizer (estimate only).",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=0,
+        help="number of devices (needed when parallelism.dp_shard = -1; default: dp_shard = 1)",
+    )
+    parser.add_argument("--device-type", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=80.0,
+        help="memory of one device, for 'fits' and the largest micro batch (default 80)",
+    )
+    parser.add_argument(
+        "--attention-memory",
+        choices=me.ATTENTION_MEMORY,
+        help="what attention keeps for backward (default: from model.attention and the device)",
+    )
+    parser.add_argument(
+        "--pp-return-outputs",
+        choices=("true", "false"),
+        default="true",
+        help="whether the pipeline schedule keeps the last stage's logits to return them "
+        "(torch's default and the trainer's behaviour today: true)",
+    )
+    parser.add_argument(
+        "--dropout",
+        action="store_true",
+        help="add Megatron's dropout buffers (bloomnative has no dropout; BLOOM-176B's "
+        "Megatron-DeepSpeed run kept the 0.1 defaults)",
+    )
+    parser.add_argument(
+        "--overhead-gib",
+        type=float,
+        help="CUDA context + NCCL + workspaces per device (default 1.5 on cuda, 0 on cpu)",
+    )
+    parser.add_argument(
+        "--fragmentation",
+        type=float,
+        help="allocator slack as a fraction of the allocated peak (default 0.10 on cuda, 0 on cpu)",
+    )
+    parser.add_argument(
+        "--choose-recompute",
+        action="store_true",
+        help="also report the least activation checkpointing that fits the device",
+    )
+    parser.add_argument("--explain", action="store_true", help="print the activation terms")
+    parser.add_argument("--json", dest="json_path", help="write the plan as JSON ('-': stdout)")
+    known, rest = parser.parse_known_args(argv)
+    return known, parse_args(rest)
+
+
+def gib(nbytes: int) -> str:
+    return f"{nbytes / me.GiB:>10.3f}"
+
+
+def format_rank(rank: me.RankEstimate) -> str:
+    """A table of one rank's components (name, when it is counted, GiB, formula) and totals."""
+    phases = {"resident": "resident", "fwd_bwd": "fwd/bwd", "step_end": "step end", "host": "host"}
+    width = max(len(c.name) for c in rank.components) + 2
+    row = lambda name, when, value, note="": f"{name:<{width}}{when:>9}{value}  {note}".rstrip()
+    lines = [row("component", "when", f"{'GiB':>10}", "formula")]
+    lines += [row(c.name, phases[c.phase], gib(c.bytes), c.formula) for c in rank.components]
+    peak = lambda phase: "<- peak" if rank.peak_phase == phase else ""
+    overhead = rank.overhead
+    lines += [
+        "-" * (width + 19),
+        row("resident", "", gib(rank.phase_bytes("resident"))),
+        row("+ forward/backward peak", "", gib(rank.phase_bytes("fwd_bwd")), peak("fwd_bwd")),
+        row("+ step end", "", gib(rank.phase_bytes("step_end")), peak("step_end")),
+        row("allocated peak", "", gib(rank.allocated_peak)),
+        row(
+            "framework overhead (assumed)",
+            "",
+            gib(rank.overhead_bytes),
+            f"context {overhead.context_bytes / me.GiB:.2f} GiB + "
+            f"{overhead.fragmentation:.0%} fragmentation",
+        ),
+        row("device memory needed", "", gib(rank.device_bytes)),
+    ]
+    return "\n".join(lines)
+
+
+def format_activation_terms(rank: me.RankEstimate) -> str:
+    """The per-micro-batch activation terms (the Korthikanti-style breakdown)."""
+    lines = []
+    for part, terms in rank.activation_terms.items():
+        lines.append(f"[{part}] {sum(t.bytes for t in terms) / 2**20:.2f} MiB per micro batch")
+        lines += [
+            f"  {t.name:<40}{t.elements:>16,} x {t.bytes_per_element} B"
+            f" = {t.bytes / 2**20:>10.2f} MiB   {t.source}"
+            for t in terms
+        ]
+    return "\n".join(lines)
+
+
+def rank_to_dict(rank: me.RankEstimate) -> dict:
+    return {
+        "pp_rank": rank.pp_rank,
+        "components": [dataclasses.asdict(c) | {"gib": c.gib} for c in rank.components],
+        "resident_bytes": rank.phase_bytes("resident"),
+        "fwd_bwd_bytes": rank.phase_bytes("fwd_bwd"),
+        "step_end_bytes": rank.phase_bytes("step_end"),
+        "peak_phase": rank.peak_phase,
+        "allocated_peak_bytes": rank.allocated_peak,
+        "overhead_bytes": rank.overhead_bytes,
+        "device_bytes": rank.device_bytes,
+        "device_gib": rank.device_bytes / me.GiB,
+        "activation_terms": {
+            part: [dataclasses.asdict(t) | {"bytes": t.bytes} for t in terms]
+            for part, terms in rank.activation_terms.items()
+        },
+    }
+
+
+def overhead_from_args(known: argparse.Namespace) -> me.Overhead:
+    default = me.Overhead() if known.device_type == "cuda" else me.Overhead.none()
+    context = default.context_bytes if known.overhead_gib is None else known.overhead_gib * me.GiB
+    frag = default.fragmentation if known.fragmentation is None else known.fragmentation
+    return me.Overhead(context_bytes=int(context), fragmentation=frag)
+
+
+def describe(args, layout: me.Layout, workload: me.Workload) -> str:
+    n = args.num_params()
+    return (
+        f"model: {args.n_layer} layers, hidden {args.hidden_size}, {args.n_head} heads, vocab "
+        f"{args.vocab_size}: {n / 1e9:.3f}B parameters (bf16 weights {2 * n / me.GiB:.1f} GiB; "
+        f"bf16 + fp32 weights + fp32 AdamW {14 * n / 2**40:.2f} TiB)\n"
+        f"layout: dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard} x tp "
+        f"{layout.tp} x pp {layout.pp} = {layout.world_size} devices, zero_stage "
+        f"{layout.zero_stage}, sequence_parallel {layout.sequence_parallel}, pp_schedule "
+        f"{layout.pp_schedule}\n"
+        f"workload: micro batch {workload.micro_batch} x seq {workload.seq_len}, "
+        f"{workload.microbatches} micro batches/step, {workload.precision}, recompute "
+        f"{workload.recompute}"
+        + (f" every {workload.recompute_every}" if workload.recompute == "selective" else "")
+        + f", attention memory {workload.attention}, fused_loss {workload.fused_loss}, "
+        f"dropout {workload.dropout}, {workload.optimizer} AdamW"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        known, config = parse_planner_args(argv)
+        args = model_args_from_config(config.model)
+        layout = me.layout_from_config(config.parallelism, known.world_size)
+        layout = dataclasses.replace(layout, pp_keeps_outputs=known.pp_return_outputs == "true")
+        workload = me.workload_from_config(
+            config, layout, known.device_type, known.attention_memory, known.dropout
+        )
+        overhead = overhead_from_args(known)
+        plan = me.estimate(args, layout, workload, overhead, known.device_type)
+    except (ConfigError, LayoutError, me.PlanError, ValueError) as e:
+        print(f"estimate_memory.py: error: {e}", file=sys.stderr)
+        return 2
+    device_bytes = int(known.device_memory_gib * me.GiB)
+    worst = plan.worst
+    micro, fit_plan = me.largest_fitting_micro_batch(
+        args,
+        layout,
+        workload,
+        device_bytes,
+        me.local_batch_size(config, layout),
+        overhead,
+        known.device_type,
+    )
+    choice = None
+    if known.choose_recompute:
+        choice = me.least_recompute_that_fits(
+            args, layout, workload, device_bytes, overhead, known.device_type
+        )
+
+    out = sys.stderr if known.json_path == "-" else sys.stdout
+    print(describe(args, layout, workload), file=out)
+    print(f"\nworst pipeline rank: {worst.pp_rank}", file=out)
+    print(format_rank(worst), file=out)
+    if layout.pp > 1:
+        totals = ", ".join(f"{r.pp_rank}: {r.device_bytes / me.GiB:.1f}" for r in plan.ranks)
+        print(f"\ndevice GiB per pipeline rank: {totals}", file=out)
+    if known.explain:
+        print("\n" + format_activation_terms(worst), file=out)
+    fits = worst.device_bytes <= device_bytes
+    print(
+        f"\nfits {known.device_memory_gib:g} GiB: {'yes' if fits else 'NO'} "
+        f"({worst.device_bytes / me.GiB:.2f} GiB needed)",
+        file=out,
+    )
+    if micro:
+        print(
+            f"largest micro batch that fits: {micro} "
+            f"({fit_plan.worst.device_bytes / me.GiB:.2f} GiB)",
+            file=out,
+        )
+    else:
+        print("largest micro batch that fits: none (even 1 does not fit)", file=out)
+    if known.choose_recompute:
+        if choice is None:
+            print("least recompute that fits: none (even full recompute does not fit)", file=out)
+        else:
+            chosen, chosen_plan = choice
+            setting = f"--activation_checkpoint.mode={chosen.recompute}"
+            if chosen.recompute == "selective":
+                setting += f" --activation_checkpoint.every={chosen.recompute_every}"
+            print(
+                f"least recompute that fits: {setting} "
+                f"({chosen_plan.worst.device_bytes / me.GiB:.2f} GiB)",
+                file=out,
+            )
+    if known.json_path:
+        report = {
+            "model": dataclasses.asdict(args) | {"params": args.num_params()},
+            "layout": dataclasses.asdict(layout),
+            "workload": dataclasses.asdict(workload),
+            "overhead": dataclasses.asdict(overhead),
+            "device_memory_gib": known.device_memory_gib,
+            "fits": fits,
+            "worst_rank": rank_to_dict(worst),
+            "ranks_device_gib": [r.device_bytes / me.GiB for r in plan.ranks],
+            "largest_micro_batch": micro,
+            "least_recompute": None
+            if choice is None
+            else {"mode": choice[0].recompute, "every": choice[0].recompute_every},
+        }
+        text = json.dumps(report, indent=2)
+        if known.json_path == "-":
+            print(text)
+        else:
+            with open(known.json_path, "w") as f:
+                f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

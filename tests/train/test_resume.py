@@ -4,8 +4,10 @@ and under another parallel layout."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -160,3 +162,38 @@ def test_disk_check_refuses_to_save_and_deletes_nothing(synthetic_corpus, tmp_pa
     assert "not enough disk space to save a checkpoint" in proc.stderr
     assert "checkpoint.min_free_gib" in proc.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+def test_torchrun_restarts_a_crashed_worker_which_resumes_from_the_checkpoint(
+    uninterrupted, synthetic_corpus, tmp_path
+):
+    """What run_train.sh's --max-restarts buys: the worker dies, torchrun starts it again and
+    the run finishes with the losses of one that never crashed."""
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        "--max-restarts=1",
+        "-m",
+        "bloomnative.train.main",
+    ]
+    proc = subprocess.Popen(
+        [*launcher, *args(tmp_path, synthetic_corpus)],
+        env={**train_env(), "BLOOMNATIVE_FAULT_SAVE_DELAY_S": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(lambda: (tmp_path / "checkpoints" / "step-4").is_dir(), proc)
+    worker = subprocess.run(
+        ["pgrep", "-P", str(proc.pid), "-f", "bloomnative.train.main"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert len(worker) == 1, worker
+    os.kill(int(worker[0]), signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert losses_by_step(tmp_path) == uninterrupted["fp32"]

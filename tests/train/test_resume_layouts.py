@@ -61,7 +61,15 @@ def saved(synthetic_corpus, tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "source,target",
-    [("fsdp2", "tp2"), ("fsdp2", "pp2"), ("fsdp2", "single"), ("single", "fsdp2"), ("pp2", "tp2")],
+    [
+        ("fsdp2", "tp2"),
+        ("fsdp2", "pp2"),
+        ("fsdp2", "single"),
+        ("single", "fsdp2"),
+        ("tp2", "fsdp2"),
+        ("pp2", "fsdp2"),
+        ("pp2", "tp2"),
+    ],
 )
 def test_resume_under_another_layout_continues_the_losses(
     reference, saved, synthetic_corpus, tmp_path, source, target

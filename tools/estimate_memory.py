@@ -54,9 +54,9 @@ def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     parser.add_argument(
         "--pp-return-outputs",
         choices=("true", "false"),
-        default="true",
+        default="false",
         help="whether the pipeline schedule keeps the last stage's logits to return them "
-        "(torch's default and the trainer's behaviour today: true)",
+        "(torch's default is true; the trainer passes return_outputs=False)",
     )
     parser.add_argument(
         "--dropout",

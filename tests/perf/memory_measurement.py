@@ -3,8 +3,8 @@
 - model states: the bytes of the live parameters, gradients and AdamW moments (exact);
 - saved activations: every tensor autograd saves for backward during one micro batch's forward
   and loss, collected with saved-tensor hooks and de-duplicated by storage, parameters excluded
-  (with bf16 autocast this includes the weight casts the linears save), plus the logits the
-  trainer holds until the backward;
+  (with bf16 autocast this includes the weight casts the linears save); the trainer keeps no
+  reference to the logits, so they count only if autograd saves them;
 - the step's peak: every allocation and free the c10 CPU allocator reports to the profiler
   (profile_memory=True) during one full `Trainer.train_step()`, replayed in time order on top of
   the bytes already live (weights and AdamW moments). On CPU this is the quantity
@@ -111,8 +111,8 @@ def measured_step_peak(trainer: Trainer) -> int:
 
 
 def saved_activation_bytes(trainer: Trainer) -> int:
-    """Bytes of the distinct storages autograd saves in one micro batch's forward + loss, plus
-    the logits, which nothing saves but the trainer holds until the backward is done."""
+    """Bytes of the distinct storages autograd saves in one micro batch's forward + loss (the
+    trainer computes the loss from the logits without keeping them, as done here)."""
     model = trainer.model_parts[0]
     params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -126,10 +126,7 @@ def saved_activation_bytes(trainer: Trainer) -> int:
     inputs, labels = trainer.train_loader.next_batch(MICRO_BATCH * MICRO_BATCHES)[0]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with trainer.autocast():
-            logits = model(inputs)
-        cross_entropy_sum(logits, labels)
-    logits = local(logits)
-    saved[logits.untyped_storage().data_ptr()] = logits.untyped_storage().nbytes()
+            cross_entropy_sum(model(inputs), labels)
     return sum(saved.values())
 
 

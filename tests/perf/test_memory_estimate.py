@@ -183,8 +183,10 @@ def test_loss_buffers_scale_with_the_vocabulary_shard():
     args = BloomArgs.from_preset("bloom-1b7")
     wl = me.Workload(micro_batch=1, seq_len=2048)
     full = me.estimate_rank(args, me.Layout(dp_shard=8), wl)
-    logits = full.component("loss: logits + log-probabilities (fp32)").bytes
-    assert logits == 2048 * args.vocab_size * (2 + 4)
+    log_probs = full.component("loss: log-probabilities (fp32)").bytes
+    assert log_probs == 2048 * args.vocab_size * 4
+    sharded = me.estimate_rank(args, me.Layout(dp_shard=4, tp=2), wl)
+    assert sharded.component("loss: log-probabilities (fp32)").bytes == log_probs // 2
     fused = me.estimate_rank(args, me.Layout(dp_shard=8), dataclasses.replace(wl, fused_loss=True))
     assert fused.allocated_peak < full.allocated_peak
 

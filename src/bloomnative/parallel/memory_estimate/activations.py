@@ -1,0 +1,181 @@
+"""Tensors kept for backward per micro batch: Korthikanti et al. 2022, eq. 1, adjusted term by
+term for BLOOM, the attention kernel and sequence parallelism."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from bloomnative.model.args import BloomArgs
+from bloomnative.parallel.memory_estimate.components import ActivationTerm
+from bloomnative.parallel.memory_estimate.inputs import (
+    ATTENTION_MEMORY,
+    FP32,
+    INT64,
+    Layout,
+    PlanError,
+    Precision,
+    Workload,
+)
+
+
+def micro_batch_tokens(workload: Workload) -> int:
+    """Tokens of one micro batch (b*s)."""
+    return workload.micro_batch * workload.seq_len
+
+
+def residual_stream_elements(args: BloomArgs, layout: Layout, workload: Workload) -> int:
+    """Elements of one micro batch's residual stream on a rank (b*s*h, /t with SP)."""
+    return micro_batch_tokens(workload) * args.hidden_size // layout.sequence_shards
+
+
+def layernorm_stat_elements(layout: Layout, workload: Workload) -> int:
+    """Elements of a LayerNorm's fp32 mean and rstd (2sb, /t with SP)."""
+    return 2 * micro_batch_tokens(workload) // layout.sequence_shards
+
+
+def attention_terms(
+    args: BloomArgs, layout: Layout, workload: Workload, prec: Precision
+) -> list[ActivationTerm]:
+    """What the attention keeps per block, by kernel. Korthikanti's 11sbh + 5as^2b becomes:
+
+    - flash: q, k, v (6sbh/t, "QK^T 4sbh + V 2sbh"), the output the kernel keeps (2sbh/t) and
+      its contiguous [b, s, h] copy that the output projection saves (2sbh/t: the kernels return
+      [b, heads, s, d]), logsumexp (fp32, b*a*s/t). The 5as^2b scores/softmax/dropout terms drop
+      out: the scores are never stored.
+    - sdpa_efficient: as flash, but the output is laid out [b, s, heads, d], so the projection's
+      input is a view of it (no copy); the materialised ALiBi + causal bias [a/t, s, s] is kept.
+    - materialized: q, k, v (6sbh/t: Megatron's views of the QKV output, or the copies CPU's
+      math kernel makes), the softmax probabilities (2as^2b/t) and the projection input; with
+      `workload.dropout` also the attention-dropout mask and output (3as^2b/t). cpu_math: the
+      same, but the kernel computes bf16 inputs in fp32, so q, k, v and the probabilities are
+      fp32.
+    """
+    b, s, c = workload.micro_batch, workload.seq_len, prec.compute
+    tokens = micro_batch_tokens(workload)
+    h_local = args.hidden_size // layout.tp
+    heads = args.n_head // layout.tp
+    qkv = ActivationTerm("q, k, v", 3 * tokens * h_local, c, "K22: QK^T 4sbh + V 2sbh")
+    lse = ActivationTerm("softmax logsumexp (fp32)", b * heads * s, FP32, "replaces 2as^2b")
+    proj = ActivationTerm("output projection input", tokens * h_local, c, "K22: 2sbh")
+    kind = workload.attention
+    if kind == "flash":
+        kept_output = ActivationTerm(
+            "attention output kept by the kernel",
+            tokens * h_local,
+            c,
+            "added: [b, heads, s, d] output, copied to [b, s, h] for the projection",
+        )
+        return [qkv, kept_output, lse, proj]
+    if kind == "sdpa_efficient":
+        bias = ActivationTerm(
+            "ALiBi + causal bias [heads, s, s]",
+            heads * s * s,
+            c,
+            "added: SDPA keeps its attn_mask; one per block, independent of the batch",
+        )
+        return [
+            qkv,
+            lse,
+            dataclasses.replace(proj, source="K22: 2sbh (a view of the output)"),
+            bias,
+        ]
+    if kind in ("materialized", "cpu_math"):
+        inner = FP32 if kind == "cpu_math" else c
+        probs = ActivationTerm(
+            "softmax probabilities", b * heads * s * s, inner, "K22: 2as^2b softmax output"
+        )
+        terms = [dataclasses.replace(qkv, bytes_per_element=inner), probs, proj]
+        if workload.dropout:
+            elements = b * heads * s * s
+            terms += [
+                ActivationTerm("attention-dropout mask", elements, 1, "K22: as^2b"),
+                ActivationTerm("attention-dropout output", elements, inner, "K22: 2as^2b"),
+            ]
+        return terms
+    raise PlanError(f"attention memory {kind!r}; valid: {', '.join(ATTENTION_MEMORY)}")
+
+
+def block_activation_terms(
+    args: BloomArgs, layout: Layout, workload: Workload, prec: Precision
+) -> list[ActivationTerm]:
+    """Tensors one BLOOM block keeps for backward, per micro batch (t = tp).
+
+    Korthikanti et al. 2022 count 34sbh + 5as^2b bytes (16-bit): attention 11sbh + 5as^2b, MLP
+    19sbh, LayerNorms 4sbh; with TP + SP everything is divided by t. Kept here:
+
+    - LayerNorm inputs (2 x 2sbh, /t with SP), in the residual dtype (fp32 under autocast),
+      plus their fp32 mean and rstd (2sb each, not in the paper: tiny);
+    - QKV and dense_h_to_4h inputs (2 x 2sbh): NOT divided by t under DTensor SP, because the
+      column-parallel linear saves its all-gathered input (Megatron re-gathers it in backward);
+    - the attention terms of `attention_terms`;
+    - GeLU input and dense_4h_to_h input (2 x 8sbh/t).
+
+    Dropped: the two hidden-dropout masks (2 x sbh) and the attention-dropout mask and output
+    (3as^2b): bloomnative's BLOOM has no dropout (`workload.dropout` adds them back, for
+    Megatron; flash kernels regenerate their dropout mask, so only the hidden masks return).
+    The softmax output (2as^2b) is dropped for flash kernels (see `attention_terms`).
+    """
+    h, c, r = args.hidden_size, prec.compute, prec.residual
+    tokens = micro_batch_tokens(workload)
+    stream = residual_stream_elements(args, layout, workload)
+    h4_local = 4 * h // layout.tp
+    stats = layernorm_stat_elements(layout, workload)
+    masks = []
+    if workload.dropout:
+        masks = [
+            ActivationTerm("attention output dropout mask", stream, 1, "K22: sbh"),
+            ActivationTerm("MLP output dropout mask", stream, 1, "K22: sbh"),
+        ]
+    return masks + [
+        ActivationTerm("input_layernorm input", stream, r, "K22: 2sbh LayerNorm input"),
+        ActivationTerm("input_layernorm mean, rstd", stats, FP32, "added: fp32 statistics"),
+        ActivationTerm("query_key_value input", tokens * h, c, "K22: 2sbh (gathered under SP)"),
+        *attention_terms(args, layout, workload, prec),
+        ActivationTerm("post_attention_layernorm input", stream, r, "K22: 2sbh"),
+        ActivationTerm("post_attention_layernorm mean, rstd", stats, FP32, "added"),
+        ActivationTerm("dense_h_to_4h input", tokens * h, c, "K22: 2sbh (gathered under SP)"),
+        ActivationTerm("GeLU input", tokens * h4_local, c, "K22: 8sbh"),
+        ActivationTerm("dense_4h_to_h input", tokens * h4_local, c, "K22: 8sbh"),
+    ]
+
+
+def checkpointed_block_terms(
+    args: BloomArgs, layout: Layout, workload: Workload, prec: Precision
+) -> list[ActivationTerm]:
+    """A recomputed block keeps only its input (K22 section 4: 2sbh/t with SP)."""
+    stream = residual_stream_elements(args, layout, workload)
+    return [ActivationTerm("block input (checkpoint)", stream, prec.residual, "K22: 2sbh")]
+
+
+def embedding_terms(
+    args: BloomArgs, layout: Layout, workload: Workload, prec: Precision
+) -> list[ActivationTerm]:
+    """First stage: the token ids (the embedding's backward), and the embedding LayerNorm's
+    input (the embedding output, sequence-sharded with SP) and statistics."""
+    tokens = micro_batch_tokens(workload)
+    stream = residual_stream_elements(args, layout, workload)
+    mask = [ActivationTerm("embedding dropout mask", stream, 1, "sbh")] if workload.dropout else []
+    return mask + [
+        ActivationTerm("token ids", tokens, INT64, "embedding backward"),
+        ActivationTerm("embedding LayerNorm input", stream, prec.residual, "2sbh"),
+        ActivationTerm(
+            "embedding LayerNorm mean, rstd",
+            layernorm_stat_elements(layout, workload),
+            FP32,
+            "tiny",
+        ),
+    ]
+
+
+def head_terms(
+    args: BloomArgs, layout: Layout, workload: Workload, prec: Precision
+) -> list[ActivationTerm]:
+    """Last stage: the final LayerNorm's input and the head's (gathered) input."""
+    tokens = micro_batch_tokens(workload)
+    stream = residual_stream_elements(args, layout, workload)
+    stats = layernorm_stat_elements(layout, workload)
+    return [
+        ActivationTerm("ln_f input", stream, prec.residual, "2sbh"),
+        ActivationTerm("ln_f mean, rstd", stats, FP32, "tiny"),
+        ActivationTerm("lm_head input", tokens * args.hidden_size, prec.compute, "2sbh"),
+    ]

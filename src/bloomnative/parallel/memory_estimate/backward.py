@@ -1,0 +1,67 @@
+"""The backward's working set: gradient buffers of one block, root and FSDP gradients, and the
+loss's buffers, whichever is largest."""
+
+from __future__ import annotations
+
+from bloomnative.model.args import BloomArgs
+from bloomnative.parallel.memory_estimate.activations import micro_batch_tokens
+from bloomnative.parallel.memory_estimate.components import Component
+from bloomnative.parallel.memory_estimate.inputs import FP32, Layout, Precision, Workload
+from bloomnative.parallel.memory_estimate.loss import loss_transient
+from bloomnative.parallel.memory_estimate.model_states import gradients_persist
+from bloomnative.parallel.memory_estimate.parameters import ParamTensor, unit_numels
+
+
+def block_backward_buffers(
+    args: BloomArgs, layout: Layout, workload: Workload, prec: Precision
+) -> int:
+    """Gradient buffers alive while one block back-propagates (an approximation): the two
+    largest activation gradients of the block (the MLP's 4h-wide ones, or the softmax's with
+    materialized attention) and the residual-stream gradient in and out."""
+    tokens = micro_batch_tokens(workload)
+    mlp = 2 * tokens * (4 * args.hidden_size // layout.tp) * prec.compute
+    heads = args.n_head // layout.tp
+    scores = 2 * workload.micro_batch * heads * workload.seq_len**2 * prec.compute
+    materialized = workload.attention in ("materialized", "cpu_math")
+    widest = max(mlp, scores if materialized else 0)
+    stream = 2 * tokens * args.hidden_size // layout.sequence_shards * prec.residual
+    return widest + stream
+
+
+def backward_transient(
+    args: BloomArgs,
+    layout: Layout,
+    workload: Workload,
+    prec: Precision,
+    params: list[ParamTensor],
+    stage_ids: list[int],
+    block_working: int,
+    device_type: str,
+) -> Component:
+    """The larger of the loss's buffers (last stage) and the block backward working set. The
+    latter also holds the root unit's gradients (produced by the head, first in backward) and,
+    under FSDP, one block's unsharded gradient plus its fp32 reduce-scatter input."""
+    units = unit_numels(params)
+    root_grad_bytes = prec.compute if layout.uses_fsdp or layout.zero_stage == 1 else FP32
+    working = block_working
+    parts = ["block backward buffers"]
+    if layout.uses_fsdp or not gradients_persist(layout, workload):
+        working += root_grad_bytes * units.get("root", 0)
+        parts.append("root-unit grads")
+    if layout.uses_fsdp:
+        largest_block = max((n for u, n in units.items() if u != "root"), default=0)
+        working += (prec.compute + FP32) * largest_block
+        parts.append("one block's unsharded grad + fp32 reduce-scatter input")
+        if layout.zero_stage == 3:
+            working += 2 * prec.compute * largest_block
+            parts.append("current + prefetched block re-gathered")
+    candidates = [Component("backward working set", working, "fwd_bwd", " + ".join(parts))]
+    if layout.num_stages - 1 in stage_ids:
+        candidates.append(loss_transient(args, layout, workload, prec, device_type))
+    worst = max(candidates, key=lambda c: c.bytes)
+    return Component(
+        f"backward transient: {worst.name}",
+        worst.bytes,
+        "fwd_bwd",
+        worst.formula + " (largest of: " + ", ".join(c.name for c in candidates) + ")",
+    )

@@ -1,0 +1,88 @@
+"""The layout and workload the trainer runs for a bloomnative config."""
+
+from __future__ import annotations
+
+from bloomnative.config import Config, ParallelismConfig
+from bloomnative.parallel.dims import ParallelDims
+from bloomnative.parallel.memory_estimate.inputs import Layout, PlanError, Workload
+
+
+def attention_memory_kind(backend: str, device_type: str) -> str:
+    """The memory behaviour of a model.attention backend on a device type."""
+    if backend in ("triton", "flex"):
+        return "flash"
+    if backend == "sdpa":
+        return "sdpa_efficient" if device_type == "cuda" else "cpu_math"
+    raise PlanError(f"unknown attention backend {backend!r}; valid: sdpa, flex, triton")
+
+
+def layout_from_config(par: ParallelismConfig, world_size: int = 0) -> Layout:
+    """The layout a [parallelism] section gives on `world_size` devices (needed when dp_shard
+    is -1; 0 then means dp_shard = 1)."""
+    fixed = par.dp_replicate * par.tp * par.pp
+    if not world_size:
+        world_size = fixed * (par.dp_shard if par.dp_shard > 0 else 1)
+    dims = ParallelDims.resolve(par.dp_replicate, par.dp_shard, par.tp, par.pp, world_size)
+    return Layout(
+        dp_replicate=dims.dp_replicate,
+        dp_shard=dims.dp_shard,
+        tp=dims.tp,
+        pp=dims.pp,
+        pp_schedule=par.pp_schedule,
+        pp_stages_per_rank=par.pp_stages_per_rank,
+        pp_embedding_as_layer=par.pp_embedding_as_layer,
+        pp_layers_per_stage=tuple(par.pp_layers_per_stage),
+        sequence_parallel=par.sequence_parallel,
+        loss_parallel=par.loss_parallel,
+        cpu_offload=par.cpu_offload,
+        zero_stage=par.zero_stage,
+    )
+
+
+def local_batch_size(config: Config, layout: Layout) -> int:
+    """Samples per data-parallel rank per step, at the final (largest) global batch size."""
+    gbs = config.training.global_batch_size
+    if gbs % layout.dp:
+        raise PlanError(
+            f"training.global_batch_size = {gbs} is not divisible by the data-parallel degree "
+            f"{layout.dp}"
+        )
+    return gbs // layout.dp
+
+
+def workload_from_config(
+    config: Config,
+    layout: Layout,
+    device_type: str = "cuda",
+    attention: str | None = None,
+    dropout: bool = False,
+) -> Workload:
+    """What the trainer runs for `config`: its micro batches (the pipeline's when
+    pp_microbatches is set), dtype, recompute, attention kernel on `device_type` (or the given
+    attention memory kind), loss and AdamW implementation."""
+    t, par = config.training, config.parallelism
+    samples = local_batch_size(config, layout)
+    if layout.pp > 1 and par.pp_microbatches:
+        microbatches = par.pp_microbatches
+    else:
+        microbatches = samples // t.micro_batch_size
+    if microbatches < 1 or samples % microbatches:
+        raise PlanError(
+            f"{samples} samples per data-parallel rank do not split into {microbatches} micro "
+            f"batches (training.micro_batch_size = {t.micro_batch_size})"
+        )
+    optimizer = config.optimizer.implementation
+    if optimizer == "auto":
+        optimizer = "fused" if device_type == "cuda" else "foreach"
+    return Workload(
+        micro_batch=samples // microbatches,
+        seq_len=t.seq_len,
+        microbatches=microbatches,
+        precision=t.dtype,
+        recompute=config.activation_checkpoint.mode,
+        recompute_every=config.activation_checkpoint.every,
+        attention=attention or attention_memory_kind(config.model.attention, device_type),
+        fused_loss=config.model.fused_loss,
+        dropout=dropout,
+        optimizer=optimizer,
+    )

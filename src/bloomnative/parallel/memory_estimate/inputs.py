@@ -1,0 +1,137 @@
+"""What the planner is given: the layout over devices, the workload of one data-parallel rank,
+the framework overhead, and the bytes per element they imply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 2**30
+FP32, BF16, INT64 = 4, 2, 8
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+ATTENTION_MEMORY = ("flash", "sdpa_efficient", "materialized", "cpu_math")
+OPTIMIZER_IMPLS = ("fused", "foreach", "for-loop")
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+class PlanError(ValueError):
+    """An input the planner cannot estimate, described with what to change."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model is split over devices (the [parallelism] section, plus zero_stage 1)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_stages_per_rank: int = 1
+    pp_embedding_as_layer: bool = True
+    pp_layers_per_stage: tuple[int, ...] = ()
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    cpu_offload: bool = False
+    """FSDP2's CPUOffloadPolicy: sharded weights, gradients and AdamW moments (and the optimizer
+    step) live in host memory; counted as "host", not as device memory."""
+    pp_keeps_outputs: bool = False
+    """torch.distributed.pipelining's `step(return_outputs=True)` default: the last stage keeps
+    every micro batch's logits and concatenates them at the end of the step. The trainer passes
+    return_outputs=False; True models code that keeps the default."""
+    zero_stage: int = 3
+    """2 and 3: FSDP2 (weights, gradients and optimizer states sharded over dp_shard; 3 frees
+    gathered weights after each block's forward). 1: Megatron-DeepSpeed as BLOOM-176B ran
+    (estimator only, the trainer does not implement it): the model in bf16, DeepSpeed's
+    BF16Optimizer (bf16 weights, bf16 and fp32 gradients replicated; fp32 master weights and
+    AdamW moments sharded over all data-parallel ranks) and DeepSpeed's pipeline buffers."""
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.pp_stages_per_rank
+
+    @property
+    def sequence_shards(self) -> int:
+        """Shards of the residual stream along the sequence (tp with sequence parallelism)."""
+        return self.tp if self.tp > 1 and self.sequence_parallel else 1
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """The trainer applies FSDP2 whenever there is data parallelism."""
+        return self.dp > 1 and self.zero_stage in (2, 3)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one data-parallel rank computes per optimizer step, and how."""
+
+    micro_batch: int
+    seq_len: int
+    microbatches: int = 1
+    """Micro batches per optimizer step on one data-parallel rank (gradient accumulation; the
+    pipeline's micro batches when pp > 1)."""
+    precision: str = "bf16"
+    """"bf16": bf16 compute, fp32 master weights and gradients; "fp32"."""
+    recompute: str = "none"
+    """Activation checkpointing: "none", "full" (every block) or "selective" (every N-th)."""
+    recompute_every: int = 2
+    attention: str = "flash"
+    """What the attention kernel keeps for backward: "flash" (bloomnative's Triton and flex
+    kernels: q, k, v, output, logsumexp), "sdpa_efficient" (CUDA SDPA with the additive ALiBi
+    bias: also keeps the [heads, s, s] bias), "materialized" (Megatron's fused softmax: keeps the
+    [b, heads, s, s] probabilities) or "cpu_math" (CPU SDPA's math path: as materialized, in
+    fp32 even for bf16 inputs)."""
+    fused_loss: bool = False
+    """Chunked lm head + cross-entropy (kernels.linear_cross_entropy): no [tokens, vocab] tensor."""
+    dropout: bool = False
+    """Megatron's dropout (0.1 on attention probabilities and hidden states; BLOOM-176B's
+    training script kept these defaults). bloomnative's model has no dropout: False."""
+    optimizer: str = "fused"
+    """AdamW implementation: "fused" (no temporaries), "foreach" (one fp32 temporary the size of
+    the local parameters) or "for-loop" (one the size of the largest parameter)."""
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """Device memory outside the allocator's live tensors. An assumption, not a measurement."""
+
+    context_bytes: int = int(1.5 * GiB)
+    """CUDA context + cuBLAS workspaces + NCCL communicator buffers (about 0.5-1 GiB of context
+    on Hopper with lazy module loading, plus a few hundred MiB per NCCL communicator)."""
+    fragmentation: float = 0.10
+    """Caching-allocator slack as a fraction of the allocated peak (reserved / allocated - 1;
+    typically 5-20% in training loops with varying shapes)."""
+
+    @classmethod
+    def none(cls) -> Overhead:
+        """No overhead: CPU, or a comparison with allocated (not reserved) bytes."""
+        return cls(context_bytes=0, fragmentation=0.0)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of the tensors the step creates."""
+
+    compute: int
+    """Matmul inputs and outputs: 2 with bf16, 4 with fp32."""
+    residual: int
+    """Residual stream and LayerNorm inputs: fp32 under autocast (the LayerNorms run in fp32),
+    else the compute dtype."""
+    autocast: bool
+    """bf16 by torch.autocast: the trainer's path without data parallelism (FSDP's
+    MixedPrecisionPolicy casts otherwise; Megatron, zero_stage 1, runs the model in bf16)."""
+
+    @classmethod
+    def of(cls, layout: Layout, workload: Workload) -> Precision:
+        if workload.precision == "fp32":
+            return cls(compute=FP32, residual=FP32, autocast=False)
+        autocast = layout.dp == 1 and layout.zero_stage != 1
+        return cls(compute=BF16, residual=FP32 if autocast else BF16, autocast=autocast)

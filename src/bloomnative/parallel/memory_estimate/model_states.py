@@ -1,0 +1,165 @@
+"""Weights, gradients and optimizer states (Rajbhandari et al. 2020, ZeRO) under each
+sharding."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from bloomnative.parallel.memory_estimate.components import Component
+from bloomnative.parallel.memory_estimate.inputs import (
+    BF16,
+    FP32,
+    Layout,
+    Precision,
+    Workload,
+)
+from bloomnative.parallel.memory_estimate.parameters import ParamTensor, unit_numels
+from bloomnative.parallel.memory_estimate.recompute import is_checkpointed
+
+
+def model_state_components(
+    params: list[ParamTensor], layout: Layout, workload: Workload, prec: Precision
+) -> list[Component]:
+    """Weights, gradients and AdamW moments (ZeRO paper, section 3.1) under the layout's sharding.
+
+    FSDP2 (zero_stage 2/3): fp32 master weights, fp32 gradients (reduce dtype) and the two AdamW
+    moments are sharded over dp_shard (dim 0 of each tensor, padded); the compute-dtype copy of
+    each block is all-gathered when needed. No data parallelism: plain fp32 parameters and
+    gradients, plus autocast's bf16 copies of the matrices with bf16. zero_stage 1
+    (Megatron-DeepSpeed BF16Optimizer): bf16 weights and bf16 .grad replicated, a full fp32
+    gradient-accumulation buffer, fp32 master weights and moments partitioned over all dp ranks.
+    """
+    grad_phase = "resident" if gradients_persist(layout, workload) else "step_end"
+    if layout.zero_stage == 1:
+        return _zero1_states(sum(p.numel for p in params), layout, workload, grad_phase)
+    if layout.uses_fsdp:
+        return _fsdp_states(params, layout, workload, prec, grad_phase)
+    return _unsharded_states(params, workload, prec, grad_phase)
+
+
+def gradients_persist(layout: Layout, workload: Workload) -> bool:
+    """Gradients exist at the activation peak when an earlier micro batch's backward produced
+    them: gradient accumulation, or a pipeline that interleaves forwards and backwards. With one
+    micro batch, or GPipe (all forwards first), they appear only as the backward frees
+    activations (zero_grad sets them to None)."""
+    if layout.pp > 1:
+        return layout.pp_schedule != "GPipe"
+    return workload.microbatches > 1
+
+
+def _optimizer_step_temporary(
+    workload: Workload, local_numel: int, largest_numel: int
+) -> Component:
+    """AdamW's foreach path allocates sqrt(exp_avg_sq) for every local parameter at once
+    (torch.optim.adamw._multi_tensor_adamw); the for-loop path one parameter at a time."""
+    per_impl = {"fused": 0, "foreach": local_numel, "for-loop": largest_numel}
+    return Component(
+        f"optimizer step temporaries ({workload.optimizer} AdamW)",
+        FP32 * per_impl[workload.optimizer],
+        "step_end",
+        "4 x local params (foreach sqrt buffer), 0 for fused",
+    )
+
+
+def _fsdp_states(
+    params: list[ParamTensor], layout: Layout, workload: Workload, prec: Precision, grad_phase: str
+) -> list[Component]:
+    shards = layout.dp_shard
+    sharded = sum(p.shard_numel(shards) for p in params)
+    units = unit_numels(params)
+    root = units.get("root", 0)
+    blocks = sorted((n for u, n in units.items() if u != "root"), reverse=True)
+    if layout.zero_stage == 2:
+        gathered = root + sum(blocks)
+        gathered_formula = f"{prec.compute} x all units (zero 2 keeps blocks gathered to backward)"
+    else:
+        gathered = root
+        gathered_formula = (
+            f"{prec.compute} x root unit (embedding/head, kept gathered); zero 3 reshards blocks "
+            "after forward and re-gathers two in backward (see the backward working set)"
+        )
+    states = "host" if layout.cpu_offload else "resident"
+    step = _optimizer_step_temporary(workload, sharded, max(p.shard_numel(shards) for p in params))
+    return [
+        Component("fp32 master weights (sharded)", FP32 * sharded, states, "4 x P/dp_shard"),
+        Component("AdamW moments (sharded)", 2 * FP32 * sharded, states, "2 x 4 x P/dp_shard"),
+        Component(
+            "fp32 gradients (sharded, reduce dtype)",
+            FP32 * sharded,
+            "host" if layout.cpu_offload else grad_phase,
+            "4 x P/dp_shard",
+        ),
+        Component(
+            "gathered weights (FSDP all-gather outputs)",
+            prec.compute * gathered,
+            "fwd_bwd",
+            gathered_formula,
+        ),
+        dataclasses.replace(step, phase="host") if layout.cpu_offload else step,
+    ]
+
+
+def _unsharded_states(
+    params: list[ParamTensor], workload: Workload, prec: Precision, grad_phase: str
+) -> list[Component]:
+    """No data parallelism: fp32 parameters and .grad; bf16 comes from autocast, whose weight
+    casts are saved for backward by every linear (the head's cast is the tied embedding's)."""
+    n_local = sum(p.numel for p in params)
+    components = [
+        Component("fp32 weights", FP32 * n_local, "resident", "4 x P"),
+        Component("AdamW moments", 2 * FP32 * n_local, "resident", "2 x 4 x P"),
+        Component("fp32 gradients", FP32 * n_local, grad_phase, "4 x P"),
+    ]
+    if prec.autocast:
+        components.append(_autocast_weight_copies(params, workload))
+    largest = max(p.numel for p in params)
+    components.append(_optimizer_step_temporary(workload, n_local, largest))
+    return components
+
+
+def _autocast_weight_copies(params: list[ParamTensor], workload: Workload) -> Component:
+    """autocast casts each linear's weight to bf16 and the linear saves the cast for backward;
+    a checkpointed block saves nothing (its casts are redone in the recompute, one block at a
+    time). The head's cast is the tied embedding's; the embedding itself runs in fp32."""
+    has_head = any(p.name in ("lm_head.weight", "ln_f.weight") for p in params)
+    per_unit = unit_numels(
+        p for p in params if len(p.shape) == 2 and (has_head or p.name != "word_embeddings.weight")
+    )
+    blocks = {u: n for u, n in per_unit.items() if u != "root"}
+    recomputed = [n for u, n in blocks.items() if is_checkpointed(int(u.split(".")[1]), workload)]
+    kept = sum(per_unit.values()) - sum(recomputed) + max(recomputed, default=0)
+    return Component(
+        "autocast bf16 weight copies (saved for backward)",
+        BF16 * kept,
+        "fwd_bwd",
+        "2 x linear weights of the head and the non-checkpointed blocks (+ one recomputed)",
+    )
+
+
+def _zero1_states(
+    n_local: int, layout: Layout, workload: Workload, grad_phase: str
+) -> list[Component]:
+    partition = math.ceil(n_local / layout.dp)
+    if workload.precision == "fp32":
+        return [
+            Component("fp32 weights (replicated)", FP32 * n_local, "resident", "4 x P"),
+            Component("fp32 gradients (replicated)", FP32 * n_local, grad_phase, "4 x P"),
+            Component("AdamW moments (partitioned)", 8 * partition, "resident", "8 x P/dp"),
+        ]
+    return [
+        Component("bf16 weights (replicated)", BF16 * n_local, "resident", "2 x P"),
+        Component("bf16 gradients (.grad, replicated)", BF16 * n_local, grad_phase, "2 x P"),
+        Component(
+            "fp32 gradient accumulation buffer (replicated)",
+            FP32 * n_local,
+            "resident",
+            "4 x P (BF16Optimizer accumulates micro batches in fp32)",
+        ),
+        Component(
+            "fp32 master weights + AdamW moments (partitioned)",
+            3 * FP32 * partition,
+            "resident",
+            "12 x P/dp",
+        ),
+    ]

@@ -23,12 +23,21 @@ def _kernel_test_setup():
         yield
 
 
+NEEDS_INTERPRETER = pytest.mark.skipif(
+    not _dispatch.INTERPRET,
+    reason="Triton was imported without TRITON_INTERPRET=1 (or is missing), so the kernels "
+    "cannot run on CPU; run ./run_tests.sh or set TRITON_INTERPRET=1",
+)
+
+
 @pytest.fixture
 def interpreter() -> None:
     """Tests that compare a Triton kernel against its reference need the interpreter; without
-    it the public ops would run the reference and the comparison could not fail."""
-    if not _dispatch.INTERPRET:
-        pytest.skip(
-            "Triton was imported without TRITON_INTERPRET=1 (or is missing), so the kernels "
-            "cannot run on CPU; run ./run_tests.sh or set TRITON_INTERPRET=1"
-        )
+    it the public ops would run the reference and the comparison could not fail. Requesting
+    this fixture marks a test NEEDS_INTERPRETER (see pytest_collection_modifyitems)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "interpreter" in getattr(item, "fixturenames", ()):
+            item.add_marker(NEEDS_INTERPRETER)

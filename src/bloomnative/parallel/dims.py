@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -56,22 +55,6 @@ class ParallelDims:
         """Data-parallel degree: how many different batches are processed at once."""
         return self.dp_replicate * self.dp_shard
 
-    @property
-    def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One mesh with named dims (size-1 dims kept so names always resolve), plus the
         flattened "dp" (batch) and "dp_shard_cp" style views used by FSDP and the loader."""
@@ -87,7 +70,3 @@ class ParallelDims:
             f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
             f"tp={self.tp} (world {self.world_size})"
         )
-
-
-def default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"

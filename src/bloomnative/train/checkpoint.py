@@ -150,12 +150,12 @@ def local_bytes(state: dict) -> int:
 
 
 class Checkpointer:
-    """Saves, prunes and finds checkpoints in one folder; optionally in the background.
+    """Saves and prunes the checkpoints of one folder; optionally in the background.
 
     With `async_mode`, `save` returns once the state is staged in host memory; the files are
     written by a background thread over a separate gloo group (so its collectives never
-    interleave with training's), and the checkpoint is marked complete by the next `save`,
-    `wait` or `close`.
+    interleave with training's), and the checkpoint is marked complete by the next `save` or
+    `wait`.
     """
 
     def __init__(self, folder: Path, keep_latest_k: int, async_mode: bool, min_free_gib: float):
@@ -192,8 +192,6 @@ class Checkpointer:
         self._pending = None
         future.result()
         self._finalize(step)
-
-    close = wait
 
     def _finalize(self, step: int) -> None:
         if delay := float(os.environ.get("BLOOMNATIVE_FAULT_SAVE_DELAY_S", "0")):

@@ -19,12 +19,12 @@ and reported per device:
 - the first step's time and, with compile.enable, compile time = first step - median step
   (`--cold-compile`: with empty Inductor/Triton caches).
 
-`--auto-recompute` lets the planner pick the least activation checkpointing that fits the
-device. `--baseline hf` then replays the same token batches through transformers'
-BloomForCausalLM built with the same shape (random init), in the same dtype (fp32 weights, bf16
-autocast when training.dtype = "bf16"), with the same loss, learning-rate schedule, gradient
-clipping and torch.optim.AdamW (fused on CUDA), eagerly and under torch.compile, and reports
-ours / theirs. Single process only.
+`--activation_checkpoint.mode=auto` lets the trainer's planner pick the least activation
+checkpointing that fits the device. `--baseline hf` replays the same token batches through
+transformers' BloomForCausalLM built with the same shape (random init), in the same dtype
+(fp32 weights, bf16 autocast when training.dtype = "bf16"), with the same loss, learning-rate
+schedule, gradient clipping and torch.optim.AdamW (fused on CUDA), eagerly and under
+torch.compile, and reports ours / theirs. Single process only.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -78,8 +78,6 @@ class BenchOptions:
     matmul_size: int
     matmul_repeats: int
     cold_compile: bool
-    auto_recompute: bool
-    device_memory_gib: float
 
 
 def parse_bench_args(argv: list[str], scratch: str) -> tuple[BenchOptions, Config, list[str]]:
@@ -114,18 +112,6 @@ def parse_bench_args(argv: list[str], scratch: str) -> tuple[BenchOptions, Confi
     )
     parser.add_argument("--matmul-repeats", type=int, default=10)
     parser.add_argument(
-        "--auto-recompute",
-        action="store_true",
-        help="let the memory planner pick the least activation checkpointing that fits the "
-        "device (tools/estimate_memory.py --choose-recompute) before building the trainer",
-    )
-    parser.add_argument(
-        "--device-memory-gib",
-        type=float,
-        default=0.0,
-        help="device memory for --auto-recompute (default: the CUDA device's total memory)",
-    )
-    parser.add_argument(
         "--cold-compile",
         action="store_true",
         help="compile with empty Inductor and Triton caches (fresh temporary "
@@ -148,8 +134,6 @@ def parse_bench_args(argv: list[str], scratch: str) -> tuple[BenchOptions, Confi
         matmul_size=known.matmul_size,
         matmul_repeats=known.matmul_repeats,
         cold_compile=known.cold_compile,
-        auto_recompute=known.auto_recompute,
-        device_memory_gib=known.device_memory_gib,
     )
     steps_needed = [f"--training.steps={known.warmup + known.steps}"]
     dump = [f"--job.dump_folder={scratch}"]
@@ -351,6 +335,8 @@ def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list
     result["build_s"] = build_s
     result["world_size"] = trainer.world_size
     result["layout"] = trainer.dims.summary
+    choice = trainer.recompute_choice  # activation_checkpoint.mode = "auto"
+    result["recompute_chosen_by_planner"] = asdict(choice) if choice else None
     return result, recorder.batches
 
 
@@ -561,41 +547,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
 
-def choose_recompute(
-    config: Config, args: BloomArgs, device: torch.device, options: BenchOptions
-) -> dict:
-    """Sets config.activation_checkpoint to the planner's least recompute that fits this
-    device (bloomnative.parallel.memory_estimate) and returns what it chose."""
-    from bloomnative.parallel import memory_estimate as me
-
-    if options.device_memory_gib:
-        capacity = int(options.device_memory_gib * me.GiB)
-    elif device.type == "cuda":
-        capacity = torch.cuda.get_device_properties(device).total_memory
-    else:
-        raise me.PlanError("--auto-recompute on CPU needs --device-memory-gib")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = me.layout_from_config(config.parallelism, world)
-    workload = me.workload_from_config(config, layout, device.type)
-    overhead = me.Overhead() if device.type == "cuda" else me.Overhead.none()
-    choice = me.least_recompute_that_fits(args, layout, workload, capacity, overhead, device.type)
-    if choice is None:
-        raise me.PlanError(
-            f"the planner finds no activation checkpointing that fits {capacity / me.GiB:.1f} GiB; "
-            f"lower training.micro_batch_size or add parallelism"
-        )
-    chosen, plan = choice
-    config.activation_checkpoint.mode = chosen.recompute
-    config.activation_checkpoint.every = chosen.recompute_every
-    return {
-        "mode": chosen.recompute,
-        "every": chosen.recompute_every,
-        "predicted_device_gib": plan.worst.device_bytes / me.GiB,
-        "predicted_allocated_gib": plan.worst.allocated_peak / me.GiB,
-        "capacity_gib": capacity / me.GiB,
-    }
-
-
 def planned_memory(config: Config, args: BloomArgs, device: torch.device) -> dict | None:
     """The planner's prediction for this run on global rank 0 (pipeline rank 0), next to which
     the measured peak is reported: every GPU benchmark also checks the planner."""
@@ -629,7 +580,6 @@ def run_benchmark(
     if options.baseline and world > 1:
         print("bench_train.py: error: --baseline runs in a single process", file=sys.stderr)
         return 2
-    planned = choose_recompute(config, args, device, options) if options.auto_recompute else None
     ceiling_before = matmul_ceiling_tflops(device, options.matmul_size, options.matmul_repeats)
     ours, batches = bench_bloomnative(config, options)
     report = {
@@ -641,7 +591,7 @@ def run_benchmark(
         "warmup": options.warmup,
         "steps": options.steps,
         "cold_compile_cache": options.cold_compile,
-        "recompute_chosen_by_planner": planned,
+        "recompute_chosen_by_planner": ours.pop("recompute_chosen_by_planner"),
         "device_peak_tflops": device_peak_tflops(device, options.peak_tflops),
         "bloomnative": ours,
         "memory_plan": planned_memory(config, args, device),

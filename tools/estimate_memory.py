@@ -181,15 +181,22 @@ def main(argv: list[str] | None = None) -> int:
         args = model_args_from_config(config.model)
         layout = me.layout_from_config(config.parallelism, known.world_size)
         layout = dataclasses.replace(layout, pp_keeps_outputs=known.pp_return_outputs == "true")
+        auto = config.activation_checkpoint.mode == "auto"
+        if auto:  # planned as the trainer resolves it: the least recompute that fits
+            config.activation_checkpoint.mode = "none"
         workload = me.workload_from_config(
             config, layout, known.device_type, known.attention_memory, known.dropout
         )
         overhead = overhead_from_args(known)
+        device_bytes = int(known.device_memory_gib * me.GiB)
+        if auto:
+            workload, _ = me.least_recompute_or_raise(
+                args, layout, workload, device_bytes, overhead, known.device_type
+            )
         plan = me.estimate(args, layout, workload, overhead, known.device_type)
     except (ConfigError, LayoutError, me.PlanError, ValueError) as e:
         print(f"estimate_memory.py: error: {e}", file=sys.stderr)
         return 2
-    device_bytes = int(known.device_memory_gib * me.GiB)
     worst = plan.worst
     micro, fit_plan = me.largest_fitting_micro_batch(
         args,
@@ -208,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
 
     out = sys.stderr if known.json_path == "-" else sys.stdout
     print(describe(args, layout, workload), file=out)
+    if auto:
+        print(
+            f'(recompute chosen for activation_checkpoint.mode = "auto": the least that fits '
+            f"{known.device_memory_gib:g} GiB)",
+            file=out,
+        )
     print(f"\nworst pipeline rank: {worst.pp_rank}", file=out)
     print(format_rank(worst), file=out)
     if layout.pp > 1:

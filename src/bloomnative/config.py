@@ -190,9 +190,13 @@ class CheckpointConfig:
 @dataclass
 class ActivationCheckpointConfig:
     mode: str = "none"
-    """"none", "full" (recompute every block) or "selective" (every `every`-th block)."""
+    """"none", "full" (recompute every block), "selective" (every `every`-th block) or "auto"
+    (the least recomputation that the memory planner predicts fits the device)."""
     every: int = 2
     """With mode = "selective": recompute one block out of this many."""
+    memory_budget_gib: float = 0.0
+    """With mode = "auto": the memory per device to plan against; 0 takes the smallest CUDA
+    device's total memory (on CPU, 0 makes "auto" mean "none")."""
 
 
 @dataclass
@@ -416,7 +420,7 @@ def validate(config: Config) -> None:
     _one_of(
         "activation_checkpoint.mode",
         config.activation_checkpoint.mode,
-        ("none", "full", "selective"),
+        ("none", "full", "selective", "auto"),
     )
     for key in ("n_layer", "hidden_size", "n_head", "vocab_size"):
         _check(getattr(m, key) >= 0, f"model.{key} must be >= 0 (0 keeps the preset)")
@@ -457,6 +461,10 @@ def validate(config: Config) -> None:
     _check(s.warmup_steps >= 0 and s.decay_steps >= 0, "lr_scheduler steps must be >= 0")
     _check(len(config.data.blend) > 0, "data.blend is empty: give at least one dataset prefix")
     _check(config.metrics.log_freq > 0, "metrics.log_freq must be positive")
+    _check(
+        config.activation_checkpoint.memory_budget_gib >= 0,
+        "activation_checkpoint.memory_budget_gib must be >= 0 (0: the device's total memory)",
+    )
     _check(config.checkpoint.interval > 0, "checkpoint.interval must be positive")
     _check(
         config.validation.freq >= 0 and config.validation.steps > 0,

@@ -66,8 +66,8 @@ def test_bench_train_reports_ours_and_hugging_face(tmp_path):
         "--model.n_layer=2",
         "--baseline=hf",
         "--baseline-modes=eager",
-        "--auto-recompute",
-        "--device-memory-gib=1",
+        "--activation_checkpoint.mode=auto",
+        "--activation_checkpoint.memory_budget_gib=1",
         "--json",
         str(out),
     )

@@ -311,7 +311,11 @@ def test_cli_writes_a_plan_as_json(tmp_path, capsys):
         + worst["overhead_bytes"]
     )
     assert plan["largest_micro_batch"] >= 1
-    assert "largest micro batch that fits" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "largest micro batch that fits" in printed
+    # The preset's activation_checkpoint.mode = "auto" is planned as the trainer resolves it.
+    assert 'chosen for activation_checkpoint.mode = "auto"' in printed
+    assert plan["workload"]["recompute"] in me.RECOMPUTE_MODES
 
 
 def test_cli_reports_an_impossible_layout(capsys):

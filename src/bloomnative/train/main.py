@@ -7,6 +7,7 @@ import sys
 
 from bloomnative.config import ConfigError, parse_args
 from bloomnative.parallel import LayoutError
+from bloomnative.parallel.memory_estimate import PlanError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer = Trainer(config)
-    except (ConfigError, LayoutError) as e:
+    except (ConfigError, LayoutError, PlanError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     trainer.run()

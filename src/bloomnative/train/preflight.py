@@ -54,6 +54,29 @@ def check_run(config: Config, world_size: int) -> tuple[ParallelDims, BloomArgs]
     return dims, args
 
 
+def check_auto_recompute(config: Config, args: BloomArgs, world_size: int) -> str | None:
+    """With activation_checkpoint.mode = "auto" and a known budget (memory_budget_gib, or this
+    node's CUDA devices), the planner's choice; raises PlanError when nothing fits, so that is
+    reported before launch. The trainer makes the choice again over the job's devices."""
+    import torch
+
+    from bloomnative.parallel.memory_estimate import GiB, choose_recompute
+
+    ac = config.activation_checkpoint
+    if ac.mode != "auto":
+        return None
+    on_cuda = config.job.device != "cpu" and torch.cuda.is_available()
+    device_type = "cuda" if on_cuda else "cpu"
+    if ac.memory_budget_gib:
+        capacity = int(ac.memory_budget_gib * GiB)
+    elif on_cuda:
+        count = torch.cuda.device_count()
+        capacity = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+    else:
+        return None
+    return choose_recompute(config, args, world_size, device_type, capacity).describe()
+
+
 def main(argv: list[str]) -> int:
     world_size = 1
     if argv and argv[0].startswith("--world-size"):
@@ -65,6 +88,7 @@ def main(argv: list[str]) -> int:
     try:
         config = parse_args(argv)
         dims, args = check_run(config, world_size)
+        recompute = check_auto_recompute(config, args, world_size)
     except (ConfigError, LayoutError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -73,6 +97,8 @@ def main(argv: list[str]) -> int:
         f"parameters), layout {dims.summary}",
         file=sys.stderr,
     )
+    if recompute:
+        print(f"[bloomnative] preflight: {recompute}", file=sys.stderr)
     return 0
 
 

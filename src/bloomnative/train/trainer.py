@@ -18,6 +18,8 @@ from bloomnative.config import Config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.model import Bloom
 from bloomnative.parallel import clip_grad_norm_, init_weights
+from bloomnative.parallel.memory_estimate import GiB
+from bloomnative.parallel.memory_estimate.auto_recompute import RecomputeChoice, choose_recompute
 from bloomnative.parallel.parallelize import parallelize_part, split_for_pipeline
 from bloomnative.parallel.pipeline import Pipeline, TiedWeightSync, build_pipeline, stage_owner
 from bloomnative.train import checkpoint as ckpt
@@ -42,6 +44,7 @@ class Trainer:
         self.rank, self.world_size = init_distributed(self.device, job.collective_timeout_s)
         par = config.parallelism
         self.dims, self.model_args = check_run(config, self.world_size)
+        self.recompute_choice = self._resolve_auto_recompute()
         self.dump = Path(job.dump_folder)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_mesh = self.mesh["dp"]
@@ -98,6 +101,30 @@ class Trainer:
             )
 
     # ------------------------------------------------------------------ set-up helpers
+
+    def _resolve_auto_recompute(self) -> RecomputeChoice | None:
+        """activation_checkpoint.mode = "auto": replaces mode and every with the planner's least
+        recomputation that fits the smallest device of the job (or memory_budget_gib)."""
+        ac = self.config.activation_checkpoint
+        if ac.mode != "auto":
+            return None
+        if ac.memory_budget_gib:
+            capacity = int(ac.memory_budget_gib * GiB)
+        elif self.device.type == "cuda":
+            capacity = _smallest_device_memory(self.device)
+        else:
+            ac.mode = "none"
+            self._say(
+                'activation_checkpoint.mode = "auto" on CPU without memory_budget_gib: '
+                "no recomputation"
+            )
+            return None
+        choice = choose_recompute(
+            self.config, self.model_args, self.world_size, self.device.type, capacity
+        )
+        ac.mode, ac.every = choice.mode, choice.every
+        self._say(choice.describe())
+        return choice
 
     def _build_model(self) -> None:
         """Meta model -> pipeline split -> TP / AC / compile / FSDP -> materialise -> init."""
@@ -481,6 +508,14 @@ class Trainer:
         row["eval_seconds"] = time.perf_counter() - start
         self.metrics.log(row)
         self.throughput.read_and_reset()  # evaluation time is not training throughput
+
+
+def _smallest_device_memory(device: torch.device) -> int:
+    """Total memory of the smallest CUDA device over all ranks, so every rank plans alike."""
+    total = torch.tensor(torch.cuda.get_device_properties(device).total_memory, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.MIN)
+    return int(total.item())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

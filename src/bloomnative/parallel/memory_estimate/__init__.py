@@ -31,8 +31,9 @@ BLOOM-176B's published figures (docs/performance.md).
 
 Modules: `inputs` (layout, workload, overhead, precision), `from_config`, `parameters`,
 `components`, `recompute`, `model_states`, `activations`, `loss`, `backward`,
-`pipeline_buffers`, `stage_activations`, `rank_estimate` (assembly, `estimate`) and `search`
-(largest micro batch, least recompute). Everything public is re-exported here.
+`pipeline_buffers`, `stage_activations`, `rank_estimate` (assembly, `estimate`), `search`
+(largest micro batch, least recompute) and `auto_recompute` (activation_checkpoint.mode =
+"auto"). Everything public is re-exported here.
 """
 
 from bloomnative.parallel.memory_estimate.activations import (
@@ -41,6 +42,11 @@ from bloomnative.parallel.memory_estimate.activations import (
     checkpointed_block_terms,
     embedding_terms,
     head_terms,
+)
+from bloomnative.parallel.memory_estimate.auto_recompute import (
+    RecomputeChoice,
+    choose_recompute,
+    least_recompute_or_raise,
 )
 from bloomnative.parallel.memory_estimate.backward import (
     block_backward_buffers,
@@ -157,4 +163,7 @@ __all__ = [
     "largest_fitting_micro_batch",
     "recompute_options",
     "least_recompute_that_fits",
+    "RecomputeChoice",
+    "choose_recompute",
+    "least_recompute_or_raise",
 ]

@@ -129,8 +129,14 @@ def kernel_op(name: str, mutates_args: Sequence[str] = ()) -> Callable[[Callable
 
 
 def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
-    """Launch ``kernel[grid](*args, **kwargs)`` so that torch.compile can capture it."""
-    torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+    """Launch ``kernel[grid](*args, **kwargs)``, through ``wrap_triton`` on a GPU so that
+    torch.compile can capture it inside a ``triton_op``. Interpreted kernels are launched
+    directly: their ops are opaque ``custom_op``s, and ``wrap_triton`` accepts only compiled
+    kernels in some torch/Triton pairs (torch 2.11 with Triton 3.6)."""
+    if INTERPRET:
+        kernel[grid](*args, **kwargs)
+    else:
+        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
 
 
 def autotune(

@@ -2,7 +2,7 @@
 """Benchmark full bloomnative training steps, optionally against Hugging Face's BloomForCausalLM.
 
     python tools/bench_train.py --config configs/debug.toml --training.seq_len=128 \\
-        --warmup 2 --steps 5 --json bench.json [--baseline hf]
+        --warmup 2 --steps 5 --json bench.json [--baseline hf,torchtitan]
 
 Every `--section.key=value` of the trainer's config is accepted (see docs/performance.md). A step
 is `Trainer.train_step()`: data, forward/backward over the micro batches, clip, AdamW. After
@@ -20,11 +20,12 @@ and reported per device:
   (`--cold-compile`: with empty Inductor/Triton caches).
 
 `--activation_checkpoint.mode=auto` lets the trainer's planner pick the least activation
-checkpointing that fits the device. `--baseline hf` replays the same token batches through
-transformers' BloomForCausalLM built with the same shape (random init), in the same dtype
+checkpointing that fits the device. `--baseline hf,torchtitan` replays the same token batches
+through transformers' BloomForCausalLM built with the same shape (random init) and through
+torchtitan's Llama 3 at the same width and depth (tools/train_baselines.py), in the same dtype
 (fp32 weights, bf16 autocast when training.dtype = "bf16"), with the same loss, learning-rate
-schedule, gradient clipping and torch.optim.AdamW (fused on CUDA), eagerly and under
-torch.compile, and reports ours / theirs. Single process only.
+schedule, gradient clipping and torch.optim.AdamW (fused on CUDA), eagerly and compiled, and
+reports ours / theirs. Single process only.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import argparse
 import datetime
 import gc
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -47,7 +49,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.model import BloomArgs
@@ -55,6 +56,7 @@ from bloomnative.parallel.dims import LayoutError
 from bloomnative.parallel.memory_estimate import PlanError
 from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import device_peak_tflops
+from train_baselines import BASELINES, build_baseline
 
 # Applied before the user's overrides (which win): a benchmark writes no checkpoints, no
 # TensorBoard events and runs no validation.
@@ -63,7 +65,6 @@ BENCH_CONFIG_DEFAULTS = [
     "--metrics.tensorboard=false",
     "--validation.freq=0",
 ]
-BASELINES = ("hf",)
 BASELINE_MODES = ("eager", "compile")
 
 
@@ -72,7 +73,7 @@ class BenchOptions:
     warmup: int
     steps: int
     json_path: str | None
-    baseline: str | None
+    baselines: tuple[str, ...]
     baseline_modes: tuple[str, ...]
     peak_tflops: float
     matmul_size: int
@@ -92,7 +93,12 @@ def parse_bench_args(argv: list[str], scratch: str) -> tuple[BenchOptions, Confi
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     parser.add_argument("--json", dest="json_path", help="write the results here as JSON")
-    parser.add_argument("--baseline", choices=BASELINES, help="also run Hugging Face's model")
+    parser.add_argument(
+        "--baseline",
+        default="",
+        help="comma-separated baselines to run on the same batches: hf (transformers' "
+        "BloomForCausalLM), torchtitan (torchtitan's Llama 3 at the same width and depth)",
+    )
     parser.add_argument(
         "--baseline-modes",
         default="eager,compile",
@@ -120,6 +126,9 @@ def parse_bench_args(argv: list[str], scratch: str) -> tuple[BenchOptions, Confi
     known, rest = parser.parse_known_args(argv)
     if known.warmup < 1 or known.steps < 1:
         parser.error("--warmup and --steps must be at least 1 (the first step is never timed)")
+    baselines = tuple(b.strip() for b in known.baseline.split(",") if b.strip())
+    if any(b not in BASELINES for b in baselines):
+        parser.error(f"--baseline {known.baseline!r}; valid: {', '.join(BASELINES)}")
     modes = tuple(m.strip() for m in known.baseline_modes.split(",") if m.strip())
     bad = [m for m in modes if m not in BASELINE_MODES]
     if bad or not modes:
@@ -128,7 +137,7 @@ def parse_bench_args(argv: list[str], scratch: str) -> tuple[BenchOptions, Confi
         warmup=known.warmup,
         steps=known.steps,
         json_path=known.json_path,
-        baseline=known.baseline,
+        baselines=baselines,
         baseline_modes=modes,
         peak_tflops=known.peak_tflops,
         matmul_size=known.matmul_size,
@@ -340,26 +349,7 @@ def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list
     return result, recorder.batches
 
 
-def build_hf_model(args: BloomArgs, device: torch.device, seed: int):
-    """transformers' BloomForCausalLM with bloomnative's shape, random init, no dropout."""
-    from transformers import BloomConfig, BloomForCausalLM
-
-    hf_config = BloomConfig(
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        layer_norm_epsilon=args.layer_norm_epsilon,
-        initializer_range=args.init_std,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cache=False,
-    )
-    torch.manual_seed(seed)
-    return BloomForCausalLM(hf_config).to(device).train()
-
-
-def hf_optimizer(model, config: Config, device: torch.device) -> torch.optim.AdamW:
+def reference_optimizer(model, config: Config, device: torch.device) -> torch.optim.AdamW:
     """AdamW with bloomnative's hyper-parameters and decay rule (matrices only), fused on CUDA."""
     o = config.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
@@ -373,7 +363,8 @@ def hf_optimizer(model, config: Config, device: torch.device) -> torch.optim.Ada
     )
 
 
-def bench_hf(
+def bench_baseline(
+    name: str,
     config: Config,
     args: BloomArgs,
     batches: list,
@@ -381,11 +372,12 @@ def bench_hf(
     options: BenchOptions,
     device: torch.device,
 ) -> dict:
-    """The baseline step on the recorded batches: the same learning-rate schedule, forward/
-    backward per micro batch with the same summed fp32 cross-entropy, clip_grad_norm_, AdamW."""
-    model = build_hf_model(args, device, config.job.seed)
-    optimizer = hf_optimizer(model, config, device)
-    forward = torch.compile(model) if mode == "compile" else model
+    """A baseline's step on the recorded batches: the same learning-rate schedule, forward/
+    backward per micro batch with the same summed fp32 cross-entropy (bf16 autocast when
+    training.dtype is bf16), clip_grad_norm_, AdamW."""
+    seq_len = config.training.seq_len
+    baseline = build_baseline(name, args, seq_len, device, config.job.seed, mode == "compile")
+    optimizer = reference_optimizer(baseline.module, config, device)
     bf16 = config.training.dtype == "bf16"
     max_norm = config.training.max_norm
     schedule = LRSchedule.from_config(config.lr_scheduler, config.optimizer, config.training.steps)
@@ -404,30 +396,27 @@ def bench_hf(
         total = torch.zeros((), device=device)
         for inputs, labels in micro_batches:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                logits = forward(input_ids=inputs).logits
-            loss = (
-                F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-                / denominator
-            )
+                logits = baseline.forward(inputs % baseline.vocab_size)
+            loss = baseline.loss(logits, labels % baseline.vocab_size) / denominator
             loss.backward()
             total += loss.detach()
         if max_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            torch.nn.utils.clip_grad_norm_(baseline.module.parameters(), max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return total.item()
 
-    tokens_per_step = config.training.global_batch_size * config.training.seq_len
+    tokens_per_step = config.training.global_batch_size * seq_len
     times = run_steps(step, options.warmup, options.steps, device, memory)
     result = summarize(
         times,
         tokens_per_step,
-        args.flops_per_token(config.training.seq_len),
+        baseline.flops_per_token,
         device_peak_tflops(device, options.peak_tflops),
         mode == "compile",
         memory.read(),
     )
-    return result
+    return result | {"flops_per_token": baseline.flops_per_token, "model": baseline.details}
 
 
 def release_memory(device: torch.device) -> None:
@@ -522,9 +511,9 @@ def format_summary(report: dict) -> str:
         lines.append(
             "WARNING: the matmul ceiling moved by > 20% during the run: the device was shared"
         )
-    for key in ("ratio_ours_over_hf_eager", "ratio_ours_over_hf_compile"):
-        if key in report:
-            lines.append(f"{key}: {report[key]:.3f}")
+    for key, value in report.items():
+        if key.startswith("ratio_ours_over_"):
+            lines.append(f"{key}: {value:.3f} (tokens/s)")
     return "\n".join(lines)
 
 
@@ -577,7 +566,7 @@ def run_benchmark(
     device = pick_device(config.job.device)
     args = model_args_from_config(config.model)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if options.baseline and world > 1:
+    if options.baselines and world > 1:
         print("bench_train.py: error: --baseline runs in a single process", file=sys.stderr)
         return 2
     ceiling_before = matmul_ceiling_tflops(device, options.matmul_size, options.matmul_repeats)
@@ -597,20 +586,20 @@ def run_benchmark(
         "memory_plan": planned_memory(config, args, device),
         "baseline": None,
     }
-    if options.baseline == "hf":
+    if options.baselines:
         report["baseline"] = {}
-        for mode in options.baseline_modes:
-            release_memory(device)  # the previous run's model and optimizer are garbage now
-            try:
-                result = bench_hf(config, args, batches, mode, options, device)
-            except torch.OutOfMemoryError as e:
-                # Hugging Face's eager attention materialises the scores: at sizes bloomnative
-                # fits, the baseline may not. Recorded, not fatal.
-                report["baseline"][f"hf_{mode}"] = {"error": f"out of memory: {e}".strip()[:300]}
-                continue
-            report["baseline"][f"hf_{mode}"] = result
-            ratio = ours["tokens_per_sec_median"] / result["tokens_per_sec_median"]
-            report[f"ratio_ours_over_hf_{mode}"] = ratio
+    for name, mode in itertools.product(options.baselines, options.baseline_modes):
+        release_memory(device)  # the previous run's model and optimizer are garbage now
+        try:
+            result = bench_baseline(name, config, args, batches, mode, options, device)
+        except torch.OutOfMemoryError as e:
+            # Hugging Face's eager attention materialises the scores: at sizes bloomnative
+            # fits, a baseline may not. Recorded, not fatal.
+            report["baseline"][f"{name}_{mode}"] = {"error": f"out of memory: {e}".strip()[:300]}
+            continue
+        report["baseline"][f"{name}_{mode}"] = result
+        ratio = ours["tokens_per_sec_median"] / result["tokens_per_sec_median"]
+        report[f"ratio_ours_over_{name}_{mode}"] = ratio
     ceiling_after = matmul_ceiling_tflops(device, options.matmul_size, options.matmul_repeats)
     ceiling = max(ceiling_before, ceiling_after, key=lambda c: c["tflops"])
     drift = abs(ceiling_before["tflops"] - ceiling_after["tflops"]) / ceiling["tflops"]

@@ -93,7 +93,46 @@ def test_bench_train_reports_ours_and_hugging_face(tmp_path):
     assert "ratio_ours_over_hf_eager" in proc.stdout
 
 
+def test_bench_train_reports_torchtitan_llama3_with_its_own_flops(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_bench(
+        tmp_path,
+        *SMALL_RUN,
+        "--model.n_layer=2",
+        "--baseline=torchtitan",
+        "--baseline-modes=eager",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    ours, theirs = report["bloomnative"], report["baseline"]["torchtitan_eager"]
+    check_run(theirs, steps=2)
+    llama = theirs["model"]
+    dim, layers, vocab, ffn = (
+        llama["dim"],
+        llama["n_layers"],
+        llama["vocab_size"],
+        llama["ffn_hidden"],
+    )
+    assert (dim, layers, vocab) == (192, 2, 8192)  # the debug preset's width; n_layer=2
+    assert ffn % 256 == 0 and ffn >= 8 * dim // 3  # Llama's SwiGLU hidden size rounding
+    # Untied embedding and output, per block: q, k, v, o, three MLP matrices and two norms.
+    params = 2 * vocab * dim + layers * (4 * dim * dim + 3 * dim * ffn + 2 * dim) + dim
+    assert llama["params"] == params
+    # torchtitan's count: 6 x (parameters - embedding) + 12 x layers x dim x seq.
+    assert theirs["flops_per_token"] == 6 * (params - vocab * dim) + 12 * layers * dim * 128
+    expected_tflops = theirs["tokens_per_sec_median"] * theirs["flops_per_token"] / 1e12
+    assert math.isclose(theirs["tflops_median"], expected_tflops, rel_tol=1e-9)
+    assert abs(theirs["loss_first"] - math.log(vocab)) < 1.0
+    ratio = report["ratio_ours_over_torchtitan_eager"]
+    assert math.isclose(
+        ratio, ours["tokens_per_sec_median"] / theirs["tokens_per_sec_median"], rel_tol=1e-9
+    )
+
+
 def load_tool():
+    sys.path.insert(0, str(REPO / "tools"))  # bench_train imports its sibling train_baselines
     spec = importlib.util.spec_from_file_location("bench_train", REPO / "tools/bench_train.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules

@@ -1,43 +1,33 @@
-"""Kernel tests run the Triton kernels on CPU through Triton's interpreter.
+"""Kernel tests run the Triton kernels on CPU through Triton's interpreter, or compiled on a GPU
+with ``BLOOMNATIVE_TEST_DEVICE=cuda`` (see kernel_test_utils, imported first: it sets
+``TRITON_INTERPRET`` before Triton is imported)."""
 
-``TRITON_INTERPRET`` must be set before Triton (and so ``bloomnative.kernels``) is imported;
-``run_tests.sh`` exports it, and this file sets it for a bare ``pytest tests/kernels``.
-"""
+import pytest
+import torch
+from kernel_test_utils import NEEDS_TRITON, TEST_DEVICE
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from bloomnative.kernels import _dispatch, poison_outputs  # noqa: E402
+from bloomnative.kernels import poison_outputs
 
 
 @pytest.fixture(autouse=True)
 def _kernel_test_setup():
-    """Every kernel test: seeded, and with kernel outputs NaN-poisoned before each launch, so an
-    element a kernel forgets to write fails the comparison instead of passing by luck."""
+    """Every kernel test: seeded, on the test device, and with kernel outputs NaN-poisoned
+    before each launch, so an element a kernel forgets to write fails the comparison instead of
+    passing by luck."""
     torch.manual_seed(0)
-    with poison_outputs():
+    with poison_outputs(), torch.device(TEST_DEVICE):
         yield
 
 
-NEEDS_INTERPRETER = pytest.mark.skipif(
-    not _dispatch.INTERPRET,
-    reason="Triton was imported without TRITON_INTERPRET=1 (or is missing), so the kernels "
-    "cannot run on CPU; run ./run_tests.sh or set TRITON_INTERPRET=1",
-)
-
-
 @pytest.fixture
-def interpreter() -> None:
-    """Tests that compare a Triton kernel against its reference need the interpreter; without
-    it the public ops would run the reference and the comparison could not fail. Requesting
-    this fixture marks a test NEEDS_INTERPRETER (see pytest_collection_modifyitems)."""
+def triton_kernels() -> None:
+    """Tests that compare a Triton kernel against its reference need the kernels to run (the
+    interpreter on CPU, or a GPU); otherwise the public ops would run the reference and the
+    comparison could not fail. Requesting this fixture marks a test NEEDS_TRITON (see
+    pytest_collection_modifyitems)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if "interpreter" in getattr(item, "fixturenames", ()):
-            item.add_marker(NEEDS_INTERPRETER)
+        if "triton_kernels" in getattr(item, "fixturenames", ()):
+            item.add_marker(NEEDS_TRITON)

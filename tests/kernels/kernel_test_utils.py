@@ -1,10 +1,36 @@
-"""Shared helpers of the kernel tests (tolerances, float64 copies, BLOOM's ALiBi slopes)."""
+"""Shared helpers of the kernel tests (the test device, tolerances, float64 copies, BLOOM's
+ALiBi slopes).
+
+The kernels run on CPU through Triton's interpreter, which needs ``TRITON_INTERPRET=1`` before
+Triton is imported (``run_tests.sh`` exports it; this module sets it for a bare ``pytest``), or,
+with ``BLOOMNATIVE_TEST_DEVICE=cuda``, compiled on a GPU: every test then creates its tensors
+there, so the same comparisons check the compiled kernels and Inductor's capture of them.
+"""
 
 from __future__ import annotations
 
 import math
+import os
 
-import torch
+TEST_DEVICE = os.environ.get("BLOOMNATIVE_TEST_DEVICE", "cpu")
+if TEST_DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"BLOOMNATIVE_TEST_DEVICE={TEST_DEVICE!r}: use cpu or cuda")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from bloomnative.kernels import _dispatch  # noqa: E402
+
+NEEDS_TRITON = pytest.mark.skipif(
+    not (
+        _dispatch.INTERPRET
+        or (TEST_DEVICE == "cuda" and _dispatch.HAS_TRITON and torch.cuda.is_available())
+    ),
+    reason="the Triton kernels cannot run: on CPU Triton must be imported with "
+    "TRITON_INTERPRET=1 (run ./run_tests.sh); on a GPU set BLOOMNATIVE_TEST_DEVICE=cuda",
+)
 
 # Error allowed relative to the largest magnitude of the float64 reference. A bf16/fp16 kernel is
 # expected to be at least as close to float64 as the same math done by torch in that dtype.

@@ -18,7 +18,7 @@ SHAPES = [(1, 32), (37, 100), (2, 3, 257), (130, 64)]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_forward_and_gradients_match_float64_reference(interpreter, shape, dtype):
+def test_forward_and_gradients_match_float64_reference(triton_kernels, shape, dtype):
     x = (2 * torch.randn(shape)).to(dtype).requires_grad_()  # covers the tails of tanh
     bias = torch.randn(shape[-1], dtype=dtype, requires_grad=True)
     out = bias_gelu(x, bias)
@@ -44,7 +44,7 @@ def test_reference_is_torch_tanh_gelu_of_the_biased_input():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy's exp(>88) = inf: fine
-def test_large_inputs_saturate_without_nan(interpreter):
+def test_large_inputs_saturate_without_nan(triton_kernels):
     x = torch.tensor([[-1e4, -30.0, 0.0, 30.0, 1e4] + [0.0] * 11], requires_grad=True)
     bias = torch.zeros(16, requires_grad=True)
     out = bias_gelu(x, bias)
@@ -53,7 +53,7 @@ def test_large_inputs_saturate_without_nan(interpreter):
     torch.testing.assert_close(dx[0, :5], torch.tensor([0.0, 0.0, 0.5, 1.0, 1.0]))
 
 
-def test_fake_autograd_and_schema_registrations_pass_opcheck(interpreter):
+def test_fake_autograd_and_schema_registrations_pass_opcheck(triton_kernels):
     x = torch.randn(5, 40, requires_grad=True)
     bias = torch.randn(40, requires_grad=True)
     torch.library.opcheck(bg_module._bias_gelu_fwd, (x, bias))

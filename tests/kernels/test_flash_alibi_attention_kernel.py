@@ -40,7 +40,7 @@ def _ids(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_forward_and_gradients_match_float64_reference(interpreter, case):
+def test_forward_and_gradients_match_float64_reference(triton_kernels, case):
     batch, heads, seq, head_dim, dtype, causal = case
     q, k, v = (
         torch.randn(batch, heads, seq, head_dim, dtype=dtype, requires_grad=True) for _ in range(3)
@@ -61,7 +61,7 @@ def test_forward_and_gradients_match_float64_reference(interpreter, case):
         assert_close_to_reference(got, want, tol, name)
 
 
-def test_logsumexp_is_stored_in_natural_log_for_the_backward(interpreter):
+def test_logsumexp_is_stored_in_natural_log_for_the_backward(triton_kernels):
     q, k, v = (torch.randn(2, 3, 37, 64) for _ in range(3))
     slopes = bloom_alibi_slopes(3)
     scale = 0.125
@@ -73,7 +73,7 @@ def test_logsumexp_is_stored_in_natural_log_for_the_backward(interpreter):
     assert_close_to_reference(lse, torch.logsumexp(scores, dim=-1), 1e-5, "lse")
 
 
-def test_explicit_softmax_scale_is_used(interpreter):
+def test_explicit_softmax_scale_is_used(triton_kernels):
     q, k, v = (torch.randn(1, 2, 20, 64) for _ in range(3))
     slopes = bloom_alibi_slopes(2)
     out = flash_alibi_attention(q, k, v, slopes, softmax_scale=0.3)
@@ -81,7 +81,7 @@ def test_explicit_softmax_scale_is_used(interpreter):
     assert_close_to_reference(out, ref, 1e-5)
 
 
-def test_strided_inputs_from_a_fused_qkv_projection(interpreter):
+def test_strided_inputs_from_a_fused_qkv_projection(triton_kernels):
     # BLOOM's fused QKV is [batch, seq, heads, 3, head_dim]; q/k/v are strided views of it and
     # the output keeps the [batch, seq, heads, head_dim] memory order of q.
     batch, seq, heads, head_dim = 2, 40, 3, 64
@@ -101,7 +101,7 @@ def test_strided_inputs_from_a_fused_qkv_projection(interpreter):
     assert_close_to_reference(dqkv, ref_dqkv, 1e-5, "dqkv")
 
 
-def test_alibi_relative_form_equals_blooms_absolute_key_position_bias(interpreter):
+def test_alibi_relative_form_equals_blooms_absolute_key_position_bias(triton_kernels):
     # BLOOM adds slope * key_pos; the kernel adds slope * (key_pos - query_pos). Under softmax
     # the per-row constant cancels, causal or not.
     q, k, v = (torch.randn(1, 4, 30, 64, dtype=torch.float64) for _ in range(3))
@@ -115,7 +115,7 @@ def test_alibi_relative_form_equals_blooms_absolute_key_position_bias(interprete
         assert_close_to_reference(out, bloom, 1e-5, f"causal={causal}")
 
 
-def test_fake_autograd_and_schema_registrations_pass_opcheck(interpreter):
+def test_fake_autograd_and_schema_registrations_pass_opcheck(triton_kernels):
     q, k, v = (torch.randn(1, 2, 19, 64, requires_grad=True) for _ in range(3))
     slopes = bloom_alibi_slopes(2)
     torch.library.opcheck(fa_module._flash_alibi_fwd, (q, k, v, slopes, True, 0.125))

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_test_utils import assert_close_to_reference, bloom_alibi_slopes
+from kernel_test_utils import NEEDS_TRITON, assert_close_to_reference, bloom_alibi_slopes
 
 from bloomnative.kernels import (
     _dispatch,
@@ -55,14 +55,7 @@ def _loss_and_grads(fn, inputs):
 @pytest.mark.parametrize(
     "path, backend",
     [
-        pytest.param(
-            "triton",
-            "inductor",
-            id="triton-interpreter-inductor",
-            marks=pytest.mark.skipif(
-                not _dispatch.INTERPRET, reason="needs TRITON_INTERPRET=1 to run the Triton ops"
-            ),
-        ),
+        pytest.param("triton", "inductor", id="triton-inductor", marks=NEEDS_TRITON),
         pytest.param("reference", "aot_eager", id="torch-reference-aot_eager"),
     ],
 )

@@ -27,7 +27,7 @@ def _inputs(shape, dtype, with_residual):
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_forward_and_gradients_match_float64_reference(interpreter, shape, dtype, with_residual):
+def test_forward_and_gradients_match_float64_reference(triton_kernels, shape, dtype, with_residual):
     x, weight, bias, residual = _inputs(shape, dtype, with_residual)
     outputs = layer_norm(x, weight, bias, 1e-5, residual)
     outputs = outputs if with_residual else (outputs,)
@@ -51,7 +51,7 @@ def test_forward_and_gradients_match_float64_reference(interpreter, shape, dtype
         assert_close_to_reference(got, want, tol, name)
 
 
-def test_eps_is_applied_inside_the_square_root(interpreter):
+def test_eps_is_applied_inside_the_square_root(triton_kernels):
     x = 1e-3 * torch.randn(4, 64)
     weight, bias = torch.ones(64), torch.zeros(64)
     out = layer_norm(x, weight, bias, eps=1e-2)
@@ -59,7 +59,7 @@ def test_eps_is_applied_inside_the_square_root(interpreter):
     assert_close_to_reference(out, ref, 1e-5)
 
 
-def test_fp32_parameters_with_bf16_activations(interpreter):
+def test_fp32_parameters_with_bf16_activations(triton_kernels):
     # Activations in bf16 with fp32 LayerNorm parameters (no FSDP param cast): grads of the
     # parameters come back in the parameters' dtype.
     x, _, _, _ = _inputs((6, 128), torch.bfloat16, False)
@@ -75,7 +75,7 @@ def test_fp32_parameters_with_bf16_activations(interpreter):
 
 
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
-def test_fake_autograd_and_schema_registrations_pass_opcheck(interpreter, with_residual):
+def test_fake_autograd_and_schema_registrations_pass_opcheck(triton_kernels, with_residual):
     x, weight, bias, residual = _inputs((3, 40), torch.float32, with_residual)
     torch.library.opcheck(ln_module._layer_norm_fwd, (x, weight, bias, residual, 1e-5))
 

@@ -61,7 +61,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype, chunk_size, reduction", CASES, ids=str)
-def test_loss_and_gradients_match_float64_reference(interpreter, dtype, chunk_size, reduction):
+def test_loss_and_gradients_match_float64_reference(triton_kernels, dtype, chunk_size, reduction):
     h, w, targets = _inputs(37, 32, 200, dtype)
     _check_against_float64(h, w, targets, reduction, chunk_size, TOLERANCE[dtype])
 
@@ -73,7 +73,7 @@ def test_torch_path_on_cpu_without_interpreter_matches_reference(monkeypatch, re
     _check_against_float64(h, w, targets, reduction, 16, 1e-5)
 
 
-def test_all_targets_ignored_gives_zero_loss_and_zero_gradients(interpreter):
+def test_all_targets_ignored_gives_zero_loss_and_zero_gradients(triton_kernels):
     h, w, targets = _inputs(8, 16, 50, torch.float32, ignore_every=0)
     targets.fill_(IGNORE)
     loss = linear_cross_entropy(h, w, targets)
@@ -82,7 +82,7 @@ def test_all_targets_ignored_gives_zero_loss_and_zero_gradients(interpreter):
     assert not dh.any() and not dw.any()
 
 
-def test_custom_ignore_index(interpreter):
+def test_custom_ignore_index(triton_kernels):
     h, w, targets = _inputs(20, 16, 50, torch.float32, ignore_every=0)
     targets[::3] = 7  # a valid class id used as the ignore index
     loss = linear_cross_entropy(h, w, targets, ignore_index=7)
@@ -90,7 +90,7 @@ def test_custom_ignore_index(interpreter):
     assert_close_to_reference(loss, ref, 1e-5)
 
 
-def test_no_gradients_are_computed_when_none_are_needed(interpreter, monkeypatch):
+def test_no_gradients_are_computed_when_none_are_needed(triton_kernels, monkeypatch):
     seen = []
     original = lce_module._fused_loss_and_grads
 
@@ -110,7 +110,7 @@ def test_no_gradients_are_computed_when_none_are_needed(interpreter, monkeypatch
     assert dh.shape == h.shape
 
 
-def test_weight_in_another_dtype_is_cast_like_autocast(interpreter):
+def test_weight_in_another_dtype_is_cast_like_autocast(triton_kernels):
     h, _, targets = _inputs(12, 16, 40, torch.bfloat16)
     w = torch.randn(40, 16, requires_grad=True)  # fp32 master weight
     loss = linear_cross_entropy(h, w, targets)
@@ -121,7 +121,7 @@ def test_weight_in_another_dtype_is_cast_like_autocast(interpreter):
     assert_close_to_reference(dw, ref_dw, 1e-2)
 
 
-def test_fake_autograd_and_schema_registrations_pass_opcheck(interpreter):
+def test_fake_autograd_and_schema_registrations_pass_opcheck(triton_kernels):
     h, w, targets = _inputs(10, 16, 50, torch.float32)
     args = (h, w, targets, IGNORE, "mean", 4, True, True)
     torch.library.opcheck(lce_module._linear_cross_entropy_op, args)

@@ -488,7 +488,7 @@ def format_summary(report: dict) -> str:
             rows.append((mode, result))
     mem_key = "peak_allocated_gib" if report["device"] == "cuda" else "peak_rss_gib"
     header = (
-        f"{'run':<13}{'tok/s med':>12}{'tok/s p90':>12}{'TFLOP/s':>10}{'MFU peak':>10}"
+        f"{'run':<20}{'tok/s med':>12}{'tok/s p90':>12}{'TFLOP/s':>10}{'MFU peak':>10}"
         f"{'MFU ceil':>10}{'mem GiB':>9}{'1st step s':>12}"
     )
     lines = [header]
@@ -496,7 +496,7 @@ def format_summary(report: dict) -> str:
         mfu = r["mfu_device_peak"]
         mem = r["memory"][mem_key]
         lines.append(
-            f"{name:<13}{r['tokens_per_sec_median']:>12,.0f}{r['tokens_per_sec_p90']:>12,.0f}"
+            f"{name:<20}{r['tokens_per_sec_median']:>12,.0f}{r['tokens_per_sec_p90']:>12,.0f}"
             f"{r['tflops_median']:>10.3f}{'-' if mfu is None else f'{mfu:.1%}':>10}"
             f"{r['mfu_matmul_ceiling']:>10.1%}{'-' if mem is None else f'{mem:.2f}':>9}"
             f"{r['first_step_s']:>12.2f}"

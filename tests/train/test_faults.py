@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from training_helpers import TINY_RUN, metric_rows, train_command, train_env
 
 # Runs the real trainer in a fresh process with forward_backward returning NaN at chosen steps.
@@ -31,12 +33,37 @@ INJECT_NAN = textwrap.dedent(
         return loss
 
     trainer.forward_backward = forward_backward
+    real_step = trainer.train_step
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def optimizer_state():
+        # Weights, AdamW moments and step counts: this rank's shards.
+        tensors = [local(p).detach().clone() for p in trainer.params]
+        for opt in trainer.optimizers:
+            for state in opt.state.values():
+                tensors += [local(t).detach().clone() for t in state.values()]
+        return tensors
+
+    def train_step():
+        skipped = trainer.step + 1 in nan_steps
+        before = optimizer_state() if skipped else None
+        result = real_step()
+        if skipped:
+            same = all(torch.equal(a, b) for a, b in zip(before, optimizer_state(), strict=True))
+            print(f"step {trainer.step} skipped, state unchanged: {same}", flush=True)
+        return result
+
+    trainer.train_step = train_step
     trainer.train()
     """
 )
 
 
-def run_with_nan(tmp_path: Path, corpus: str, nan_steps: list[int], *extra: str):
+def run_with_nan(
+    tmp_path: Path, corpus: str, nan_steps: list[int], *extra: str, nproc: int = 0
+) -> subprocess.CompletedProcess:
     script = tmp_path / "inject.py"
     script.write_text(INJECT_NAN)
     argv = [
@@ -46,8 +73,11 @@ def run_with_nan(tmp_path: Path, corpus: str, nan_steps: list[int], *extra: str)
         "--checkpoint.enable=false",
         *extra,
     ]
+    launcher = [sys.executable]
+    if nproc:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return subprocess.run(
-        [sys.executable, str(script), json.dumps(nan_steps), *argv],
+        [*launcher, str(script), json.dumps(nan_steps), *argv],
         env=train_env(),
         capture_output=True,
         text=True,
@@ -55,9 +85,27 @@ def run_with_nan(tmp_path: Path, corpus: str, nan_steps: list[int], *extra: str)
     )
 
 
-def test_a_nan_gradient_step_is_skipped_and_counted(tmp_path, synthetic_corpus):
-    proc = run_with_nan(tmp_path, synthetic_corpus, [3], "--training.steps=5")
+@pytest.mark.parametrize(
+    "implementation, nproc",
+    [
+        ("foreach", 0),  # decided on the host
+        ("fused", 0),  # decided on the device: found_inf read by the fused AdamW kernel
+        ("fused", 2),  # ... with FSDP2's DTensor parameters
+    ],
+)
+def test_a_nan_gradient_step_is_skipped_and_counted(
+    tmp_path, synthetic_corpus, implementation, nproc
+):
+    proc = run_with_nan(
+        tmp_path,
+        synthetic_corpus,
+        [3],
+        "--training.steps=5",
+        f"--optimizer.implementation={implementation}",
+        nproc=nproc,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 3 skipped, state unchanged: True" in proc.stdout
     rows = {row["step"]: row for row in metric_rows(tmp_path / "run")}
     assert [rows[s]["nonfinite_skipped"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
     assert all(rows[s]["loss"] == rows[s]["loss"] for s in rows)  # later losses are finite

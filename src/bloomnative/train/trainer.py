@@ -28,12 +28,9 @@ from bloomnative.train.faults import StopRequest
 from bloomnative.train.loss import cross_entropy_sum, fused_head_cross_entropy_sum
 from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tflops, peak_memory_gib
+from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
 from bloomnative.train.preflight import check_run
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps had a non-finite loss or gradient norm."""
 
 
 class Trainer:
@@ -67,6 +64,7 @@ class Trainer:
             build_optimizer([p], config.optimizer, self.device) for p in self.model_parts
         ]
         self.params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+        self.nonfinite = NonFiniteGuard(self.optimizers, self.device, train_cfg.max_nonfinite_steps)
         self.lr_schedule = LRSchedule.from_config(
             config.lr_scheduler, config.optimizer, train_cfg.steps
         )
@@ -74,8 +72,6 @@ class Trainer:
         self._build_data()
         self.step = 0
         self.consumed_samples = 0
-        self.nonfinite_skipped = 0
-        self._nonfinite_run = 0  # consecutive skipped steps
         self.ckpt_folder = self.dump / config.checkpoint.folder
         self.checkpointer = ckpt.Checkpointer(
             self.ckpt_folder,
@@ -246,7 +242,7 @@ class Trainer:
             "train": {
                 "step": torch.tensor(self.step),
                 "consumed_samples": torch.tensor(self.consumed_samples),
-                "nonfinite_skipped": torch.tensor(self.nonfinite_skipped),
+                "nonfinite_skipped": torch.tensor(self.nonfinite.skipped),
             },
         }
         if with_rng:
@@ -287,7 +283,7 @@ class Trainer:
             ckpt.restore_rng_state(state["rng"])
         self.step = int(state["train"]["step"])
         self.consumed_samples = int(state["train"]["consumed_samples"])
-        self.nonfinite_skipped = int(state["train"]["nonfinite_skipped"])
+        self.nonfinite.load(int(state["train"]["nonfinite_skipped"]))
         self.train_loader.load_state_dict({"consumed_samples": self.consumed_samples})
         self._say(f"resumed from {path} at step {self.step}")
 
@@ -386,20 +382,7 @@ class Trainer:
             pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
             not_counted=self.untied_copies,
         )
-        if torch.isfinite(grad_norm) and torch.isfinite(loss):
-            for opt in self.optimizers:
-                opt.step()
-            self._nonfinite_run = 0
-        else:
-            self.nonfinite_skipped += 1
-            self._nonfinite_run += 1
-            limit = self.config.training.max_nonfinite_steps
-            if self._nonfinite_run >= limit:
-                raise NonFiniteError(
-                    f"step {self.step + 1}: loss or gradient norm has been non-finite for "
-                    f"{limit} consecutive steps (training.max_nonfinite_steps); lower the learning "
-                    f"rate or resume from an earlier checkpoint"
-                )
+        self.nonfinite.step(loss, grad_norm)  # skips the update on NaN/inf
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
@@ -462,13 +445,14 @@ class Trainer:
         in the dump folder), saving a checkpoint at the step where it stops."""
         t, m, v = self.config.training, self.config.metrics, self.config.validation
         ckpt_cfg = self.config.checkpoint
-        stop = StopRequest(self.dump / "STOP", self.device)
+        stop = StopRequest(self.dump / "STOP")
         self.throughput.read_and_reset()
         try:
             while self.step < t.steps:
                 loss, grad_norm, lr, gbs = self.train_step()
                 self.throughput.add_tokens(gbs * t.seq_len)
                 if self.step % m.log_freq == 0 or self.step == 1 or self.step == t.steps:
+                    self.nonfinite.check(self.step)
                     self._log_step(loss, grad_norm, lr, gbs)
                 if v.freq and self.make_valid_loader and self.step % v.freq == 0:
                     self._log_eval()
@@ -494,7 +478,7 @@ class Trainer:
             "consumed_samples": self.consumed_samples,
             **self.throughput.read_and_reset(),
             "mem_peak_gib": self._max_over_ranks(peak_memory_gib(self.device)),
-            "nonfinite_skipped": self.nonfinite_skipped,
+            "nonfinite_skipped": self.nonfinite.skipped,
         }
         self.metrics.log(row)
 

@@ -1,0 +1,65 @@
+"""Skipping the optimizer step when the loss or the gradient norm is not finite, without making
+the host wait for the device on every step."""
+
+from __future__ import annotations
+
+import torch
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient norm."""
+
+
+class NonFiniteGuard:
+    """Steps the optimizers unless this step's loss or gradient norm is NaN or infinite, and
+    counts the skipped steps.
+
+    With fused AdamW (the default on CUDA) the decision stays on the device: the kernel reads a
+    `found_inf` flag and leaves weights, moments and step counts untouched when it is set, so the
+    step loop never waits for the GPU. The foreach and for-loop kernels have no such flag; there
+    the flag is read on the host (free on CPU, one synchronisation per step on a GPU).
+
+    The counters live on the device too and are read only by `skipped` and `check`, which the
+    trainer calls at log steps and checkpoints.
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], device: torch.device, limit: int):
+        self.optimizers = optimizers
+        self.limit = limit
+        self.on_device = all(opt.defaults.get("fused") for opt in optimizers)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self._run = torch.zeros_like(self._skipped)  # consecutive skipped steps, now
+        self._longest_run = torch.zeros_like(self._skipped)
+
+    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        if self.on_device:
+            found_inf = (~finite).float()
+            for opt in self.optimizers:
+                opt.found_inf = found_inf  # read by torch.optim.AdamW(fused=True).step
+                opt.step()
+        elif finite:
+            for opt in self.optimizers:
+                opt.step()
+        skipped = (~finite).long()
+        self._skipped += skipped
+        self._run = (self._run + 1) * skipped
+        torch.maximum(self._longest_run, self._run, out=self._longest_run)
+
+    @property
+    def skipped(self) -> int:
+        """Steps skipped since the start of the run (resumes included)."""
+        return int(self._skipped.item())
+
+    def load(self, skipped: int) -> None:
+        """Continues the count of a resumed run."""
+        self._skipped.fill_(skipped)
+
+    def check(self, step: int) -> None:
+        """Raises NonFiniteError if `limit` or more consecutive steps have been skipped."""
+        if self._longest_run.item() >= self.limit:
+            raise NonFiniteError(
+                f"step {step}: loss or gradient norm has been non-finite for {self.limit} "
+                f"consecutive steps (training.max_nonfinite_steps); lower the learning rate or "
+                f"resume from an earlier checkpoint"
+            )

@@ -105,6 +105,23 @@ def _alibi(slope2, offs_q, offs_k, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def _scores(
+    q, kt, slope2, qk_scale, offs_m, offs_n, n_ok,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # log2(e) * (c q.k + ALiBi) of a [query, key] tile; -inf past the sequence end and, when
+    # causal, right of the diagonal (only tiles that can hold such keys are MASKED).
+    s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+    s += _alibi(slope2, offs_m, offs_n, False)
+    if MASKED:
+        keep = n_ok[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(keep, s, float("-inf"))
+    return s
+
+
+@triton.jit
 def _fwd_kv_loop(
     acc, m_i, l_i, q, K_BASE, V_BASE, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_d, d_ok, slope2, qk_scale, seq_len, lo, hi,
@@ -122,13 +139,7 @@ def _fwd_kv_loop(
             V_BASE + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
             n_ok, d_ok, MASKED, PAD_D,
         )  # fmt: skip
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-        s += _alibi(slope2, offs_m, offs_n, False)
-        if MASKED:
-            keep = n_ok[None, :]
-            if CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(keep, s, float("-inf"))
+        s = _scores(q, kt, slope2, qk_scale, offs_m, offs_n, n_ok, MASKED, CAUSAL, PRECISION)
         # Every row sees at least one unmasked key in the first block it processes (key
         # `lo` <= its position), so m_new is finite and exp2(m_i - m_new) never meets -inf - -inf.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -342,13 +353,7 @@ def _dq_kv_loop(
             V_BASE + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn,
             d_ok, n_ok, PAD_D, MASKED,
         )  # fmt: skip
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-        s += _alibi(slope2, offs_m, offs_n, False)
-        if MASKED:
-            keep = n_ok[None, :]
-            if CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(keep, s, float("-inf"))
+        s = _scores(q, kt, slope2, qk_scale, offs_m, offs_n, n_ok, MASKED, CAUSAL, PRECISION)
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, vt, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])

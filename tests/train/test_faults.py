@@ -56,7 +56,7 @@ INJECT_NAN = textwrap.dedent(
         return result
 
     trainer.train_step = train_step
-    trainer.train()
+    trainer.run()  # train, then release the process group (gloo aborts at exit otherwise)
     """
 )
 

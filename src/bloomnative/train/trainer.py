@@ -45,6 +45,7 @@ class Trainer:
         self.dump = Path(job.dump_folder)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_mesh = self.mesh["dp"]
+        self.pp_mesh = self.mesh["pp"]  # sliced once: slicing a mesh is host work on every call
 
         torch.manual_seed(job.seed)
         self.bf16 = train_cfg.dtype == "bf16"
@@ -127,7 +128,7 @@ class Trainer:
         cfg, par = self.config, self.config.parallelism
         with torch.device("meta"):
             model = Bloom(self.model_args)
-        self.pp_rank = self.mesh["pp"].get_local_rank()
+        self.pp_rank = self.pp_mesh.get_local_rank()
         parts, self.stage_ids, self.num_stages = split_for_pipeline(
             model, self.dims, par, self.pp_rank
         )
@@ -177,7 +178,7 @@ class Trainer:
                 n_microbatches,
                 self._pipeline_loss,
                 self.device,
-                self.mesh["pp"].get_group(),
+                self.pp_mesh.get_group(),
             )
         return self._pipelines[n_microbatches]
 
@@ -379,7 +380,7 @@ class Trainer:
         grad_norm = clip_grad_norm_(
             self.params,
             self.config.training.max_norm,
-            pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
+            pp_group=self.pp_mesh.get_group() if self.dims.pp > 1 else None,
             not_counted=self.untied_copies,
         )
         self.nonfinite.step(loss, grad_norm)  # skips the update on NaN/inf
@@ -394,7 +395,7 @@ class Trainer:
         it), averaged over data-parallel ranks."""
         value = value.detach().clone()
         if self.dims.pp > 1:
-            dist.all_reduce(value, group=self.mesh["pp"].get_group())
+            dist.all_reduce(value, group=self.pp_mesh.get_group())
         if self.dims.dp > 1:
             dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
         return value.item()

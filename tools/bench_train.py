@@ -44,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -79,6 +80,7 @@ class BenchOptions:
     matmul_size: int
     matmul_repeats: int
     cold_compile: bool
+    sync_debug: bool
 
 
 def parse_bench_args(argv: list[str], scratch: str) -> tuple[BenchOptions, Config, list[str]]:
@@ -123,6 +125,12 @@ def parse_bench_args(argv: list[str], scratch: str) -> tuple[BenchOptions, Confi
         help="compile with empty Inductor and Triton caches (fresh temporary "
         "TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR), so compile_s is what a first run pays",
     )
+    parser.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="CUDA only: run each train step under torch.cuda.set_sync_debug_mode('warn') and "
+        "report the host synchronisations CUDA saw after the first step (expected: none)",
+    )
     known, rest = parser.parse_known_args(argv)
     if known.warmup < 1 or known.steps < 1:
         parser.error("--warmup and --steps must be at least 1 (the first step is never timed)")
@@ -143,6 +151,7 @@ def parse_bench_args(argv: list[str], scratch: str) -> tuple[BenchOptions, Confi
         matmul_size=known.matmul_size,
         matmul_repeats=known.matmul_repeats,
         cold_compile=known.cold_compile,
+        sync_debug=known.sync_debug,
     )
     steps_needed = [f"--training.steps={known.warmup + known.steps}"]
     dump = [f"--job.dump_folder={scratch}"]
@@ -224,6 +233,20 @@ def matmul_ceiling_tflops(device: torch.device, size: int, repeats: int) -> dict
         "dtype": str(dtype).removeprefix("torch."),
         "size": size,
     }
+
+
+def cuda_host_syncs(fn: Callable[[], object]) -> tuple[object, list[str]]:
+    """Runs `fn` with CUDA's sync debug mode warning; returns its result and, for each host
+    synchronisation CUDA reported, the Python line that caused it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    lines = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return result, lines
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -325,9 +348,17 @@ def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list
     trainer.train_loader = recorder
     memory = PeakMemory(trainer.device)
     tokens = []
+    syncs: list[list[str]] = []  # per step, with --sync-debug
+
+    def train_step():
+        if not options.sync_debug:
+            return trainer.train_step()
+        result, lines = cuda_host_syncs(trainer.train_step)
+        syncs.append(lines)
+        return result
 
     def step() -> float:
-        loss, _, _, gbs = trainer.train_step()
+        loss, _, _, gbs = train_step()
         tokens.append(gbs * config.training.seq_len / trainer.world_size)
         return float(loss)  # this rank's loss (0 on pipeline ranks without the last stage)
 
@@ -342,6 +373,9 @@ def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list
         memory.read(),
     )
     result["build_s"] = build_s
+    if options.sync_debug:  # the first step sets up (compilation, pipeline shape exchange)
+        result["host_syncs_after_first_step"] = sum(len(lines) for lines in syncs[1:])
+        result["host_sync_lines"] = sorted({line for lines in syncs[1:] for line in lines})
     result["world_size"] = trainer.world_size
     result["layout"] = trainer.dims.summary
     choice = trainer.recompute_choice  # activation_checkpoint.mode = "auto"
@@ -511,6 +545,12 @@ def format_summary(report: dict) -> str:
         lines.append(
             "WARNING: the matmul ceiling moved by > 20% during the run: the device was shared"
         )
+    ours = report["bloomnative"]
+    if "host_syncs_after_first_step" in ours:
+        lines.append(
+            f"host syncs CUDA reported after the first step: {ours['host_syncs_after_first_step']}"
+            + "".join(f"\n  {line}" for line in ours["host_sync_lines"])
+        )
     for key, value in report.items():
         if key.startswith("ratio_ours_over_"):
             lines.append(f"{key}: {value:.3f} (tokens/s)")
@@ -568,6 +608,13 @@ def run_benchmark(
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if options.baselines and world > 1:
         print("bench_train.py: error: --baseline runs in a single process", file=sys.stderr)
+        return 2
+    if options.sync_debug and device.type != "cuda":
+        print(
+            f"bench_train.py: error: --sync-debug needs a CUDA device, not {device.type} (on CPU, "
+            "tests/train/test_no_host_sync.py checks the step loop)",
+            file=sys.stderr,
+        )
         return 2
     ceiling_before = matmul_ceiling_tflops(device, options.matmul_size, options.matmul_repeats)
     ours, batches = bench_bloomnative(config, options)

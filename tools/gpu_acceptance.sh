@@ -8,6 +8,7 @@
 #   OUT=outputs/gpu tools/gpu_acceptance.sh kernels-bench            # ~5 min
 #   OUT=outputs/gpu tools/gpu_acceptance.sh train-560m               # ~5 min
 #   OUT=outputs/gpu tools/gpu_acceptance.sh train-1b7                # ~6 min
+#   OUT=outputs/gpu tools/gpu_acceptance.sh host-syncs               # ~2 min
 #
 # Phases:
 #   env            nvidia-smi, Python/torch/Triton/transformers versions
@@ -18,6 +19,8 @@
 #   train-560m     tools/bench_train.py, BLOOM-560m, seq 2048, bf16, Triton attention, regional
 #   train-1b7      compile, planner-chosen recompute, against HF (eager, compiled) and, when
 #                  torchtitan imports, torchtitan's Llama 3 at the same width and depth
+#   host-syncs     tools/bench_train.py --sync-debug, BLOOM-560m, the same settings at seq 1024:
+#                  the host synchronisations CUDA sees in train steps after the first (expect 0)
 # A .whl/ folder (tools/fetch_gpu_wheels.sh) is installed into /tmp/bloomnative-site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,8 +75,15 @@ platform.python_version(), 'torch', torch.__version__, 'triton', triton.__versio
       ;;
     train-560m) bench_train 560m bloom-560m 8 32 ;;
     train-1b7) bench_train 1b7 bloom-1b7 4 16 ;;
+    host-syncs)
+      timeout 560 "$PYTHON" tools/bench_train.py --config configs/bloom-560m.toml \
+        --training.seq_len=1024 --training.micro_batch_size=4 --training.global_batch_size=8 \
+        --model.attention=triton --compile.enable=true --activation_checkpoint.mode=auto \
+        --warmup 2 --steps 3 --sync-debug --json "$OUT/host_syncs.json" 2>&1 \
+        | tee "$OUT/host_syncs.log"
+      ;;
     *)
-      echo "unknown phase '$phase'; valid: env kernels-test kernels-bench train-560m train-1b7" >&2
+      echo "unknown phase '$phase'; valid: env kernels-test kernels-bench train-560m train-1b7 host-syncs" >&2
       exit 2
       ;;
   esac

@@ -148,3 +148,5 @@ def test_bench_train_rejects_bad_flags(capsys):
     assert "--warmup and --steps must be at least 1" in capsys.readouterr().err
     assert bench.main(["--training.sq_len=128"]) == 2
     assert "training.seq_len" in capsys.readouterr().err  # the nearest valid key
+    assert bench.main(["--sync-debug"]) == 2  # CUDA's sync debug mode; the CPU has a probe test
+    assert "--sync-debug needs a CUDA device, not cpu" in capsys.readouterr().err

@@ -55,6 +55,7 @@ from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.model import BloomArgs
 from bloomnative.parallel.dims import LayoutError
 from bloomnative.parallel.memory_estimate import PlanError
+from bloomnative.train.distributed import exit_process
 from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import device_peak_tflops
 from train_baselines import BASELINES, build_baseline
@@ -675,4 +676,4 @@ def run_benchmark(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # not sys.exit: see exit_process

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from bloomnative.config import parse_args
 from bloomnative.train import checkpoint as ckpt
+from bloomnative.train.distributed import exit_process
 from bloomnative.train.trainer import Trainer
 
 
@@ -46,3 +47,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch.distributed as dist
 from memory_measurement import build_trainer, measured_step_peak, predict
 
+from bloomnative.train.distributed import exit_process
+
 
 def main(out_dir: str, overrides: list[str]) -> None:
     trainer = build_trainer(Path(out_dir) / "dump", *overrides)
@@ -31,3 +33,4 @@ def main(out_dir: str, overrides: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
+    exit_process(0)

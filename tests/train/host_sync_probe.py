@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bloomnative.config import parse_args
+from bloomnative.train.distributed import exit_process
 from bloomnative.train.trainer import Trainer
 
 ATEN = torch.ops.aten
@@ -89,3 +90,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

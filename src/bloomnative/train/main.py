@@ -8,6 +8,7 @@ import sys
 from bloomnative.config import ConfigError, parse_args
 from bloomnative.parallel import LayoutError
 from bloomnative.parallel.memory_estimate import PlanError
+from bloomnative.train.distributed import exit_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,4 +31,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # not sys.exit: see exit_process

@@ -15,6 +15,7 @@ from bloomnative.kernels import (
     linear_cross_entropy_reference,
     vocab_parallel_linear_cross_entropy,
 )
+from bloomnative.train.distributed import exit_process
 
 lce_module = importlib.import_module("bloomnative.kernels.linear_cross_entropy")
 
@@ -175,6 +176,7 @@ def _vocab_parallel_worker(rank, world_size, port):
             assert_close_to_reference(eval_loss, ref, 1e-5, f"{name} no_grad loss")
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # a spawned child would otherwise finalize with gloo threads alive
 
 
 @pytest.mark.multiprocess

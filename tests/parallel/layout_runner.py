@@ -38,8 +38,7 @@ def main() -> None:
         trainer = Trainer(config)
         trainer.train()
         params = gathered_params(trainer)
-        mesh = trainer.mesh
-        if mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0:
+        if trainer.dp_mesh.get_local_rank() == 0 and trainer.mesh["tp"].get_local_rank() == 0:
             torch.save(params, out / name / f"params_pp{trainer.pp_rank}.pt")
         dist.barrier()
     dist.destroy_process_group()

@@ -55,14 +55,16 @@ class ParallelDims:
         """Data-parallel degree: how many different batches are processed at once."""
         return self.dp_replicate * self.dp_shard
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """One mesh with named dims (size-1 dims kept so names always resolve), plus the
-        flattened "dp" (batch) and "dp_shard_cp" style views used by FSDP and the loader."""
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+        """The mesh with named dims ("pp", "dp_replicate", "dp_shard", "tp"; size-1 dims kept so
+        names always resolve), and its data-parallel ranks flattened into one "dp" dim (the
+        ranks that see different batches: the loader's and the loss average's group)."""
         names = ("pp", "dp_replicate", "dp_shard", "tp")
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
+        # Kept, not sliced from the root later: torch deprecates slicing flattened dims.
+        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh, dp_mesh
 
     @cached_property
     def summary(self) -> str:

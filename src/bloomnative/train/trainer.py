@@ -43,8 +43,7 @@ class Trainer:
         self.dims, self.model_args = check_run(config, self.world_size)
         self.recompute_choice = self._resolve_auto_recompute()
         self.dump = Path(job.dump_folder)
-        self.mesh = self.dims.build_mesh(self.device.type)
-        self.dp_mesh = self.mesh["dp"]
+        self.mesh, self.dp_mesh = self.dims.build_mesh(self.device.type)
         self.pp_mesh = self.mesh["pp"]  # sliced once: slicing a mesh is host work on every call
 
         torch.manual_seed(job.seed)

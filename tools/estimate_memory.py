@@ -170,7 +170,8 @@ def describe(args, layout: me.Layout, workload: me.Workload) -> str:
         f"{workload.recompute}"
         + (f" every {workload.recompute_every}" if workload.recompute == "selective" else "")
         + f", attention memory {workload.attention}, fused_loss {workload.fused_loss}, "
-        f"dropout {workload.dropout}, {workload.optimizer} AdamW"
+        f"compiled_loss {workload.compiled_loss}, dropout {workload.dropout}, "
+        f"{workload.optimizer} AdamW"
     )
 
 

@@ -203,7 +203,8 @@ class ActivationCheckpointConfig:
 @dataclass
 class CompileConfig:
     enable: bool = False
-    """torch.compile each block (regional compilation)."""
+    """torch.compile each block (regional compilation), and the loss unless model.fused_loss
+    or tp > 1."""
 
 
 @dataclass

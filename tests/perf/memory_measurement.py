@@ -98,6 +98,12 @@ def measured_step_peak(trainer: Trainer) -> int:
     live_before = storage_bytes(parameters(trainer) + optimizer_state_tensors(trainer))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer.train_step()
+    return live_before + allocation_peak(prof)
+
+
+def allocation_peak(prof: profile) -> int:
+    """The highest point of the running sum of the allocation (+) and free (-) events a
+    memory-profiling run recorded."""
     events = sorted(
         (e.start_ns(), e.nbytes())
         for e in prof.profiler.kineto_results.events()
@@ -107,7 +113,7 @@ def measured_step_peak(trainer: Trainer) -> int:
     for _, nbytes in events:
         running += nbytes
         peak = max(peak, running)
-    return live_before + peak
+    return peak
 
 
 def saved_activation_bytes(trainer: Trainer) -> int:

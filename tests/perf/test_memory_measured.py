@@ -10,9 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from memory_measurement import (
     MICRO_BATCH,
     MICRO_BATCHES,
+    SEQ,
+    allocation_peak,
     build_trainer,
     measured_step_peak,
     optimizer_state_tensors,
@@ -23,6 +26,9 @@ from memory_measurement import (
     saved_activation_bytes,
     storage_bytes,
 )
+from torch.profiler import ProfilerActivity, profile
+
+from bloomnative.parallel import memory_estimate as me
 
 TOLERANCE = 0.15
 HERE = Path(__file__).resolve().parent
@@ -90,3 +96,41 @@ def test_pipeline_ranks_peaks_match_the_estimate(tmp_path):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         error = relative_error(result["predicted"], result["measured"])
         assert error < TOLERANCE, (rank, result)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_compiled_loss_memory_matches_the_estimate(tmp_path, dtype):
+    """With compile.enable the trainer compiles its cross-entropy: what it keeps for backward
+    and what its backward allocates, against the planner's compiled-loss terms."""
+    trainer = build_trainer(tmp_path, "--compile.enable=true", f"--training.dtype={dtype}")
+    layout = me.layout_from_config(trainer.config.parallelism, trainer.world_size)
+    workload = me.workload_from_config(trainer.config, layout, device_type="cpu")
+    assert workload.compiled_loss
+    prec = me.Precision.of(layout, workload)
+    tokens, vocab = MICRO_BATCH * SEQ, trainer.model_args.vocab_size
+    logits_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    logits = torch.randn(MICRO_BATCH, SEQ, vocab, dtype=logits_dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (MICRO_BATCH, SEQ))
+    trainer._loss_sum(logits, labels).backward()  # compiles forward and backward
+
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype.is_floating_point:  # the labels are the batch, not the loss's memory
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = trainer._loss_sum(logits, labels)
+    predicted_saved = sum(
+        t.bytes for t in me.loss_saved_terms(trainer.model_args, layout, workload, prec)
+    )
+    assert relative_error(predicted_saved, sum(saved.values())) < TOLERANCE
+
+    logits.grad = None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    backward_peak = allocation_peak(prof)
+    predicted = me.loss_transient(trainer.model_args, layout, workload, prec, "cpu").bytes
+    assert relative_error(predicted, backward_peak) < TOLERANCE, (predicted, backward_peak)
+    assert predicted == tokens * vocab * logits.element_size()

@@ -18,7 +18,7 @@ from bloomnative.config import Config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.model import Bloom
 from bloomnative.parallel import clip_grad_norm_, init_weights
-from bloomnative.parallel.memory_estimate import GiB
+from bloomnative.parallel.memory_estimate import GiB, compiles_the_loss
 from bloomnative.parallel.memory_estimate.auto_recompute import RecomputeChoice, choose_recompute
 from bloomnative.parallel.parallelize import parallelize_part, split_for_pipeline
 from bloomnative.parallel.pipeline import Pipeline, TiedWeightSync, build_pipeline, stage_owner
@@ -153,6 +153,13 @@ class Trainer:
             self.head_part = next((p for p in parts if p.lm_head is not None), None)
             for part in parts:
                 part.head_in_loss = True
+        # Compiled, the cross-entropy reads the logits in their dtype and keeps them for a
+        # one-pass backward, instead of two fp32 [tokens, vocab] copies (memory_estimate.loss).
+        self._cross_entropy_sum = (
+            torch.compile(cross_entropy_sum)
+            if compiles_the_loss(cfg, self.dims.tp)
+            else cross_entropy_sum
+        )
         self._pipelines: dict[int, Pipeline] = {}
         self.tied_sync = None
         self.untied_copies: list = []
@@ -188,7 +195,7 @@ class Trainer:
         """Token-summed cross-entropy of the last stage's output: logits, or with
         `model.fused_loss` the final hidden states, to which the loss applies the head."""
         if self.head_part is None:
-            return cross_entropy_sum(output, labels)
+            return self._cross_entropy_sum(output, labels)
         return fused_head_cross_entropy_sum(output, self.head_part.lm_head.weight, labels)
 
     def _build_data(self) -> None:

@@ -57,6 +57,7 @@ from bloomnative.parallel.memory_estimate.components import (
 )
 from bloomnative.parallel.memory_estimate.from_config import (
     attention_memory_kind,
+    compiles_the_loss,
     layout_from_config,
     local_batch_size,
     workload_from_config,
@@ -128,6 +129,7 @@ __all__ = [
     "Workload",
     "Overhead",
     "attention_memory_kind",
+    "compiles_the_loss",
     "layout_from_config",
     "local_batch_size",
     "workload_from_config",

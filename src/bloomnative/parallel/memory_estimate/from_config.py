@@ -39,6 +39,12 @@ def layout_from_config(par: ParallelismConfig, world_size: int = 0) -> Layout:
     )
 
 
+def compiles_the_loss(config: Config, tp: int) -> bool:
+    """Whether the trainer compiles its unfused loss: with `compile.enable`, unless the loss is
+    the fused kernel or the logits are a tensor-parallel DTensor."""
+    return config.compile.enable and not config.model.fused_loss and tp == 1
+
+
 def local_batch_size(config: Config, layout: Layout) -> int:
     """Samples per data-parallel rank per step, at the final (largest) global batch size."""
     gbs = config.training.global_batch_size
@@ -83,6 +89,7 @@ def workload_from_config(
         recompute_every=config.activation_checkpoint.every,
         attention=attention or attention_memory_kind(config.model.attention, device_type),
         fused_loss=config.model.fused_loss,
+        compiled_loss=compiles_the_loss(config, layout.tp),
         dropout=dropout,
         optimizer=optimizer,
     )

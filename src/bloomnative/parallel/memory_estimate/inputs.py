@@ -91,6 +91,10 @@ class Workload:
     fp32 even for bf16 inputs)."""
     fused_loss: bool = False
     """Chunked lm head + cross-entropy (kernels.linear_cross_entropy): no [tokens, vocab] tensor."""
+    compiled_loss: bool = False
+    """The unfused loss under torch.compile (the trainer's with compile.enable and tp = 1): it keeps
+    the logits themselves for backward instead of fp32 log-probabilities, and its backward writes
+    the logits' gradient in their dtype in one pass."""
     dropout: bool = False
     """Megatron's dropout (0.1 on attention probabilities and hidden states; BLOOM-176B's
     training script kept these defaults). bloomnative's model has no dropout: False."""

@@ -31,8 +31,9 @@ def loss_saved_terms(
     Unfused (`train.loss.cross_entropy_sum`): log_softmax's fp32 output (4*b*s*V/t; its
     backward needs it). The logits themselves (b*s*V/t in the compute dtype) are freed once the
     loss exists, except on a pipeline's last stage, whose schedule keeps each micro batch's
-    stage output until that micro batch's backward. Fused: the gradients it computes during
-    forward, d_hidden (b*s*h) and d_weight (V/t*h).
+    stage output until that micro batch's backward. Compiled: the logits and two fp32 numbers
+    per token (the row max and log-sum-exp), from which its backward recomputes the softmax.
+    Fused: the gradients it computes during forward, d_hidden (b*s*h) and d_weight (V/t*h).
     """
     tokens, vocab, c = micro_batch_tokens(workload), local_vocab(args, layout), prec.compute
     if workload.fused_loss:
@@ -40,6 +41,10 @@ def loss_saved_terms(
             ActivationTerm("fused loss d_hidden", tokens * args.hidden_size, c, "fused loss"),
             ActivationTerm("fused loss d_weight", vocab * args.hidden_size, c, "fused loss"),
         ]
+    if workload.compiled_loss:
+        row_stats = ActivationTerm("compiled loss row max and logsumexp", 2 * tokens, FP32, "2*b*s")
+        logits = "logits (pipeline stage output)" if layout.pp > 1 else "logits (compiled loss)"
+        return [ActivationTerm(logits, tokens * vocab, c, "b*s*V/t"), row_stats]
     terms = [
         ActivationTerm("log-probabilities (fp32)", tokens * vocab, FP32, "fp32 upcast in loss")
     ]
@@ -60,9 +65,17 @@ def loss_transient(
     the fused nll/log_softmax backward holds three (zeros, exp(log-probs), their sum). In the
     forward the fp32 upcast of bf16 logits (4*b*s*V/t) is smaller. Fused: the fp32 d_weight
     accumulator (4*V/t*h) and one chunk of logits (plus two fp32 copies of it on the torch
-    path, off GPU).
+    path, off GPU). Compiled: its backward writes the logits' gradient (b*s*V/t in the compute
+    dtype) in one pass, with no fp32 copy.
     """
     tokens, vocab = micro_batch_tokens(workload), local_vocab(args, layout)
+    if workload.compiled_loss:
+        return Component(
+            "compiled loss backward: the logits' gradient",
+            prec.compute * tokens * vocab,
+            "fwd_bwd",
+            "b*s*V/t in the compute dtype",
+        )
     if not workload.fused_loss:
         buffers = 3 if layout.tp > 1 and layout.loss_parallel else 2
         return Component(

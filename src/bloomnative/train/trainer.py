@@ -23,6 +23,7 @@ from bloomnative.parallel.memory_estimate.auto_recompute import RecomputeChoice,
 from bloomnative.parallel.parallelize import parallelize_part, split_for_pipeline
 from bloomnative.parallel.pipeline import Pipeline, TiedWeightSync, build_pipeline, stage_owner
 from bloomnative.train import checkpoint as ckpt
+from bloomnative.train.attention_choice import AttentionShape, resolve_auto_attention
 from bloomnative.train.distributed import init_distributed, pick_device
 from bloomnative.train.faults import StopRequest
 from bloomnative.train.loss import cross_entropy_sum, fused_head_cross_entropy_sum
@@ -30,7 +31,6 @@ from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tflops, peak_memory_gib
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
-from bloomnative.train.attention_choice import AttentionShape, resolve_auto_attention
 from bloomnative.train.preflight import check_run, model_args_from_config
 
 
@@ -126,7 +126,7 @@ class Trainer:
         return choice
 
     def _resolve_auto_attention(self) -> str:
-        """The backend `model.attention = "auto"` stands for on this run (train.attention_choice)."""
+        """What `model.attention = "auto"` stands for on this run (train.attention_choice)."""
         cfg = self.config
         args = model_args_from_config(cfg.model)
         shape = AttentionShape(

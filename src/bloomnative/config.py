@@ -56,7 +56,9 @@ class ModelConfig:
     vocab_size: int = 0
     """Override the preset's vocabulary size (0 keeps the preset); must cover the tokenizer."""
     attention: str = "sdpa"
-    """Attention backend: "sdpa" (portable), "flex" (GPU, FlexAttention) or "triton"."""
+    """Attention backend: "sdpa" (portable), "flex" (GPU, FlexAttention), "triton" or "auto" (on a
+    GPU the fastest of the three, timed once on the run's shapes and cached in the dump folder;
+    "sdpa" on CPU)."""
     fused_kernels: bool = False
     """Use the Triton LayerNorm and bias-GeLU kernels."""
     fused_loss: bool = False
@@ -413,7 +415,7 @@ def validate(config: Config) -> None:
 
     m, t, o, s = config.model, config.training, config.optimizer, config.lr_scheduler
     _one_of("model.preset", m.preset, tuple(PRESETS))
-    _one_of("model.attention", m.attention, ATTENTION_BACKENDS)
+    _one_of("model.attention", m.attention, (*ATTENTION_BACKENDS, "auto"))
     _one_of("training.dtype", t.dtype, ("bf16", "fp32"))
     _one_of("job.device", config.job.device, ("auto", "cuda", "cpu"))
     _one_of("lr_scheduler.decay_style", s.decay_style, ("cosine", "linear", "constant"))

@@ -96,7 +96,7 @@ def test_global_batch_not_divisible_by_micro_batch_is_rejected():
 
 
 def test_invalid_choice_lists_the_valid_values():
-    with pytest.raises(ConfigError, match=r"model.attention = 'flash'.*sdpa, flex, triton"):
+    with pytest.raises(ConfigError, match=r"model.attention = 'flash'.*sdpa, flex, triton, auto"):
         parse_args(["--model.attention=flash"])
     with pytest.raises(ConfigError, match=r"unknown preset|model.preset"):
         parse_args(["--model.preset=bloom-9b"])

@@ -16,11 +16,15 @@ from bloomnative.parallel.parallelize import validate_layout
 
 
 def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
-    """The preset's shape with the non-zero overrides of the [model] section applied."""
+    """The preset's shape with the non-zero overrides of the [model] section applied.
+
+    ``attention = "auto"`` is resolved by the trainer (train.attention_choice) before it builds
+    the model; until then the shape is described with the portable "sdpa"."""
     overrides = {k: getattr(cfg, k) for k in ("n_layer", "hidden_size", "n_head", "vocab_size")}
     overrides = {k: v for k, v in overrides.items() if v}
+    attention = "sdpa" if cfg.attention == "auto" else cfg.attention
     return BloomArgs.from_preset(
-        cfg.preset, attention=cfg.attention, fused_kernels=cfg.fused_kernels, **overrides
+        cfg.preset, attention=attention, fused_kernels=cfg.fused_kernels, **overrides
     )
 
 

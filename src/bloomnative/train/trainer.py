@@ -23,6 +23,7 @@ from bloomnative.parallel.memory_estimate.auto_recompute import RecomputeChoice,
 from bloomnative.parallel.parallelize import parallelize_part, split_for_pipeline
 from bloomnative.parallel.pipeline import Pipeline, TiedWeightSync, build_pipeline, stage_owner
 from bloomnative.train import checkpoint as ckpt
+from bloomnative.train.attention_choice import AttentionShape, resolve_auto_attention
 from bloomnative.train.distributed import init_distributed, pick_device
 from bloomnative.train.faults import StopRequest
 from bloomnative.train.loss import cross_entropy_sum, fused_head_cross_entropy_sum
@@ -30,7 +31,7 @@ from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tflops, peak_memory_gib
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
-from bloomnative.train.preflight import check_run
+from bloomnative.train.preflight import check_run, model_args_from_config
 
 
 class Trainer:
@@ -40,6 +41,8 @@ class Trainer:
         self.device = pick_device(job.device)
         self.rank, self.world_size = init_distributed(self.device, job.collective_timeout_s)
         par = config.parallelism
+        if config.model.attention == "auto":
+            config.model.attention = self._resolve_auto_attention()
         self.dims, self.model_args = check_run(config, self.world_size)
         self.recompute_choice = self._resolve_auto_recompute()
         self.dump = Path(job.dump_folder)
@@ -121,6 +124,21 @@ class Trainer:
         ac.mode, ac.every = choice.mode, choice.every
         self._say(choice.describe())
         return choice
+
+    def _resolve_auto_attention(self) -> str:
+        """What `model.attention = "auto"` stands for on this run (train.attention_choice)."""
+        cfg = self.config
+        args = model_args_from_config(cfg.model)
+        shape = AttentionShape(
+            batch=cfg.training.micro_batch_size,
+            heads=args.n_head // max(1, cfg.parallelism.tp),
+            seq_len=cfg.training.seq_len,
+            head_dim=args.head_dim,
+            dtype="bfloat16" if cfg.training.dtype == "bf16" else "float32",
+        )
+        return resolve_auto_attention(
+            shape, self.device, Path(cfg.job.dump_folder), self.rank, self.world_size, self._say
+        )
 
     def _build_model(self) -> None:
         """Meta model -> pipeline split -> TP / AC / compile / FSDP -> materialise -> init."""

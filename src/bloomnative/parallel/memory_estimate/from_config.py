@@ -11,9 +11,9 @@ def attention_memory_kind(backend: str, device_type: str) -> str:
     """The memory behaviour of a model.attention backend on a device type."""
     if backend in ("triton", "flex"):
         return "flash"
-    if backend == "sdpa":
+    if backend in ("sdpa", "auto"):  # "auto" may resolve to sdpa: plan for its footprint
         return "sdpa_efficient" if device_type == "cuda" else "cpu_math"
-    raise PlanError(f"unknown attention backend {backend!r}; valid: sdpa, flex, triton")
+    raise PlanError(f"unknown attention backend {backend!r}; valid: sdpa, flex, triton, auto")
 
 
 def layout_from_config(par: ParallelismConfig, world_size: int = 0) -> Layout:

@@ -442,12 +442,11 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
-        """`train`, then release the process group."""
-        try:
-            self.train()
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        """`train`, then release the process group. After a failure the process group is left
+        as it is: destroying it waits for peers that may be gone (`main` exits at once)."""
+        self.train()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def train(self) -> None:
         """Trains to `training.steps`, or until asked to stop (SIGTERM, SIGUSR1 or a STOP file

@@ -365,10 +365,9 @@ class Trainer:
             return total
 
     def _pipeline_forward_backward(self, micro_batches) -> torch.Tensor:
+        samples = sum(len(inputs) for inputs, _ in micro_batches)
         n = pipeline_microbatches(
-            self.config.parallelism.pp_microbatches,
-            len(micro_batches) * self.config.training.micro_batch_size,
-            self.config.training.micro_batch_size,
+            self.config.parallelism.pp_microbatches, samples, self.config.training.micro_batch_size
         )
         pipe, stages = self.pipeline(n), self.pipeline_stages
         inputs = torch.cat([x for x, _ in micro_batches])

@@ -8,8 +8,13 @@ batch-size rampup goes 4 -> 8 -> 12 by 4 over 24 samples (BLOOM: 192 -> 2048 by 
 dp 2 x tp 2 x pp 2 with Interleaved1F1B (2 stages per rank), with the config's full recompute,
 ZeRO-2, sequence and loss parallelism, and evaluation every 4 steps at seq 64 and 128.
 
-- fp32: every step's loss and gradient norm, and eval_loss and eval_loss_long, equal the
-  single-process run's (relative 1e-4).
+- fp32: every step's loss, eval_loss and eval_loss_long, and the final weights (read back
+  from the last checkpoint) equal the single-process run's (relative 1e-4); the gradient norm
+  within 1e-3 (torch's fp32 norm on CPU is itself only good to about 1e-4 for the 786k-entry
+  embedding gradient: 7e-5 from float64 here, and sharding it changes that error).
+  At BLOOM's learning rate and init the loss stays near ln(8192) for 8 steps, but the weights
+  move (3e-4 between steps 2 and 8, 30 times the weights' absolute tolerance; the 8-process
+  weights differ from the single-process ones by about 1e-8).
 - Killed: the same job resumed from its step-4 checkpoint has a rank SIGKILLed while it trains
   step 6 (batch size 12, the rampup's last size); torchrun restarts it, it resumes from step 4
   again, and every loss from there on equals the uninterrupted job's exactly.
@@ -27,7 +32,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from bloomnative.interop import load_native_model
 from training_helpers import (
     REPO,
     metric_rows,
@@ -72,8 +79,9 @@ ONE_PROCESS = [
     "--parallelism.pp_schedule=1F1B",
     "--parallelism.pp_stages_per_rank=1",
 ]
-FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 2e-3
-TRAIN_KEYS, EVAL_KEYS = ("loss", "grad_norm"), ("eval_loss", "eval_loss_long")
+FP32_TOLERANCE, BF16_TOLERANCE, GRAD_NORM_TOLERANCE = 1e-4, 2e-3, 1e-3
+WEIGHT_ATOL = 1e-5
+LOSS_KEYS = ("loss", "eval_loss", "eval_loss_long")
 
 
 def train(dump: Path, dtype: str, nproc: int = 0) -> None:
@@ -82,21 +90,20 @@ def train(dump: Path, dtype: str, nproc: int = 0) -> None:
     run_training(args, nproc=nproc, timeout=900)
 
 
-def by_step(dump: Path, keys: tuple[str, ...]) -> dict[int, tuple[float, ...]]:
-    """The values of `keys` per step; a step logged twice (before a kill and after the resume)
-    keeps its last values."""
-    return {
-        row["step"]: tuple(row[k] for k in keys)
-        for row in metric_rows(dump)
-        if all(k in row for k in keys)
-    }
+def by_step(dump: Path, key: str) -> dict[int, float]:
+    """`key`'s value per step; a step logged twice (before a kill and after the resume) keeps
+    its last value."""
+    return {row["step"]: row[key] for row in metric_rows(dump) if key in row}
+
+
+def final_weights(dump: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_native_model(dump / "checkpoints" / f"step-{step}").state_dict()
 
 
 def assert_close(candidate: dict, reference: dict, tolerance: float) -> None:
     assert sorted(candidate) == sorted(reference)
-    for step, values in reference.items():
-        for value, expected in zip(candidate[step], values, strict=True):
-            assert abs(value - expected) <= tolerance * abs(expected), (step, value, expected)
+    for step, expected in reference.items():
+        assert abs(candidate[step] - expected) <= tolerance * abs(expected), (step, candidate)
 
 
 @pytest.fixture(scope="module")
@@ -114,18 +121,27 @@ def test_recipe_walks_the_rampup_and_evaluates_at_both_lengths(runs):
     rows = metric_rows(runs / "fp32_8")
     sizes = [row["global_batch_size"] for row in rows if "loss" in row]
     assert sizes == [4, 4, 4, 8, 8, 12, 12, 12]
-    assert sorted(by_step(runs / "fp32_8", EVAL_KEYS)) == [4, 8]
-    losses = by_step(runs / "fp32_1", ("loss",))
-    assert losses[STEPS][0] < losses[1][0] - 0.1, "the reference run should be learning"
+    assert sorted(by_step(runs / "fp32_8", "eval_loss_long")) == [4, 8]
+    start, end = final_weights(runs / "fp32_1", step=2), final_weights(runs / "fp32_1")
+    moved = max((end[k] - start[k]).abs().max().item() for k in end)
+    assert moved > 10 * WEIGHT_ATOL, f"the weights should move between steps 2 and 8 ({moved})"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_recipe_on_8_processes_matches_one_process(runs, dtype):
     tolerance = FP32_TOLERANCE if dtype == "fp32" else BF16_TOLERANCE
-    for keys in (TRAIN_KEYS, EVAL_KEYS):
-        expected = by_step(runs / f"{dtype}_1", keys)
-        assert_close(by_step(runs / f"{dtype}_8", keys), expected, tolerance)
+    for key in (*LOSS_KEYS, "grad_norm"):
+        expected = by_step(runs / f"{dtype}_1", key)
+        limit = max(tolerance, GRAD_NORM_TOLERANCE) if key == "grad_norm" else tolerance
+        assert_close(by_step(runs / f"{dtype}_8", key), expected, limit)
+    if dtype == "fp32":
+        reference, weights = final_weights(runs / "fp32_1"), final_weights(runs / "fp32_8")
+        assert weights.keys() == reference.keys()
+        for name, value in reference.items():
+            torch.testing.assert_close(
+                weights[name], value, rtol=FP32_TOLERANCE, atol=WEIGHT_ATOL, msg=name
+            )
 
 
 @pytest.mark.multiprocess
@@ -143,7 +159,7 @@ def test_recipe_killed_mid_rampup_resumes_under_torchrun_with_identical_losses(r
     )
     try:
         deadline = time.monotonic() + 600
-        while 5 not in by_step_if_written(dump):
+        while 5 not in losses_if_written(dump):
             assert launcher.poll() is None, launcher.stderr.read()[-4000:]
             assert time.monotonic() < deadline, "the resumed job did not reach step 5"
             time.sleep(0.05)
@@ -154,17 +170,15 @@ def test_recipe_killed_mid_rampup_resumes_under_torchrun_with_identical_losses(r
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 0, stderr[-4000:]
-    assert stderr.count("resumed from") == 0  # rank 0's messages go to stdout
     rows = [row for row in metric_rows(dump) if "loss" in row]
     assert [row["step"] for row in rows][:2] == [5, 5], "the killed attempt logged step 6"
-    for keys in (TRAIN_KEYS, EVAL_KEYS):
-        resumed = by_step(dump, keys)
-        expected = {s: v for s, v in by_step(uninterrupted, keys).items() if s > 4}
-        assert resumed == expected  # exactly
+    for key in (*LOSS_KEYS, "grad_norm"):
+        expected = {s: v for s, v in by_step(uninterrupted, key).items() if s > 4}
+        assert by_step(dump, key) == expected  # exactly
 
 
-def by_step_if_written(dump: Path) -> dict:
+def losses_if_written(dump: Path) -> dict:
     try:
-        return by_step(dump, ("loss",))
+        return by_step(dump, "loss")
     except (FileNotFoundError, ValueError):  # not written yet, or a line being written
         return {}

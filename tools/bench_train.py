@@ -601,8 +601,8 @@ def run_benchmark(
     argv: list[str], options: BenchOptions, config: Config, overrides: list[str]
 ) -> int:
     """Our run, then the baselines; prints the summary and writes the JSON (rank 0)."""
+    from bloomnative.config import model_args_from_config
     from bloomnative.train.distributed import pick_device
-    from bloomnative.train.preflight import model_args_from_config
 
     device = pick_device(config.job.device)
     args = model_args_from_config(config.model)

@@ -20,10 +20,9 @@ import dataclasses
 import json
 import sys
 
-from bloomnative.config import Config, ConfigError, parse_args
+from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
 from bloomnative.parallel import memory_estimate as me
 from bloomnative.parallel.dims import LayoutError
-from bloomnative.train.preflight import model_args_from_config
 
 
 def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:

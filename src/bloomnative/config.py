@@ -14,7 +14,10 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bloomnative.model.args import BloomArgs
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -248,6 +251,21 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+
+def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
+    """The preset's shape with the non-zero overrides of the [model] section applied.
+
+    ``attention = "auto"`` is resolved by the trainer (train.attention_choice) before it builds
+    the model; until then the shape is described with the portable "sdpa"."""
+    from bloomnative.model.args import BloomArgs
+
+    overrides = {k: getattr(cfg, k) for k in ("n_layer", "hidden_size", "n_head", "vocab_size")}
+    overrides = {k: v for k, v in overrides.items() if v}
+    attention = "sdpa" if cfg.attention == "auto" else cfg.attention
+    return BloomArgs.from_preset(
+        cfg.preset, attention=attention, fused_kernels=cfg.fused_kernels, **overrides
+    )
 
 
 # ---------------------------------------------------------------- loading and overriding

@@ -5,13 +5,12 @@ import json
 
 import pytest
 
-from bloomnative.config import Config, ConfigError, validate
+from bloomnative.config import Config, ConfigError, model_args_from_config, validate
 from bloomnative.train.attention_choice import (
     CACHE_FILE,
     AttentionShape,
     choose_attention,
 )
-from bloomnative.train.preflight import model_args_from_config
 
 SHAPE = AttentionShape(batch=4, heads=16, seq_len=2048, head_dim=128, dtype="bfloat16")
 ENV = {"torch": "2.11.0", "device": "NVIDIA H100 80GB HBM3", "triton": "3.6.0"}

@@ -14,14 +14,21 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from bloomnative.config import Config
+from bloomnative.config import Config, model_args_from_config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.model import Bloom
 from bloomnative.parallel import clip_grad_norm_, init_weights
+from bloomnative.parallel.layout_check import pipeline_microbatches
 from bloomnative.parallel.memory_estimate import GiB, compiles_the_loss
 from bloomnative.parallel.memory_estimate.auto_recompute import RecomputeChoice, choose_recompute
 from bloomnative.parallel.parallelize import parallelize_part, split_for_pipeline
-from bloomnative.parallel.pipeline import Pipeline, TiedWeightSync, build_pipeline, stage_owner
+from bloomnative.parallel.pipeline import (
+    Pipeline,
+    PipelineStages,
+    TiedWeightSync,
+    build_pipeline,
+    pipeline_forward_loss,
+)
 from bloomnative.train import checkpoint as ckpt
 from bloomnative.train.attention_choice import AttentionShape, resolve_auto_attention
 from bloomnative.train.distributed import init_distributed, pick_device
@@ -31,7 +38,7 @@ from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tflops, peak_memory_gib
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
-from bloomnative.train.preflight import check_run, model_args_from_config
+from bloomnative.train.preflight import check_run
 
 
 class Trainer:
@@ -52,13 +59,6 @@ class Trainer:
         torch.manual_seed(job.seed)
         self.bf16 = train_cfg.dtype == "bf16"
         self._build_model()
-        # Without data parallelism there is no FSDP policy to cast with: use autocast instead.
-        use_autocast = self.bf16 and self.dims.dp == 1
-        self.autocast = (
-            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16))
-            if use_autocast
-            else contextlib.nullcontext
-        )
         self.loss_context = (
             loss_parallel if (self.dims.tp > 1 and par.loss_parallel) else contextlib.nullcontext
         )
@@ -178,12 +178,15 @@ class Trainer:
             if compiles_the_loss(cfg, self.dims.tp)
             else cross_entropy_sum
         )
-        self._pipelines: dict[int, Pipeline] = {}
+        self._pipeline: Pipeline | None = None
+        self.pipeline_stages: PipelineStages | None = None
         self.tied_sync = None
         self.untied_copies: list = []
         if self.dims.pp > 1:
-            owner = lambda s: stage_owner(s, self.dims.pp, par.pp_schedule)
-            self.tied_sync = TiedWeightSync(parts, self.mesh, owner(0), owner(self.num_stages - 1))
+            self.pipeline_stages = PipelineStages(
+                parts, self.stage_ids, self.num_stages, par.pp_schedule, self.pp_mesh.get_group()
+            )
+            self.tied_sync = TiedWeightSync(self.pipeline_stages, self.mesh)
             self.untied_copies = [
                 p.lm_head.weight
                 for p in parts
@@ -191,22 +194,18 @@ class Trainer:
             ]
 
     def pipeline(self, n_microbatches: int) -> Pipeline:
-        """The pipeline schedule for this many micro batches (rampup changes the count)."""
-        if n_microbatches not in self._pipelines:
-            par = self.config.parallelism
-            self._pipelines[n_microbatches] = build_pipeline(
-                self.model_parts,
-                self.stage_ids,
-                self.num_stages,
-                par.pp_schedule,
-                n_microbatches,
-                self._pipeline_loss,
-                self.device,
-                self.pp_mesh.get_group(),
+        """The training schedule for this many micro batches (rampup changes the count). Only
+        the current one is kept: each holds a forward and a gradient receive buffer per micro
+        batch, so keeping one per count would grow through the whole rampup."""
+        if self._pipeline is None or self._pipeline.n_microbatches != n_microbatches:
+            self._pipeline = None  # freed before the next one is allocated
+            self._pipeline = build_pipeline(
+                self.pipeline_stages, n_microbatches, self._micro_batch_loss, self.device
             )
-        return self._pipelines[n_microbatches]
+        return self._pipeline
 
-    def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _micro_batch_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """A micro batch's share of this rank's mean token loss."""
         return self._loss_sum(output, labels) / self._loss_denominator
 
     def _loss_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -357,36 +356,47 @@ class Trainer:
         returns that mean (a 0-d tensor, no host sync; 0 on pipeline ranks without the last
         stage). FSDP averages gradients over data-parallel ranks, which makes it the mean over
         the global batch."""
+        return self._run_micro_batches(micro_batches, train=True)
+
+    def _run_micro_batches(self, micro_batches, train: bool) -> torch.Tensor:
+        """The one micro-batch loop of training and evaluation: the mean token loss of this
+        rank's micro batches, with gradients accumulated when `train`. Under pipeline
+        parallelism training runs the schedule and evaluation a forward-only pass through the
+        stages (`pipeline_forward_loss`), which works for every schedule and sequence length."""
         self._loss_denominator = sum(labels.numel() for _, labels in micro_batches)
         with self.loss_context():
+            if self.dims.pp > 1 and train:
+                return self._pipeline_forward_backward(micro_batches)
             if self.dims.pp > 1:
-                return self._pipeline_forward_backward(micro_batches, train=True)
+                return pipeline_forward_loss(
+                    self.pipeline_stages, micro_batches, self._micro_batch_loss, self.device
+                )
             model = self.model_parts[0]
             total = torch.zeros((), device=self.device)
             for inputs, labels in micro_batches:
                 # The output is not kept in a variable, so the [b, s, vocab] logits are freed
-                # as soon as the loss's backward has used them.
-                with self.autocast():
-                    loss = self._loss_sum(model(inputs), labels) / self._loss_denominator
-                loss.backward()
+                # as soon as the loss (and its backward) has used them.
+                loss = self._micro_batch_loss(model(inputs), labels)
+                if train:
+                    loss.backward()
                 total += _local(loss.detach())
             return total
 
-    def _pipeline_forward_backward(self, micro_batches, train: bool) -> torch.Tensor:
-        n = self.config.parallelism.pp_microbatches or len(micro_batches)
-        pipe = self.pipeline(n)
+    def _pipeline_forward_backward(self, micro_batches) -> torch.Tensor:
+        samples = sum(len(inputs) for inputs, _ in micro_batches)
+        n = pipeline_microbatches(
+            self.config.parallelism.pp_microbatches, samples, self.config.training.micro_batch_size
+        )
+        pipe, stages = self.pipeline(n), self.pipeline_stages
         inputs = torch.cat([x for x, _ in micro_batches])
         labels = torch.cat([y for _, y in micro_batches])
         losses: list[torch.Tensor] = []
-        args = (inputs,) if pipe.has_first else ()
-        target = labels if pipe.has_last else None
-        kept = losses if pipe.has_last else None
-        with self.autocast():
-            if train:  # return_outputs=False: the last stage keeps no micro batch's logits
-                pipe.schedule.step(*args, target=target, losses=kept, return_outputs=False)
-            else:
-                pipe.schedule.eval(*args, target=target, losses=kept)
-        if train and self.tied_sync is not None:
+        args = (inputs,) if stages.has_first else ()
+        target = labels if stages.has_last else None
+        kept = losses if stages.has_last else None
+        # return_outputs=False: the last stage keeps no micro batch's logits.
+        pipe.schedule.step(*args, target=target, losses=kept, return_outputs=False)
+        if self.tied_sync is not None:
             self.tied_sync()
         total = torch.zeros((), device=self.device)
         for loss in losses:
@@ -439,18 +449,9 @@ class Trainer:
         for part in self.model_parts:
             part.eval()
         total = torch.zeros((), device=self.device)
-        t = self.config.training
         for _ in range(self.config.validation.steps):
-            micro_batches = loader.next_batch(t.global_batch_size)
-            self._loss_denominator = sum(y.numel() for _, y in micro_batches)
-            with self.loss_context():
-                if self.dims.pp > 1:
-                    total += self._pipeline_forward_backward(micro_batches, train=False)
-                    continue
-                for inputs, labels in micro_batches:
-                    with self.autocast():
-                        logits = self.model_parts[0](inputs)
-                    total += _local(self._loss_sum(logits, labels)) / self._loss_denominator
+            batch = loader.next_batch(self.config.training.global_batch_size)
+            total += self._run_micro_batches(batch, train=False)
         for part in self.model_parts:
             part.train()
         return self._reduce_loss(total / self.config.validation.steps)
@@ -458,12 +459,11 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
-        """`train`, then release the process group."""
-        try:
-            self.train()
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        """`train`, then release the process group. After a failure the process group is left
+        as it is: destroying it waits for peers that may be gone (`main` exits at once)."""
+        self.train()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def train(self) -> None:
         """Trains to `training.steps`, or until asked to stop (SIGTERM, SIGUSR1 or a STOP file

@@ -46,8 +46,9 @@ def build_baseline(
 def build_hf(
     args: BloomArgs, seq_len: int, device: torch.device, seed: int, compiled: bool
 ) -> BaselineModel:
-    """transformers' BloomForCausalLM with bloomnative's shape (random init, no dropout, no KV
-    cache); `compiled`: torch.compile of the whole model."""
+    """transformers' BloomForCausalLM with bloomnative's shape and dropout (random init, no KV
+    cache; its dropout sits where bloomnative's does except after the embedding, which it
+    lacks); `compiled`: torch.compile of the whole model."""
     from transformers import BloomConfig, BloomForCausalLM
 
     hf_config = BloomConfig(
@@ -57,8 +58,8 @@ def build_hf(
         n_head=args.n_head,
         layer_norm_epsilon=args.layer_norm_epsilon,
         initializer_range=args.init_std,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
         use_cache=False,
     )
     torch.manual_seed(seed)

@@ -31,20 +31,26 @@ class NonFiniteGuard:
         self._run = torch.zeros_like(self._skipped)  # consecutive skipped steps, now
         self._longest_run = torch.zeros_like(self._skipped)
 
-    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
+        """Steps the optimizers at learning rate `lr` (a 0-d tensor on the device) unless the
+        loss or the gradient norm is not finite; returns 1 if the step was applied, else 0 (an
+        int64 0-d tensor on the device)."""
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         if self.on_device:
             found_inf = (~finite).float()
             for opt in self.optimizers:
+                _set_lr(opt, lr)  # the fused kernel reads a tensor learning rate on the device
                 opt.found_inf = found_inf  # read by torch.optim.AdamW(fused=True).step
                 opt.step()
         elif finite:
             for opt in self.optimizers:
+                _set_lr(opt, lr.item())  # this path already waits for the device (`finite`)
                 opt.step()
         skipped = (~finite).long()
         self._skipped += skipped
         self._run = (self._run + 1) * skipped
         torch.maximum(self._longest_run, self._run, out=self._longest_run)
+        return 1 - skipped
 
     @property
     def skipped(self) -> int:
@@ -63,3 +69,8 @@ class NonFiniteGuard:
                 f"consecutive steps (training.max_nonfinite_steps); lower the learning rate or "
                 f"resume from an earlier checkpoint"
             )
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, lr: torch.Tensor | float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

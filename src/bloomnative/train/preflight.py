@@ -20,7 +20,12 @@ def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
     overrides = {k: getattr(cfg, k) for k in ("n_layer", "hidden_size", "n_head", "vocab_size")}
     overrides = {k: v for k, v in overrides.items() if v}
     return BloomArgs.from_preset(
-        cfg.preset, attention=cfg.attention, fused_kernels=cfg.fused_kernels, **overrides
+        cfg.preset,
+        attention=cfg.attention,
+        fused_kernels=cfg.fused_kernels,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        **overrides,
     )
 
 

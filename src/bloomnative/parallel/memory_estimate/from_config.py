@@ -65,7 +65,8 @@ def workload_from_config(
 ) -> Workload:
     """What the trainer runs for `config`: its micro batches (the pipeline's when
     pp_microbatches is set), dtype, recompute, attention kernel on `device_type` (or the given
-    attention memory kind), loss and AdamW implementation."""
+    attention memory kind), dropout (the config's, or forced on by `dropout`), loss and AdamW
+    implementation."""
     t, par = config.training, config.parallelism
     samples = local_batch_size(config, layout)
     if layout.pp > 1 and par.pp_microbatches:
@@ -90,6 +91,6 @@ def workload_from_config(
         attention=attention or attention_memory_kind(config.model.attention, device_type),
         fused_loss=config.model.fused_loss,
         compiled_loss=compiles_the_loss(config, layout.tp),
-        dropout=dropout,
+        dropout=dropout or config.model.hidden_dropout > 0 or config.model.attention_dropout > 0,
         optimizer=optimizer,
     )

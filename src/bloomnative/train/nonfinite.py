@@ -19,8 +19,10 @@ class NonFiniteGuard:
     step loop never waits for the GPU. The foreach and for-loop kernels have no such flag; there
     the flag is read on the host (free on CPU, one synchronisation per step on a GPU).
 
-    The counters live on the device too and are read only by `skipped` and `check`, which the
-    trainer calls at log steps and checkpoints.
+    The learning rate arrives as a device tensor as well (train/lr_schedule.py computes it on
+    the device from the samples of applied steps): the fused kernel reads it there; the host
+    path reads it together with the flag. The counters live on the device too and are read only
+    by `skipped` and `check`, which the trainer calls at log steps and checkpoints.
     """
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], device: torch.device, limit: int):
@@ -38,14 +40,14 @@ class NonFiniteGuard:
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         if self.on_device:
             found_inf = (~finite).float()
+            lr = lr.float()  # the fused kernel reads a float32 learning-rate tensor on the device
             for opt in self.optimizers:
-                _set_lr(opt, lr)  # the fused kernel reads a tensor learning rate on the device
                 opt.found_inf = found_inf  # read by torch.optim.AdamW(fused=True).step
-                opt.step()
+                _step_at(opt, lr)
         elif finite:
+            lr = lr.item()  # this path already waits for the device (`finite`)
             for opt in self.optimizers:
-                _set_lr(opt, lr.item())  # this path already waits for the device (`finite`)
-                opt.step()
+                _step_at(opt, lr)
         skipped = (~finite).long()
         self._skipped += skipped
         self._run = (self._run + 1) * skipped
@@ -71,6 +73,12 @@ class NonFiniteGuard:
             )
 
 
-def _set_lr(optimizer: torch.optim.Optimizer, lr: torch.Tensor | float) -> None:
+def _step_at(optimizer: torch.optim.Optimizer, lr: torch.Tensor | float) -> None:
+    """`optimizer.step()` at learning rate `lr`. Between steps the groups hold the configured
+    learning rate again: a checkpoint can reload only a number there, not a tensor, and the
+    schedule gives every step its own."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+    optimizer.step()
+    for group in optimizer.param_groups:
+        group["lr"] = optimizer.defaults["lr"]

@@ -80,7 +80,8 @@ def build_torchtitan(
 ) -> BaselineModel:
     """torchtitan's Llama 3 (its model code and initialisation) at BLOOM's width, depth and head
     count with Llama 3's vocabulary (BLOOM's if smaller): SwiGLU MLP, RMSNorm, RoPE, untied
-    output layer, multi-head attention through SDPA. At BLOOM-1b7's shape it has 1.7B parameters.
+    output layer, multi-head attention through SDPA, no dropout (Llama has none). At BLOOM-1b7's
+    shape it has 1.7B parameters.
     `compiled`: what torchtitan's trainer does with compile.enable, each TransformerBlock
     compiled (its own apply_compile) and the loss compiled. FLOPs per token are torchtitan's
     count (6 x non-embedding parameters + 12 x layers x hidden x seq)."""

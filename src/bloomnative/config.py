@@ -472,7 +472,7 @@ def validate(config: Config) -> None:
         f"optimizer: need 0 < lr and 0 <= min_lr <= lr (lr={o.lr}, min_lr={o.min_lr})",
     )
     _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and beta2 must be in [0, 1)")
-    _validate_lr_schedule(s, t)
+    _validate_lr_schedule(s)
     _check(len(config.data.blend) > 0, "data.blend is empty: give at least one dataset prefix")
     _check(config.metrics.log_freq > 0, "metrics.log_freq must be positive")
     _check(
@@ -511,7 +511,7 @@ def _validate_dropout(config: Config) -> None:
     )
 
 
-def _validate_lr_schedule(s: LRSchedulerConfig, t: TrainingConfig) -> None:
+def _validate_lr_schedule(s: LRSchedulerConfig) -> None:
     for key in ("warmup_steps", "decay_steps", "warmup_samples", "decay_samples"):
         _check(getattr(s, key) >= 0, f"lr_scheduler.{key} must be >= 0, got {getattr(s, key)}")
     if s.warmup_samples or s.decay_samples:

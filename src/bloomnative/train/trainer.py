@@ -290,7 +290,7 @@ class Trainer:
         rng = ckpt.rng_state()
         if all(f"rng.{key}" in saved for key in rng):
             state["rng"] = rng
-        clock_saved = "train.scheduled_samples" in saved  # not in checkpoints of before 2026-11
+        clock_saved = "train.scheduled_samples" in saved  # not saved before 2026-11-23
         if not clock_saved:
             del state["train"]["scheduled_samples"]
         ckpt.load(path, state)

@@ -49,6 +49,15 @@ def test_the_fastest_backend_is_chosen_and_the_times_are_logged_and_cached(tmp_p
     assert saved["key"]["shape"]["head_dim"] == 128
 
 
+def test_with_attention_dropout_flex_is_no_candidate(tmp_path):
+    """FlexAttention has no dropout, so a run with attention dropout never resolves to it."""
+    timer = Timings(triton=2.0, flex=1.0, sdpa=3.0)
+    shape = AttentionShape(**{**SHAPE.__dict__, "dropout_p": 0.1})
+    choice, _ = choose(tmp_path, timer, shape=shape)
+    assert choice == "triton"
+    assert {name for name, _ in timer.calls} == {"triton", "sdpa"}
+
+
 def test_a_restart_reads_the_cached_choice_without_timing(tmp_path):
     choose(tmp_path, Timings(triton=2.0, flex=1.0, sdpa=3.0))
     again = Timings(triton=0.1, flex=1.0, sdpa=3.0)

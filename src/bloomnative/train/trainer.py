@@ -18,6 +18,7 @@ from bloomnative.config import Config, model_args_from_config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.model import Bloom
 from bloomnative.parallel import clip_grad_norm_, init_weights
+from bloomnative.parallel.dropout_rng import seed_dropout_rng
 from bloomnative.parallel.layout_check import pipeline_microbatches
 from bloomnative.parallel.memory_estimate import GiB, compiles_the_loss
 from bloomnative.parallel.memory_estimate.auto_recompute import RecomputeChoice, choose_recompute
@@ -56,7 +57,7 @@ class Trainer:
         self.mesh, self.dp_mesh = self.dims.build_mesh(self.device.type)
         self.pp_mesh = self.mesh["pp"]  # sliced once: slicing a mesh is host work on every call
 
-        torch.manual_seed(job.seed)
+        seed_dropout_rng(job.seed, self.mesh, self.dp_mesh, par.sequence_parallel)
         self.bf16 = train_cfg.dtype == "bf16"
         self._build_model()
         self.loss_context = (
@@ -69,8 +70,12 @@ class Trainer:
         self.params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
         self.nonfinite = NonFiniteGuard(self.optimizers, self.device, train_cfg.max_nonfinite_steps)
         self.lr_schedule = LRSchedule.from_config(
-            config.lr_scheduler, config.optimizer, train_cfg.steps
+            config.lr_scheduler, config.optimizer, train_cfg.steps, train_cfg.global_batch_size
         )
+        # The schedule's clock: samples of the applied steps (a skipped step does not count),
+        # kept on the device because only the device knows whether a step was skipped.
+        self.scheduled_samples = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.interval_losses: list[torch.Tensor] = []  # per step, since the last log row
 
         self._build_data()
         self.step = 0
@@ -135,6 +140,7 @@ class Trainer:
             seq_len=cfg.training.seq_len,
             head_dim=args.head_dim,
             dtype="bfloat16" if cfg.training.dtype == "bf16" else "float32",
+            dropout_p=cfg.model.attention_dropout,
         )
         return resolve_auto_attention(
             shape, self.device, Path(cfg.job.dump_folder), self.rank, self.world_size, self._say
@@ -267,6 +273,7 @@ class Trainer:
                 "step": torch.tensor(self.step),
                 "consumed_samples": torch.tensor(self.consumed_samples),
                 "nonfinite_skipped": torch.tensor(self.nonfinite.skipped),
+                "scheduled_samples": self.scheduled_samples,
             },
         }
         if with_rng:
@@ -297,9 +304,13 @@ class Trainer:
             return
         # RNG states are per rank: restored only when this rank's key was saved.
         state = self._state(with_rng=False)
+        saved = ckpt.saved_keys(path)
         rng = ckpt.rng_state()
-        if all(f"rng.{key}" in ckpt.saved_keys(path) for key in rng):
+        if all(f"rng.{key}" in saved for key in rng):
             state["rng"] = rng
+        clock_saved = "train.scheduled_samples" in saved  # not saved before 2026-11-23
+        if not clock_saved:
+            del state["train"]["scheduled_samples"]
         ckpt.load(path, state)
         ckpt.load_model_state(self.model_parts, state["model"])
         ckpt.load_optimizer_state(self.model_parts, self.optimizers, state["optimizer"])
@@ -307,6 +318,9 @@ class Trainer:
             ckpt.restore_rng_state(state["rng"])
         self.step = int(state["train"]["step"])
         self.consumed_samples = int(state["train"]["consumed_samples"])
+        self.scheduled_samples.fill_(
+            int(state["train"]["scheduled_samples"]) if clock_saved else self.consumed_samples
+        )
         self.nonfinite.load(int(state["train"]["nonfinite_skipped"]))
         self.train_loader.load_state_dict({"consumed_samples": self.consumed_samples})
         self._say(f"resumed from {path} at step {self.step}")
@@ -403,12 +417,11 @@ class Trainer:
             total += _local(loss.detach())
         return total
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """One optimizer step; returns its loss, gradient norm and learning rate (0-d tensors on
+        the device, not read back) and its global batch size."""
         gbs = self.global_batch_size()
-        lr = self.lr_schedule(self.step + 1, self.consumed_samples)
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = lr
+        lr = self.lr_schedule(self.scheduled_samples)
         micro_batches = self.train_loader.next_batch(gbs)
         loss = self.forward_backward(micro_batches)
         grad_norm = clip_grad_norm_(
@@ -417,22 +430,23 @@ class Trainer:
             pp_group=self.pp_mesh.get_group() if self.dims.pp > 1 else None,
             not_counted=self.untied_copies,
         )
-        self.nonfinite.step(loss, grad_norm)  # skips the update on NaN/inf
+        applied = self.nonfinite.step(loss, grad_norm, lr)  # skips the update on NaN/inf
+        self.scheduled_samples += applied * gbs
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += gbs
         return loss, grad_norm, lr, gbs
 
-    def _reduce_loss(self, value: torch.Tensor) -> float:
-        """The loss every rank agrees on: summed over pipeline ranks (only the last stage holds
-        it), averaged over data-parallel ranks."""
+    def _reduce_loss(self, value: torch.Tensor) -> float | list[float]:
+        """The loss (or a tensor of losses) every rank agrees on: summed over pipeline ranks
+        (only the last stage holds it), averaged over data-parallel ranks."""
         value = value.detach().clone()
         if self.dims.pp > 1:
             dist.all_reduce(value, group=self.pp_mesh.get_group())
         if self.dims.dp > 1:
             dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
-        return value.item()
+        return value.tolist()
 
     def _max_over_ranks(self, value: float) -> float:
         """The largest value any rank has (memory: the rank that limits the layout)."""
@@ -475,10 +489,11 @@ class Trainer:
         try:
             while self.step < t.steps:
                 loss, grad_norm, lr, gbs = self.train_step()
+                self.interval_losses.append(loss)
                 self.throughput.add_tokens(gbs * t.seq_len)
                 if self.step % m.log_freq == 0 or self.step == 1 or self.step == t.steps:
                     self.nonfinite.check(self.step)
-                    self._log_step(loss, grad_norm, lr, gbs)
+                    self._log_step(grad_norm, lr, gbs)
                 if v.freq and self.make_valid_loader and self.step % v.freq == 0:
                     self._log_eval()
                 stopping = stop.should_stop()
@@ -493,11 +508,16 @@ class Trainer:
             stop.restore()
             self.metrics.close()
 
-    def _log_step(self, loss, grad_norm, lr: float, gbs: int) -> None:
+    def _log_step(self, grad_norm, lr, gbs: int) -> None:
+        """One row for the steps since the last: `loss` is their mean (Megatron's logged loss),
+        over the steps whose loss is finite; each step's own goes to TensorBoard as loss_step."""
+        losses = self._reduce_loss(torch.stack(self.interval_losses))
+        self.interval_losses = []
+        finite = [x for x in losses if math.isfinite(x)]
         row = {
             "step": self.step,
-            "loss": self._reduce_loss(loss),
-            "lr": lr,
+            "loss": sum(finite) / len(finite) if finite else float("nan"),
+            "lr": lr.item(),
             "grad_norm": grad_norm.item(),
             "global_batch_size": gbs,
             "consumed_samples": self.consumed_samples,
@@ -506,6 +526,7 @@ class Trainer:
             "nonfinite_skipped": self.nonfinite.skipped,
         }
         self.metrics.log(row)
+        self.metrics.log_series("loss_step", self.step - len(losses) + 1, losses)
 
     def _log_eval(self) -> None:
         start = time.perf_counter()

@@ -110,9 +110,9 @@ def block_activation_terms(
     - the attention terms of `attention_terms`;
     - GeLU input and dense_4h_to_h input (2 x 8sbh/t).
 
-    Dropped: the two hidden-dropout masks (2 x sbh) and the attention-dropout mask and output
-    (3as^2b): bloomnative's BLOOM has no dropout (`workload.dropout` adds them back, for
-    Megatron; flash kernels regenerate their dropout mask, so only the hidden masks return).
+    Dropped without dropout: the two hidden-dropout masks (2 x sbh) and the attention-dropout
+    mask and output (3as^2b); `workload.dropout` adds them back (flash kernels regenerate their
+    dropout mask, so with them only the hidden masks return).
     The softmax output (2as^2b) is dropped for flash kernels (see `attention_terms`).
     """
     h, c = args.hidden_size, prec.compute

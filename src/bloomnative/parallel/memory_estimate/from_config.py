@@ -60,8 +60,9 @@ def workload_from_config(
 ) -> Workload:
     """What the trainer runs for `config` at its final batch size: its micro batches (the
     pipeline's when pp_microbatches is set), dtype, recompute, attention kernel on `device_type`
-    (or the given attention memory kind), loss and AdamW implementation. Raises LayoutError for
-    a run the trainer would refuse (`layout_check.check_layout`, every rampup batch size)."""
+    (or the given attention memory kind), dropout (the config's, or forced on by `dropout`), loss
+    and AdamW implementation. Raises LayoutError for a run the trainer would refuse
+    (`layout_check.check_layout`, every rampup batch size)."""
     t, par = config.training, config.parallelism
     dims = ParallelDims(
         layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.world_size
@@ -83,6 +84,6 @@ def workload_from_config(
         attention=attention or attention_memory_kind(config.model.attention, device_type),
         fused_loss=config.model.fused_loss,
         compiled_loss=compiles_the_loss(config, layout.tp),
-        dropout=dropout,
+        dropout=dropout or config.model.hidden_dropout > 0 or config.model.attention_dropout > 0,
         optimizer=optimizer,
     )

@@ -94,8 +94,9 @@ class Workload:
     the logits themselves for backward instead of fp32 log-probabilities, and its backward writes
     the logits' gradient in their dtype in one pass."""
     dropout: bool = False
-    """Megatron's dropout (0.1 on attention probabilities and hidden states; BLOOM-176B's
-    training script kept these defaults). bloomnative's model has no dropout: False."""
+    """Dropout is on (model.hidden_dropout / attention_dropout > 0; BLOOM trained with 0.1 on
+    both, Megatron's defaults): the hidden-dropout masks are kept, and with a materialised
+    attention the attention-dropout mask too (flash kernels regenerate theirs)."""
     optimizer: str = "fused"
     """AdamW implementation: "fused" (no temporaries), "foreach" (one fp32 temporary the size of
     the local parameters) or "for-loop" (one the size of the largest parameter)."""

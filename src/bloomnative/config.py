@@ -144,7 +144,13 @@ class DataConfig:
     split: str = "969,30,1"
     """train,valid,test proportions of each dataset's documents."""
     tokenizer: str = "assets/pydocs/tokenizer.json"
-    """Path to a Hugging Face tokenizers tokenizer.json (used for metadata and sample output)."""
+    """Path to a Hugging Face tokenizers tokenizer.json (its EOD token, sample output)."""
+    eod_token: str = ""
+    """The end-of-document token; empty: the tokenizer's, resolved as tools/preprocess_data.py
+    resolves it (its --eod-token)."""
+    eod_mask_loss: bool = False
+    """No loss at positions whose input token is the EOD, i.e. on predicting the first token of
+    the next document (Megatron's --eod-mask-loss)."""
     cache_dir: str = ""
     """Where the sample-index arrays are cached; empty: <dump_folder>/data_cache."""
     prefetch: bool = True

@@ -6,6 +6,8 @@ import pytest
 
 from bloomnative.config import Config, ConfigError, load_toml, parse_args
 from bloomnative.model import BloomArgs
+from bloomnative.train.preflight import eod_mask_id
+from training_helpers import EOD_ID, write_word_level_tokenizer
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 
@@ -153,3 +155,18 @@ def test_rampup_must_reach_the_global_batch_in_whole_increments():
 def test_missing_config_file_is_named():
     with pytest.raises(ConfigError, match=r"nope.toml does not exist"):
         parse_args(["--config", "nope.toml"])
+
+
+def test_eod_mask_loss_resolves_the_tokenizers_eod_or_names_what_is_wrong(tmp_path):
+    assert eod_mask_id(parse_args([])) is None  # masking off: the tokenizer is not read
+    tokenizer = str(tmp_path / "tokenizer.json")
+    write_word_level_tokenizer(tokenizer, vocab=128)
+    masked = ["--data.eod_mask_loss=true", f"--data.tokenizer={tokenizer}"]
+    assert eod_mask_id(parse_args([*masked, "--model.vocab_size=128"])) == EOD_ID
+    assert eod_mask_id(parse_args([*masked, "--data.eod_token=t7"])) == 7
+    with pytest.raises(ConfigError, match="data.eod_mask_loss.*t999.*not in the vocabulary"):
+        eod_mask_id(parse_args([*masked, "--data.eod_token=t999"]))
+    with pytest.raises(ConfigError, match="data.eod_mask_loss.*does not exist"):
+        eod_mask_id(parse_args(["--data.eod_mask_loss=true", "--data.tokenizer=nope.json"]))
+    with pytest.raises(ConfigError, match="EOD id 100 is outside.*vocabulary of 64"):
+        eod_mask_id(parse_args([*masked, "--data.eod_token=t100", "--model.vocab_size=64"]))

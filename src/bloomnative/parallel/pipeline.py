@@ -115,6 +115,18 @@ class PipelineStages:
         return stage_owner(stage_id, self.pp, self.schedule)
 
 
+class _StepLoss:
+    """The loss function a schedule is built with. torch fixes it at construction, but the
+    trainer's changes every step (it divides by the step's token count): `Pipeline.step` hands
+    in the step's closure for the length of the step."""
+
+    def __init__(self) -> None:
+        self.current: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.current(output, labels)
+
+
 @dataclass
 class Pipeline:
     """A schedule built for one micro-batch count, and the torch stages it runs."""
@@ -122,25 +134,49 @@ class Pipeline:
     schedule: _PipelineSchedule
     stages: list[PipelineStage]
     n_microbatches: int
+    placement: PipelineStages
+    loss: _StepLoss
+
+    def step(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Forward and backward of one batch (all ranks pass the same `inputs` and `labels`;
+        only the first and last stages use them), each micro batch's loss given by `loss_fn`
+        (already normalised: the schedule does not rescale gradients). Returns the micro-batch
+        losses on the rank holding the last stage, [] elsewhere."""
+        losses: list[torch.Tensor] = []
+        placement = self.placement
+        self.loss.current = loss_fn
+        try:
+            # return_outputs=False: the last stage keeps no micro batch's logits.
+            self.schedule.step(
+                *((inputs,) if placement.has_first else ()),
+                target=labels if placement.has_last else None,
+                losses=losses if placement.has_last else None,
+                return_outputs=False,
+            )
+        finally:
+            self.loss.current = None
+        return losses
 
 
 def build_pipeline(
-    placement: PipelineStages,
-    n_microbatches: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    device: torch.device,
+    placement: PipelineStages, n_microbatches: int, device: torch.device
 ) -> Pipeline:
     """Wraps this rank's stage modules and builds the configured schedule (the layout and the
-    micro-batch count were checked by `layout_check`). `loss_fn` returns a sum normalised by
-    the caller, so the schedule does not rescale gradients."""
+    micro-batch count were checked by `layout_check`); each `Pipeline.step` gives the loss."""
     stages = [
         PipelineStage(part, sid, placement.num_stages, device, group=placement.group)
         for part, sid in zip(placement.parts, placement.stage_ids, strict=True)
     ]
     cls = get_schedule_class(placement.schedule)
     first = stages if issubclass(cls, PipelineScheduleMulti) else stages[0]
-    schedule = cls(first, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(schedule=schedule, stages=stages, n_microbatches=n_microbatches)
+    loss = _StepLoss()
+    schedule = cls(first, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
+    return Pipeline(schedule, stages, n_microbatches, placement, loss)
 
 
 @torch.no_grad()

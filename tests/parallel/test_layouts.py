@@ -290,7 +290,6 @@ def megatron_token_mean(model: Bloom, tokens: torch.Tensor) -> tuple[float, floa
     return (masked / mask.sum()).item(), (masked / mask.numel()).item()
 
 
-@pytest.mark.multiprocess
 def test_data_parallel_ranks_count_very_different_numbers_of_tokens(eod_corpus):
     """The masked-loss layouts are a test of the normalisation because, in some step, one
     data-parallel rank of two counts at least three times the tokens of the other."""

@@ -6,7 +6,7 @@ import pytest
 
 from bloomnative.config import Config, ConfigError, load_toml, parse_args
 from bloomnative.model import BloomArgs
-from bloomnative.train.preflight import eod_mask_id
+from bloomnative.train.preflight import eod_mask_id, main
 from training_helpers import EOD_ID, write_word_level_tokenizer
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
@@ -170,3 +170,21 @@ def test_eod_mask_loss_resolves_the_tokenizers_eod_or_names_what_is_wrong(tmp_pa
         eod_mask_id(parse_args(["--data.eod_mask_loss=true", "--data.tokenizer=nope.json"]))
     with pytest.raises(ConfigError, match="EOD id 100 is outside.*vocabulary of 64"):
         eod_mask_id(parse_args([*masked, "--data.eod_token=t100", "--model.vocab_size=64"]))
+
+
+def test_preflight_refuses_eod_mask_loss_without_an_eod_naming_the_keys(tmp_path, capsys):
+    """A tokenizer with none of the usual EOD tokens: run_train.sh's preflight exits 2 with one
+    line naming data.eod_mask_loss and data.eod_token, before torchrun starts; naming the
+    token makes the same config pass."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    tokenizer = str(tmp_path / "no_eod.json")
+    Tokenizer(WordLevel({f"t{i}": i for i in range(64)}, unk_token="t1")).save(tokenizer)
+    args = ["--data.eod_mask_loss=true", f"--data.tokenizer={tokenizer}"]
+    assert main(["--world-size=1", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("config error: data.eod_mask_loss"), err
+    assert "data.eod_token" in err and "none of the usual end-of-document tokens" in err, err
+    assert main(["--world-size=1", *args, "--data.eod_token=t5"]) == 0
+    assert main(["--world-size=1", "--data.tokenizer=nope.json"]) == 0  # masking off: not read

@@ -42,7 +42,10 @@ def eod_mask_id(config: Config) -> int | None:
     try:
         eod = load_tokenizer(data.tokenizer, data.eod_token or None).eod_id
     except (OSError, ValueError) as e:
-        raise ConfigError(f"data.eod_mask_loss needs the EOD token of data.tokenizer: {e}") from e
+        raise ConfigError(
+            f"data.eod_mask_loss needs the EOD token of data.tokenizer (data.eod_token names "
+            f"it; empty: found as preprocessing finds it): {e}"
+        ) from e
     vocab = model_args_from_config(config.model).vocab_size
     if eod >= vocab:
         raise ConfigError(

@@ -61,8 +61,9 @@ def unexpected(records: list[dict], from_step: int = 0) -> list[dict]:
         (2, []),  # FSDP2 over both ranks
         (2, ["--parallelism.tp=2"]),
         (2, ["--parallelism.pp=2"]),
+        (0, ["--spikes.enable=true", "--checkpoint.enable=true"]),  # the spike detector too
     ],
-    ids=["one-process", "fsdp2", "tp2", "pp2"],
+    ids=["one-process", "fsdp2", "tp2", "pp2", "spike-detection"],
 )
 def test_no_device_readback_between_log_steps(tmp_path, synthetic_corpus, nproc, layout):
     args = ["--optimizer.implementation=fused", *layout]

@@ -9,22 +9,29 @@ from bloomnative.config import ConfigError, parse_args
 from bloomnative.parallel import LayoutError
 from bloomnative.parallel.memory_estimate import PlanError
 from bloomnative.train.distributed import exit_process
+from bloomnative.train.faults import catch_stop_signals
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 trained (or stopped on request, with a checkpoint), 2 configuration error
-    (reported before any model is built); other failures raise."""
+    (reported before any model is built) or a checkpoint.load_step that is missing or fails
+    verification; other failures raise."""
+    catch_stop_signals()
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from bloomnative.train.checkpoint import BadCheckpointError
     from bloomnative.train.trainer import Trainer
 
     try:
         trainer = Trainer(config)
     except (ConfigError, LayoutError, PlanError) as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except BadCheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
         return 2
     trainer.run()
     return 0

@@ -31,6 +31,14 @@ from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tfl
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
 from bloomnative.train.preflight import check_run
+from bloomnative.train.spikes import (
+    Rollback,
+    RollbackLog,
+    SpikeDetector,
+    SpikeError,
+    Trigger,
+    data_reserve,
+)
 
 
 class Trainer:
@@ -79,6 +87,8 @@ class Trainer:
             config.checkpoint.async_mode == "async",
             config.checkpoint.min_free_gib,
         )
+        self.spikes = SpikeDetector(config.spikes, self.device) if config.spikes.enable else None
+        self.rollbacks = RollbackLog(self.ckpt_folder / "rollbacks.json", self.rank == 0)
         self._maybe_resume()
 
         self.metrics = MetricsLogger(self.dump, config.metrics.tensorboard, self.rank == 0)
@@ -200,7 +210,11 @@ class Trainer:
 
     def _build_data(self) -> None:
         cfg, t, v = self.config.data, self.config.training, self.config.validation
-        max_samples = t.steps * t.global_batch_size
+        # Loss-spike rollbacks skip data: the index covers the windows they may skip as well.
+        reserve = data_reserve(
+            self.config.spikes, self.config.checkpoint.interval, self.config.metrics.log_freq
+        )
+        max_samples = (t.steps + reserve) * t.global_batch_size
         valid_samples = max(v.steps * t.global_batch_size, 1) if v.freq else 0
         cache_dir = cfg.cache_dir or str(self.dump / "data_cache")
         train_ds, valid_ds, _ = build_gpt_datasets(
@@ -241,8 +255,9 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def _state(self, with_rng: bool = True) -> dict:
-        """Everything a resume needs. The data loader's state is `consumed_samples`: the global
-        sample order does not depend on the layout, so it is all the loader needs."""
+        """Everything a resume needs. The data loader's state is `consumed_samples` (the global
+        sample order does not depend on the layout) and the windows of it that loss-spike
+        rollbacks skipped."""
         state = {
             "model": ckpt.model_state(self.model_parts),
             "optimizer": ckpt.optimizer_state(self.model_parts, self.optimizers),
@@ -252,47 +267,74 @@ class Trainer:
                 "nonfinite_skipped": torch.tensor(self.nonfinite.skipped),
             },
         }
+        if self.train_loader.skipped:
+            state["train"]["skipped_samples"] = torch.tensor(self.train_loader.skipped)
+        if self.spikes is not None:
+            state["spikes"] = self.spikes.state_dict()
         if with_rng:
             state["rng"] = ckpt.rng_state()
         return state
 
     def _maybe_resume(self) -> None:
-        """Resumes from the newest complete checkpoint (or `load_step`); a model-only one (from
-        tools/convert_hf.py) or `initial_hf` gives the starting weights of a fresh run."""
+        """Resumes from the newest checkpoint that verifies (or `load_step`, which must verify);
+        a model-only one (from tools/convert_hf.py) or `initial_hf` gives the starting weights
+        of a fresh run."""
         cfg = self.config.checkpoint
         step = None
-        if cfg.enable:
-            step = cfg.load_step if cfg.load_step >= 0 else ckpt.latest_step(self.ckpt_folder)
+        if cfg.enable and cfg.load_step >= 0:
+            self.checkpointer.require(cfg.load_step)
+            step = cfg.load_step
+        elif cfg.enable:
+            step = self.checkpointer.newest_verified()
         if step is None:
             if cfg.initial_hf:
                 self._load_initial_hf(cfg.initial_hf)
             return
-        path = self.ckpt_folder / f"step-{step}"
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"checkpoint.load_step = {step}: no complete checkpoint at {path}"
-            )
+        path = self.checkpointer.path(step)
         if ckpt.is_model_only(path):
             state = {"model": ckpt.model_state(self.model_parts)}
             ckpt.load(path, state)
             ckpt.load_model_state(self.model_parts, state["model"])
             self._say(f"initial weights from model-only checkpoint {path}")
             return
-        # RNG states are per rank: restored only when this rank's key was saved.
+        self._load_training_state(path)
+        self._say(f"resumed from {path} at step {self.step}")
+
+    def _load_training_state(self, path: Path) -> None:
+        """Model, optimizer, counters, data position, spike detector and RNG from a verified
+        checkpoint. The skipped data windows are those it saved and those rollbacks.json lists
+        (a rollback is recorded there before any checkpoint holds it)."""
         state = self._state(with_rng=False)
+        saved = ckpt.saved_shapes(path)
+        # RNG states are per rank: restored only when this rank's key was saved.
         rng = ckpt.rng_state()
-        if all(f"rng.{key}" in ckpt.saved_keys(path) for key in rng):
+        if all(f"rng.{key}" in saved for key in rng):
             state["rng"] = rng
+        state["train"].pop("skipped_samples", None)
+        if "train.skipped_samples" in saved:
+            shape = saved["train.skipped_samples"]
+            state["train"]["skipped_samples"] = torch.zeros(shape, dtype=torch.int64)
+        detector = state.pop("spikes", None)
+        if detector and all(saved.get(f"spikes.{k}") == v.shape for k, v in detector.items()):
+            state["spikes"] = detector
         ckpt.load(path, state)
         ckpt.load_model_state(self.model_parts, state["model"])
         ckpt.load_optimizer_state(self.model_parts, self.optimizers, state["optimizer"])
         if "rng" in state:
             ckpt.restore_rng_state(state["rng"])
-        self.step = int(state["train"]["step"])
-        self.consumed_samples = int(state["train"]["consumed_samples"])
-        self.nonfinite.load(int(state["train"]["nonfinite_skipped"]))
-        self.train_loader.load_state_dict({"consumed_samples": self.consumed_samples})
-        self._say(f"resumed from {path} at step {self.step}")
+        train = state["train"]
+        self.step = int(train["step"])
+        self.consumed_samples = int(train["consumed_samples"])
+        self.nonfinite.load(int(train["nonfinite_skipped"]))
+        windows = train["skipped_samples"].tolist() if "skipped_samples" in train else []
+        self.train_loader.load_state_dict(
+            {
+                "consumed_samples": self.consumed_samples,
+                "skipped": [*windows, *self.rollbacks.windows()],
+            }
+        )
+        if self.spikes is not None:
+            self.spikes.load_state_dict(state.get("spikes"))
 
     def _load_initial_hf(self, hf_dir: str) -> None:
         """Continued pretraining: every rank reads the Hugging Face folder and keeps its shard."""
@@ -397,14 +439,17 @@ class Trainer:
         return loss, grad_norm, lr, gbs
 
     def _reduce_loss(self, value: torch.Tensor) -> float:
-        """The loss every rank agrees on: summed over pipeline ranks (only the last stage holds
-        it), averaged over data-parallel ranks."""
+        return self._global_loss(value).item()
+
+    def _global_loss(self, value: torch.Tensor) -> torch.Tensor:
+        """The loss every rank agrees on, left on the device: summed over pipeline ranks (only
+        the last stage holds it), averaged over data-parallel ranks."""
         value = value.detach().clone()
         if self.dims.pp > 1:
             dist.all_reduce(value, group=self.pp_mesh.get_group())
         if self.dims.dp > 1:
             dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
-        return value.item()
+        return value
 
     def _max_over_ranks(self, value: float) -> float:
         """The largest value any rank has (memory: the rank that limits the layout)."""
@@ -450,7 +495,7 @@ class Trainer:
     def train(self) -> None:
         """Trains to `training.steps`, or until asked to stop (SIGTERM, SIGUSR1 or a STOP file
         in the dump folder), saving a checkpoint at the step where it stops."""
-        t, m, v = self.config.training, self.config.metrics, self.config.validation
+        t, v = self.config.training, self.config.validation
         ckpt_cfg = self.config.checkpoint
         stop = StopRequest(self.dump / "STOP")
         self.throughput.read_and_reset()
@@ -458,7 +503,9 @@ class Trainer:
             while self.step < t.steps:
                 loss, grad_norm, lr, gbs = self.train_step()
                 self.throughput.add_tokens(gbs * t.seq_len)
-                if self.step % m.log_freq == 0 or self.step == 1 or self.step == t.steps:
+                if self.spikes is not None and self._rolled_back_a_spike(loss, grad_norm):
+                    continue
+                if self._is_log_step():
                     self.nonfinite.check(self.step)
                     self._log_step(loss, grad_norm, lr, gbs)
                 if v.freq and self.make_valid_loader and self.step % v.freq == 0:
@@ -474,6 +521,82 @@ class Trainer:
         finally:
             stop.restore()
             self.metrics.close()
+
+    def _is_log_step(self) -> bool:
+        steps = self.config.training.steps
+        return self.step % self.config.metrics.log_freq == 0 or self.step in (1, steps)
+
+    # ------------------------------------------------------------------ loss spikes
+
+    def _rolled_back_a_spike(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Feeds the step to the spike detector; at log steps and checkpoint steps (where the
+        host reads the device anyway) rolls back if it has fired."""
+        self.spikes.observe(self.step, self._global_loss(loss), grad_norm)
+        c = self.config.checkpoint
+        checkpoint_step = self.step % c.interval == 0 or self.step == self.config.training.steps
+        if not (self._is_log_step() or checkpoint_step):
+            return False
+        trigger = self.spikes.fired()
+        if trigger is None:
+            return False
+        self._roll_back(trigger)
+        return True
+
+    def _roll_back(self, trigger: Trigger) -> None:
+        """Restores the newest verified checkpoint from before the spike and skips the data
+        trained on since it, plus spikes.skip_steps batches; records the rollback."""
+        cfg = self.config.spikes
+        what = f"loss spike detected at step {self.step} ({trigger.describe(cfg)})"
+        if len(self.rollbacks.rollbacks) >= cfg.max_rollbacks:
+            raise SpikeError(
+                f"{what}, but spikes.max_rollbacks = {cfg.max_rollbacks} rollbacks have been "
+                f"made already (at steps {[r.step for r in self.rollbacks.rollbacks]}); giving "
+                "up: lower the learning rate, inspect the data, or raise spikes.max_rollbacks"
+            )
+        self.checkpointer.wait()
+        restored = self.checkpointer.newest_verified(before=trigger.first_step)
+        if restored is None:
+            raise SpikeError(
+                f"{what}, but no checkpoint from before step {trigger.first_step} verifies in "
+                f"{self.ckpt_folder}, so there is nothing to roll back to"
+            )
+        self.checkpointer.set_aside_after(restored, "rolled-back")
+        detected_step = self.step
+        spike_end = self.train_loader.position(self.consumed_samples)
+        skip = cfg.skip_steps * self.global_batch_size()
+        self._load_training_state(self.checkpointer.path(restored))
+        window = (self.train_loader.position(self.consumed_samples), spike_end + skip)
+        self.train_loader.skip(*window)
+        self._check_data_left(what)
+        rollback = Rollback(detected_step, trigger.first_step, restored, what, window)
+        self.rollbacks.add(rollback)
+        self.metrics.log(
+            {
+                "step": detected_step,
+                "rollback": len(self.rollbacks.rollbacks),
+                "rollback_to_step": restored,
+                "rollback_trigger": rollback.trigger,
+                "skipped_samples": list(window),
+                "skipped_sample_count": window[1] - window[0],
+            }
+        )
+        self._say(
+            f"{what}: rolled back to step {restored}, skipping samples [{window[0]}, "
+            f"{window[1]}) of the training order"
+        )
+
+    def _check_data_left(self, what: str) -> None:
+        """After a skip: the training split must still hold the data of every remaining step."""
+        t = self.config.training
+        remaining = (t.steps - self.step) * t.global_batch_size
+        last = self.train_loader.position(self.consumed_samples + remaining - 1)
+        if last >= len(self.train_loader.dataset):
+            raise SpikeError(
+                f"{what}: after skipping {self.train_loader.skipped} the remaining "
+                f"{t.steps - self.step} steps need the training order up to position {last}, "
+                f"but it has {len(self.train_loader.dataset)} samples; lower spikes.skip_steps "
+                "or restart (the index is sized for spikes.max_rollbacks windows)"
+            )
 
     def _log_step(self, loss, grad_norm, lr: float, gbs: int) -> None:
         row = {

@@ -193,8 +193,8 @@ class SpikesConfig:
     enable: bool = False
     """Recover from loss spikes automatically, as PaLM's authors did by hand: after
     `consecutive_steps` spike steps, restore the newest verified checkpoint from before the
-    spike, skip the data that led to it and continue (docs/checkpointing.md). Needs
-    checkpoint.enable."""
+    spike, skip the data that led to it and continue (docs/checkpointing.md). Off while
+    checkpoint.enable = false (nothing to roll back to)."""
     loss_factor: float = 1.2
     """A step is a spike step if its loss exceeds this multiple of the mean loss of the last
     `window` healthy steps (0 disables the loss test)."""
@@ -503,12 +503,8 @@ def validate(config: Config) -> None:
 
 
 def _validate_spikes(spikes: SpikesConfig, checkpoint: CheckpointConfig) -> None:
-    if not spikes.enable:
+    if not (spikes.enable and checkpoint.enable):
         return
-    _check(
-        checkpoint.enable,
-        "spikes.enable = true needs checkpoint.enable = true: a rollback restores a checkpoint",
-    )
     _check(
         checkpoint.keep_latest_k != 1,
         "spikes.enable = true needs checkpoint.keep_latest_k = 0 or >= 2: a checkpoint saved "

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bloomnative.config import SpikesConfig
+from bloomnative.config import CheckpointConfig, SpikesConfig
 
 
 class SpikeError(RuntimeError):
@@ -170,12 +170,17 @@ class RollbackLog:
         temporary.rename(self.path)
 
 
-def data_reserve(cfg: SpikesConfig, checkpoint_interval: int, log_freq: int) -> int:
+def recovers_spikes(cfg: SpikesConfig, checkpoint: CheckpointConfig) -> bool:
+    """Spike recovery is on: asked for, and there are checkpoints to roll back to."""
+    return cfg.enable and checkpoint.enable
+
+
+def data_reserve(cfg: SpikesConfig, checkpoint: CheckpointConfig, log_freq: int) -> int:
     """Global batches beyond training.steps that the training data must cover for the windows
     skipped by `max_rollbacks` rollbacks. A rollback is detected at most `log_freq` steps after
     the spike completes, and the checkpoint it restores is normally at most `interval` steps
     before the spike: each window covers at most the sum of those and `skip_steps`."""
-    if not cfg.enable:
+    if not recovers_spikes(cfg, checkpoint):
         return 0
-    per_rollback = checkpoint_interval + cfg.consecutive_steps + log_freq + cfg.skip_steps
+    per_rollback = checkpoint.interval + cfg.consecutive_steps + log_freq + cfg.skip_steps
     return cfg.max_rollbacks * per_rollback

@@ -38,6 +38,7 @@ from bloomnative.train.spikes import (
     SpikeError,
     Trigger,
     data_reserve,
+    recovers_spikes,
 )
 
 
@@ -87,7 +88,13 @@ class Trainer:
             config.checkpoint.async_mode == "async",
             config.checkpoint.min_free_gib,
         )
-        self.spikes = SpikeDetector(config.spikes, self.device) if config.spikes.enable else None
+        self.spikes = None
+        if recovers_spikes(config.spikes, config.checkpoint):
+            self.spikes = SpikeDetector(config.spikes, self.device)
+        elif config.spikes.enable:
+            self._say(
+                "spikes.enable is ignored: checkpoint.enable = false, nothing to roll back to"
+            )
         self.rollbacks = RollbackLog(self.ckpt_folder / "rollbacks.json", self.rank == 0)
         self._maybe_resume()
 
@@ -212,7 +219,7 @@ class Trainer:
         cfg, t, v = self.config.data, self.config.training, self.config.validation
         # Loss-spike rollbacks skip data: the index covers the windows they may skip as well.
         reserve = data_reserve(
-            self.config.spikes, self.config.checkpoint.interval, self.config.metrics.log_freq
+            self.config.spikes, self.config.checkpoint, self.config.metrics.log_freq
         )
         max_samples = (t.steps + reserve) * t.global_batch_size
         valid_samples = max(v.steps * t.global_batch_size, 1) if v.freq else 0

@@ -322,22 +322,23 @@ class Checkpointer:
         reading), else the first problem found, naming the file. A checkpoint without a record
         (written before records existed) passes with a warning."""
         folder = self.path(step)
+        problems: dict[str, str] = {}
         try:
             record = read_record(folder)
-            if record is None:
-                self._warn(f"{folder} has no {RECORD}: loading it without verification")
-                return None
-            problems = {}
-            if self.rank == 0:
-                problems = dict.fromkeys(unrecorded_files(folder, record), "not in the record")
-            mine = share_of_files(record, self.rank, self.world_size)
-            problems.update(verify_files(folder, record, mine))
+            if record is not None:
+                if self.rank == 0:
+                    problems = dict.fromkeys(unrecorded_files(folder, record), "not in the record")
+                mine = share_of_files(record, self.rank, self.world_size)
+                problems.update(verify_files(folder, record, mine))
         except (IntegrityError, OSError) as e:
-            problems = {RECORD: str(e)}
+            record, problems = {}, {RECORD: str(e)}
         merged = self._all_problems(problems)
         if merged:
             return _describe(merged, folder)
-        self.verified.add(step)
+        if record is None:
+            self._warn(f"{folder} has no {RECORD}: loading it without verification")
+        else:
+            self.verified.add(step)
         return None
 
     def newest_verified(self, before: int | None = None) -> int | None:

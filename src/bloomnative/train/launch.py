@@ -2,11 +2,12 @@
 
 What run_train.sh runs. Left to itself, torchrun's agent turns SIGTERM and SIGINT into an
 exception: it signals the workers, kills them 30 s later (torch < 2.12 cannot wait longer) and
-exits 1 with a traceback, even when the workers stopped cleanly. Here the agent leaves those two
-signals alone (`--signals-to-handle`) and this process takes them instead:
+exits 1 with a traceback, even when the workers stopped cleanly (and SIGUSR1, which SLURM sends
+before pre-empting, kills it outright). Here the agent leaves those signals alone
+(`--signals-to-handle`) and this process takes them instead:
 
-- the first SIGTERM or SIGINT is passed on to the workers as SIGTERM: each finishes its step,
-  saves a checkpoint and exits 0, so the agent ends normally and the command exits 0;
+- the first SIGTERM, SIGINT or SIGUSR1 is passed on to the workers as SIGTERM: each finishes its
+  step, saves a checkpoint and exits 0, so the agent ends normally and the command exits 0;
 - further SIGTERMs change nothing; a second SIGINT (Ctrl-C twice) kills the workers at once;
 - workers still running `--stop-grace-s` seconds (default 120) after the first signal are killed.
   A killed worker leaves no complete checkpoint behind (the newest complete one stays the
@@ -63,7 +64,7 @@ class CleanStop:
         self._deadline = 0.0
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame) -> None:
@@ -117,12 +118,18 @@ def main(argv: list[str]) -> int:
                 f"--stop-grace-s (STOP_GRACE_S) must be a positive number of seconds, got {value!r}"
             )
             return 2
-    stop = CleanStop(grace)
-    stop.install()
+    from torch.distributed.run import get_args_parser
     from torch.distributed.run import main as torchrun
 
+    leave_signals = ["--signals-to-handle=SIGHUP,SIGQUIT"]
+    if get_args_parser().parse_known_args([*leave_signals, "script"])[1]:
+        _say("this torch's torchrun handles SIGTERM itself (--signals-to-handle needs torch 2.9)")
+        torchrun(argv)
+        return 0
+    stop = CleanStop(grace)
+    stop.install()
     try:
-        torchrun(["--signals-to-handle=SIGHUP,SIGQUIT", *argv])
+        torchrun([*leave_signals, *argv])
     finally:
         stop.done.set()
     if stop.first is not None:

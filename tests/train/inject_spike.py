@@ -32,12 +32,12 @@ def spiking_forward_backward(micro_batches):
 
 trainer.forward_backward = spiking_forward_backward
 if spec.get("exit_after_rollback"):
-    roll_back = trainer._roll_back
+    roll_back = trainer.spikes._roll_back
 
     def roll_back_then_die(trigger):
         roll_back(trigger)
         exit_process(3)
 
-    trainer._roll_back = roll_back_then_die
+    trainer.spikes._roll_back = roll_back_then_die
 trainer.run()
 exit_process(0)

@@ -31,15 +31,7 @@ from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tfl
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
 from bloomnative.train.preflight import check_run
-from bloomnative.train.spikes import (
-    Rollback,
-    RollbackLog,
-    SpikeDetector,
-    SpikeError,
-    Trigger,
-    data_reserve,
-    recovers_spikes,
-)
+from bloomnative.train.spikes import SpikeRecovery, data_reserve
 
 
 class Trainer:
@@ -88,14 +80,7 @@ class Trainer:
             config.checkpoint.async_mode == "async",
             config.checkpoint.min_free_gib,
         )
-        self.spikes = None
-        if recovers_spikes(config.spikes, config.checkpoint):
-            self.spikes = SpikeDetector(config.spikes, self.device)
-        elif config.spikes.enable:
-            self._say(
-                "spikes.enable is ignored: checkpoint.enable = false, nothing to roll back to"
-            )
-        self.rollbacks = RollbackLog(self.ckpt_folder / "rollbacks.json", self.rank == 0)
+        self.spikes = SpikeRecovery(self)
         self._maybe_resume()
 
         self.metrics = MetricsLogger(self.dump, config.metrics.tensorboard, self.rank == 0)
@@ -276,8 +261,7 @@ class Trainer:
         }
         if self.train_loader.skipped:
             state["train"]["skipped_samples"] = torch.tensor(self.train_loader.skipped)
-        if self.spikes is not None:
-            state["spikes"] = self.spikes.state_dict()
+        state.update(self.spikes.state_dict())
         if with_rng:
             state["rng"] = ckpt.rng_state()
         return state
@@ -304,10 +288,10 @@ class Trainer:
             ckpt.load_model_state(self.model_parts, state["model"])
             self._say(f"initial weights from model-only checkpoint {path}")
             return
-        self._load_training_state(path)
+        self.load_training_state(path)
         self._say(f"resumed from {path} at step {self.step}")
 
-    def _load_training_state(self, path: Path) -> None:
+    def load_training_state(self, path: Path) -> None:
         """Model, optimizer, counters, data position, spike detector and RNG from a verified
         checkpoint. The skipped data windows are those it saved and those rollbacks.json lists
         (a rollback is recorded there before any checkpoint holds it)."""
@@ -337,11 +321,10 @@ class Trainer:
         self.train_loader.load_state_dict(
             {
                 "consumed_samples": self.consumed_samples,
-                "skipped": [*windows, *self.rollbacks.windows()],
+                "skipped": [*windows, *self.spikes.log.windows()],
             }
         )
-        if self.spikes is not None:
-            self.spikes.load_state_dict(state.get("spikes"))
+        self.spikes.load_state_dict(state)
 
     def _load_initial_hf(self, hf_dir: str) -> None:
         """Continued pretraining: every rank reads the Hugging Face folder and keeps its shard."""
@@ -510,7 +493,9 @@ class Trainer:
             while self.step < t.steps:
                 loss, grad_norm, lr, gbs = self.train_step()
                 self.throughput.add_tokens(gbs * t.seq_len)
-                if self.spikes is not None and self._rolled_back_a_spike(loss, grad_norm):
+                if self.spikes.detector and self.spikes.rolled_back(
+                    self._global_loss(loss), grad_norm, self._is_log_step()
+                ):
                     continue
                 if self._is_log_step():
                     self.nonfinite.check(self.step)
@@ -532,78 +517,6 @@ class Trainer:
     def _is_log_step(self) -> bool:
         steps = self.config.training.steps
         return self.step % self.config.metrics.log_freq == 0 or self.step in (1, steps)
-
-    # ------------------------------------------------------------------ loss spikes
-
-    def _rolled_back_a_spike(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """Feeds the step to the spike detector; at log steps and checkpoint steps (where the
-        host reads the device anyway) rolls back if it has fired."""
-        self.spikes.observe(self.step, self._global_loss(loss), grad_norm)
-        c = self.config.checkpoint
-        checkpoint_step = self.step % c.interval == 0 or self.step == self.config.training.steps
-        if not (self._is_log_step() or checkpoint_step):
-            return False
-        trigger = self.spikes.fired()
-        if trigger is None:
-            return False
-        self._roll_back(trigger)
-        return True
-
-    def _roll_back(self, trigger: Trigger) -> None:
-        """Restores the newest verified checkpoint from before the spike and skips the data
-        trained on since it, plus spikes.skip_steps batches; records the rollback."""
-        cfg = self.config.spikes
-        what = f"loss spike detected at step {self.step} ({trigger.describe(cfg)})"
-        if len(self.rollbacks.rollbacks) >= cfg.max_rollbacks:
-            raise SpikeError(
-                f"{what}, but spikes.max_rollbacks = {cfg.max_rollbacks} rollbacks have been "
-                f"made already (at steps {[r.step for r in self.rollbacks.rollbacks]}); giving "
-                "up: lower the learning rate, inspect the data, or raise spikes.max_rollbacks"
-            )
-        self.checkpointer.wait()
-        restored = self.checkpointer.newest_verified(before=trigger.first_step)
-        if restored is None:
-            raise SpikeError(
-                f"{what}, but no checkpoint from before step {trigger.first_step} verifies in "
-                f"{self.ckpt_folder}, so there is nothing to roll back to"
-            )
-        self.checkpointer.set_aside_after(restored, "rolled-back")
-        detected_step = self.step
-        spike_end = self.train_loader.position(self.consumed_samples)
-        skip = cfg.skip_steps * self.global_batch_size()
-        self._load_training_state(self.checkpointer.path(restored))
-        window = (self.train_loader.position(self.consumed_samples), spike_end + skip)
-        self.train_loader.skip(*window)
-        self._check_data_left(what)
-        rollback = Rollback(detected_step, trigger.first_step, restored, what, window)
-        self.rollbacks.add(rollback)
-        self.metrics.log(
-            {
-                "step": detected_step,
-                "rollback": len(self.rollbacks.rollbacks),
-                "rollback_to_step": restored,
-                "rollback_trigger": rollback.trigger,
-                "skipped_samples": list(window),
-                "skipped_sample_count": window[1] - window[0],
-            }
-        )
-        self._say(
-            f"{what}: rolled back to step {restored}, skipping samples [{window[0]}, "
-            f"{window[1]}) of the training order"
-        )
-
-    def _check_data_left(self, what: str) -> None:
-        """After a skip: the training split must still hold the data of every remaining step."""
-        t = self.config.training
-        remaining = (t.steps - self.step) * t.global_batch_size
-        last = self.train_loader.position(self.consumed_samples + remaining - 1)
-        if last >= len(self.train_loader.dataset):
-            raise SpikeError(
-                f"{what}: after skipping {self.train_loader.skipped} the remaining "
-                f"{t.steps - self.step} steps need the training order up to position {last}, "
-                f"but it has {len(self.train_loader.dataset)} samples; lower spikes.skip_steps "
-                "or restart (the index is sized for spikes.max_rollbacks windows)"
-            )
 
     def _log_step(self, loss, grad_norm, lr: float, gbs: int) -> None:
         row = {

@@ -272,15 +272,14 @@ class Checkpointer:
             partial.rename(final)
         self._barrier()
 
-    def _judge(self, step: int, problems: dict[str, str], when: str) -> bool:
-        """Collective: True (and `step` counts as verified) if no rank found a problem, else the
-        checkpoint is set aside with a warning."""
+    def _judge(self, step: int, problems: dict[str, str], when: str) -> None:
+        """Collective: `step` counts as verified if no rank found a problem, else it is set
+        aside with a warning."""
         merged = self._all_problems(problems)
-        if not merged:
+        if merged:
+            self._set_aside(step, f"{when}: {_describe(merged, self.path(step))}")
+        else:
             self.verified.add(step)
-            return True
-        self._set_aside(step, f"{when}: {_describe(merged, self.path(step))}")
-        return False
 
     def _prune(self) -> None:
         """Keeps the newest k complete checkpoints and the newest verified one; removes partial

@@ -65,7 +65,7 @@ def crc32_gbps() -> float:
     return len(data) / (time.perf_counter() - start) / 1e9
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--dir", type=Path, default=Path("outputs/bench_checkpoint"))
     parser.add_argument("--json", type=Path, default=None)
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     heads = max(1, options.hidden // 64)
     args = BloomArgs(
@@ -125,6 +125,7 @@ def main() -> None:
     if options.json:
         options.json.write_text(json.dumps(result, indent=1) + "\n")
     shutil.rmtree(options.dir, ignore_errors=True)
+    return result
 
 
 if __name__ == "__main__":

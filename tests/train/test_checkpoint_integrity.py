@@ -24,15 +24,14 @@ from training_helpers import REPO
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def load_tool():
-    path = REPO / "tools" / "verify_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("verify_checkpoint", path)
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-verify_checkpoint = load_tool()
+verify_checkpoint = load_tool("verify_checkpoint")
 
 
 def state(seed: int = 0) -> dict:
@@ -163,3 +162,12 @@ def test_model_only_checkpoints_carry_a_record_too(tmp_path):
     out = save_native_checkpoint(model, tmp_path / "native")
     assert "bloom_args.json" in json.loads((out / RECORD).read_text())["files"]
     assert verify_checkpoint.main([str(out)]) == 0
+
+
+def test_bench_checkpoint_runs(tmp_path, capsys):
+    """tools/bench_checkpoint.py at a toy size (the figures are in docs/benchmarks.md)."""
+    argv = ["--hidden", "64", "--layers", "1", "--vocab", "256", "--reps", "1"]
+    result = load_tool("bench_checkpoint").main([*argv, "--dir", str(tmp_path / "bench")])
+    assert result["files"] == 2 and result["checksummed_save_s"]["min"] > 0
+    assert "read back from disk and verify" in capsys.readouterr().out
+    assert not (tmp_path / "bench").exists()

@@ -61,7 +61,8 @@ def verify_folder(folder: Path) -> bool:
     problems.update(dict.fromkeys(unrecorded_files(folder, record), "not in the record"))
     for name, problem in sorted(problems.items()):
         if problem is None:
-            print(f"ok       {name}  {record[name].size} bytes  crc32 {record[name].crc32:08x}")
+            entry = record[name]
+            print(f"ok       {name}  {entry.size} bytes  {entry.algorithm} {entry.hex()}")
         else:
             print(f"BAD      {name}  {problem}")
     bad = sum(problem is not None for problem in problems.values())

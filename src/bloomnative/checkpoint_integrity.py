@@ -1,14 +1,17 @@
 """Checksums of checkpoint folders: taken as the files are written, checked before they are read.
 
 `ChecksummingWriter` is DCP's file writer with one addition: every byte it writes also goes
-through a CRC-32, so each rank knows the size and checksum of each file it wrote without reading
-anything back (with async saves this happens in DCP's background thread). The saver gathers
-these into the folder's completion record, `checksums.json`, written last. `verify_files`
-compares files on disk with the record; `tools/verify_checkpoint.py` runs it on a whole folder.
+through a checksum, so each rank knows the size and checksum of each file it wrote without
+reading anything back (with async saves this happens in DCP's background thread). The saver
+gathers these into the folder's completion record, `checksums.json`, written last.
+`verify_files` compares files on disk with the record; `tools/verify_checkpoint.py` runs it on a
+whole folder.
 
-CRC-32 (zlib's, 4 GB/s on one core of the CI machine) detects every burst error up to 32 bits
-and any other corruption with probability 1 - 2^-32 per file; it guards against bad disks and
-broken copies, not against tampering.
+The checksum is xxHash's XXH3-64 (about 20 GB/s on one core of the CI machine, so a save hardly
+notices it), or zlib's CRC-32 (2-4 GB/s) where the xxhash package is not installed; the record
+names the one it used. Either detects a changed file with probability 1 - 2^-64 (resp. 2^-32),
+CRC-32 every error burst up to 32 bits; they guard against bad disks and broken copies, not
+against tampering.
 """
 
 from __future__ import annotations
@@ -25,15 +28,22 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+try:
+    import xxhash
+except ImportError:  # an environment that uses its own Python without installing bloomnative
+    xxhash = None
+
+ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"
+"""The checksum new records use."""
 RECORD = "checksums.json"
-"""The completion record of a checkpoint folder: size and CRC-32 of every other file in it."""
+"""The completion record of a checkpoint folder: size and checksum of every other file in it."""
 _RECORD_FORMAT = 1
 _CHUNK = 8 << 20
 # Large writes are summed on a helper thread while the calling thread writes the same bytes:
-# zlib.crc32 and file writes both release the GIL, so on a machine with a spare core the checksum
-# adds almost nothing to a save (docs/benchmarks.md).
+# both hashes and file writes release the GIL, so with a spare core the checksum costs a save
+# nothing at all (docs/benchmarks.md).
 _OVERLAP_BYTES = 1 << 20
-_CRC_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bloomnative-crc32")
+_SUM_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bloomnative-checksum")
 
 
 class IntegrityError(RuntimeError):
@@ -43,26 +53,52 @@ class IntegrityError(RuntimeError):
 @dataclass(frozen=True)
 class FileSum:
     size: int
-    crc32: int
+    checksum: int
+    algorithm: str
+
+    def hex(self) -> str:
+        return f"{self.checksum:0{16 if self.algorithm == 'xxh3_64' else 8}x}"
+
+
+class _RunningSum:
+    """A checksum fed in pieces."""
+
+    def __init__(self, algorithm: str):
+        if algorithm not in ("xxh3_64", "crc32"):
+            raise IntegrityError(f"unknown checksum algorithm {algorithm!r}")
+        if algorithm == "xxh3_64" and xxhash is None:
+            raise IntegrityError("it was summed with xxh3_64: install the xxhash package")
+        self.algorithm = algorithm
+        self._xxh = xxhash.xxh3_64() if algorithm == "xxh3_64" else None
+        self._crc = 0
+
+    def update(self, data) -> None:
+        if self._xxh is not None:
+            self._xxh.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def value(self) -> int:
+        return self._xxh.intdigest() if self._xxh is not None else self._crc
 
 
 class _HashingStream:
-    """A writable file that also keeps the size and running CRC-32 of what went through it."""
+    """A writable file that also keeps the size and running checksum of what went through it."""
 
     def __init__(self, raw):
         self._raw = raw
         self.size = 0
-        self.crc32 = 0
+        self.sum = _RunningSum(ALGORITHM)
 
     def write(self, data) -> int:
         view = memoryview(data)
         if view.nbytes < _OVERLAP_BYTES:
-            self.crc32 = zlib.crc32(view, self.crc32)
+            self.sum.update(view)
             written = self._raw.write(view)
         else:
-            crc = _CRC_THREADS.submit(zlib.crc32, view, self.crc32)
+            summed = _SUM_THREADS.submit(self.sum.update, view)
             written = self._raw.write(view)
-            self.crc32 = crc.result()
+            summed.result()
         self.size += view.nbytes
         return written
 
@@ -85,7 +121,9 @@ class _ChecksummingFileSystem(FileSystem):
                 return
             hashing = _HashingStream(stream)
             yield hashing
-        self.sums[Path(path).name] = FileSum(hashing.size, hashing.crc32)
+        self.sums[Path(path).name] = FileSum(
+            hashing.size, hashing.sum.value(), hashing.sum.algorithm
+        )
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)  # DCP writes .metadata under a temporary name first
@@ -94,7 +132,8 @@ class _ChecksummingFileSystem(FileSystem):
 
 
 class ChecksummingWriter(FileSystemWriter):
-    """`FileSystemWriter` whose `sums` hold the size and CRC-32 of every file this rank wrote."""
+    """`FileSystemWriter` whose `sums` hold the size and checksum of every file this rank
+    wrote."""
 
     def __init__(self, path: str | os.PathLike, **kwargs):
         super().__init__(path, **kwargs)
@@ -105,19 +144,20 @@ class ChecksummingWriter(FileSystemWriter):
         return dict(self.fs.sums)
 
 
-def file_sum(path: Path, from_storage: bool = False) -> FileSum:
-    """Size and CRC-32 of a file. `from_storage`: first ask the kernel to drop the file's cached
-    pages, so the bytes come from the disk rather than from memory (where supported)."""
-    crc, size = 0, 0
+def file_sum(path: Path, algorithm: str | None = None, from_storage: bool = False) -> FileSum:
+    """Size and checksum of a file. `from_storage`: first ask the kernel to drop the file's
+    cached pages, so the bytes come from the disk rather than from memory (where supported)."""
+    algorithm = algorithm or ALGORITHM
+    running, size = _RunningSum(algorithm), 0
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         if from_storage and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
+            running.update(view[:n])
             size += n
-    return FileSum(size, crc)
+    return FileSum(size, running.value(), algorithm)
 
 
 def write_record(folder: Path, sums: dict[str, FileSum]) -> None:
@@ -128,14 +168,17 @@ def write_record(folder: Path, sums: dict[str, FileSum]) -> None:
     absent = sorted(name for name in files if not (folder / name).is_file())
     if absent:
         raise IntegrityError(f"{folder}: files {absent} were written but are not in the folder")
+    algorithms = {s.algorithm for s in files.values()} | {ALGORITHM}
+    if len(algorithms) > 1:
+        raise IntegrityError(f"{folder}: files were summed with {sorted(algorithms)}")
     for path in sorted(folder.iterdir()):
         if path.name not in files and path.name != RECORD and path.is_file():
             files[path.name] = file_sum(path)
     record = {
         "format": _RECORD_FORMAT,
-        "algorithm": "crc32",
+        "algorithm": ALGORITHM,
         "files": {
-            name: {"bytes": s.size, "crc32": f"{s.crc32:08x}"} for name, s in sorted(files.items())
+            name: {"bytes": s.size, "checksum": s.hex()} for name, s in sorted(files.items())
         },
     }
     temporary = folder / f"{RECORD}.tmp"
@@ -156,10 +199,11 @@ def read_record(folder: Path) -> dict[str, FileSum] | None:
         return None
     try:
         record = json.loads(path.read_text())
-        if record.get("format") != _RECORD_FORMAT or record.get("algorithm") != "crc32":
-            raise ValueError(f"format {record.get('format')}, algorithm {record.get('algorithm')}")
+        algorithm = record.get("algorithm")
+        if record.get("format") != _RECORD_FORMAT or algorithm not in ("xxh3_64", "crc32"):
+            raise ValueError(f"format {record.get('format')}, algorithm {algorithm}")
         return {
-            name: FileSum(int(entry["bytes"]), int(entry["crc32"], 16))
+            name: FileSum(int(entry["bytes"]), int(entry["checksum"], 16), algorithm)
             for name, entry in record["files"].items()
         }
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -184,13 +228,15 @@ def check_file(
         size = path.stat().st_size
         if size != expected.size:
             return f"{size} bytes, the record says {expected.size}"
-        actual = file_sum(path, from_storage)
+        actual = file_sum(path, expected.algorithm, from_storage)
     except FileNotFoundError:
         return "missing"
     except OSError as e:
         return f"unreadable ({e})"
-    if actual.crc32 != expected.crc32:
-        return f"checksum {actual.crc32:08x}, the record says {expected.crc32:08x}"
+    except IntegrityError as e:
+        return f"cannot be checked: {e}"
+    if actual.checksum != expected.checksum:
+        return f"checksum {actual.hex()}, the record says {expected.hex()}"
     return None
 
 

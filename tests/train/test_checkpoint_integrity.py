@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
+from bloomnative import checkpoint_integrity
 from bloomnative.checkpoint_integrity import RECORD
 from bloomnative.interop import save_native_checkpoint
 from bloomnative.model import Bloom, BloomArgs
@@ -59,17 +61,32 @@ def flip_bytes(path: Path, count: int = 64) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("async_mode", [False, True])
-def test_the_record_holds_size_and_crc32_of_every_file_as_written(tmp_path, async_mode):
-    save(tmp_path, [1], async_mode=async_mode)
+REFERENCE_SUMS = {
+    "xxh3_64": lambda data: f"{xxhash.xxh3_64(data).intdigest():016x}",
+    "crc32": lambda data: f"{zlib.crc32(data):08x}",
+}
+
+
+@pytest.mark.parametrize(
+    "algorithm, async_mode", [("xxh3_64", False), ("xxh3_64", True), ("crc32", False)]
+)
+def test_the_record_holds_size_and_checksum_of_every_file_as_written(
+    tmp_path, monkeypatch, algorithm, async_mode
+):
+    # crc32: what a machine without the xxhash package writes.
+    monkeypatch.setattr(checkpoint_integrity, "ALGORITHM", algorithm)
+    checkpointer = save(tmp_path, [1], async_mode=async_mode)
     folder = tmp_path / "step-1"
     record = json.loads((folder / RECORD).read_text())
-    assert record["algorithm"] == "crc32"
+    assert record["algorithm"] == algorithm
     on_disk = sorted(p.name for p in folder.iterdir() if p.name != RECORD)
     assert sorted(record["files"]) == on_disk and ".metadata" in on_disk
     for name, entry in record["files"].items():
         data = (folder / name).read_bytes()
-        assert entry == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
+        assert entry == {"bytes": len(data), "checksum": REFERENCE_SUMS[algorithm](data)}, name
+    assert checkpointer.verified == {1}  # read back after the save
+    flip_bytes(folder / "__0_0.distcp")
+    assert "__0_0.distcp: checksum" in checkpointer.verify(1)
 
 
 @pytest.mark.parametrize(
@@ -168,6 +185,6 @@ def test_bench_checkpoint_runs(tmp_path, capsys):
     """tools/bench_checkpoint.py at a toy size (the figures are in docs/benchmarks.md)."""
     argv = ["--hidden", "64", "--layers", "1", "--vocab", "256", "--reps", "1"]
     result = load_tool("bench_checkpoint").main([*argv, "--dir", str(tmp_path / "bench")])
-    assert result["files"] == 2 and result["checksummed_save_s"]["min"] > 0
+    assert result["files"] == 2 and set(result["save_s"]) == {"plain", "xxh3_64", "crc32"}
     assert "read back from disk and verify" in capsys.readouterr().out
     assert not (tmp_path / "bench").exists()

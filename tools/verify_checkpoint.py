@@ -24,6 +24,7 @@ from bloomnative.checkpoint_integrity import (
     IntegrityError,
     check_file,
     read_record,
+    uncheckable,
     unrecorded_files,
 )
 
@@ -56,6 +57,9 @@ def verify_folder(folder: Path) -> bool:
         return False
     if record is None:
         print(f"{folder}: BAD (no {RECORD}: it cannot be verified)")
+        return False
+    if why := uncheckable(record):
+        print(f"{folder}: cannot be verified here: {why}")
         return False
     problems = {name: check_file(folder, name, expected) for name, expected in record.items()}
     problems.update(dict.fromkeys(unrecorded_files(folder, record), "not in the record"))

@@ -210,6 +210,13 @@ def read_record(folder: Path) -> dict[str, FileSum] | None:
         raise IntegrityError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
 
 
+def uncheckable(record: dict[str, FileSum]) -> str | None:
+    """Why this process cannot compute the record's checksums, or None if it can."""
+    if xxhash is None and any(s.algorithm == "xxh3_64" for s in record.values()):
+        return "it was summed with xxh3_64 and the xxhash package is not installed"
+    return None
+
+
 def unrecorded_files(folder: Path, record: dict[str, FileSum]) -> list[str]:
     """Files in `folder` that its record does not cover (nothing vouches for their bytes)."""
     return sorted(

@@ -188,3 +188,14 @@ def test_bench_checkpoint_runs(tmp_path, capsys):
     assert result["files"] == 2 and set(result["save_s"]) == {"plain", "xxh3_64", "crc32"}
     assert "read back from disk and verify" in capsys.readouterr().out
     assert not (tmp_path / "bench").exists()
+
+
+def test_without_the_xxhash_package_a_checkpoint_summed_with_it_loads_unverified(
+    tmp_path, monkeypatch, capsys
+):
+    checkpointer = save(tmp_path, [1])
+    monkeypatch.setattr(checkpoint_integrity, "xxhash", None)  # e.g. a GPU image's own Python
+    fresh = ckpt.Checkpointer(tmp_path, 0, async_mode=False, min_free_gib=0)
+    assert fresh.newest_verified() == 1 and fresh.verified == set()
+    assert "cannot verify" in capsys.readouterr().err
+    assert checkpointer.path(1).is_dir()  # not set aside: nothing is known to be wrong with it

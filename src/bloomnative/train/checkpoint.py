@@ -45,6 +45,7 @@ from bloomnative.checkpoint_integrity import (
     IntegrityError,
     read_record,
     share_of_files,
+    uncheckable,
     unrecorded_files,
     verify_files,
     write_record,
@@ -318,24 +319,30 @@ class Checkpointer:
 
     def verify(self, step: int) -> str | None:
         """Collective: None if checkpoint `step`'s files match its record (the ranks split the
-        reading), else the first problem found, naming the file. A checkpoint without a record
-        (written before records existed) passes with a warning."""
+        reading), else the first problem found, naming the file. A checkpoint that cannot be
+        verified (no record: written before records existed; or summed with a checksum this
+        process cannot compute) passes with a warning."""
         folder = self.path(step)
         problems: dict[str, str] = {}
+        unverifiable = None
         try:
             record = read_record(folder)
-            if record is not None:
+            if record is None:
+                unverifiable = f"it has no {RECORD}"
+            elif why := uncheckable(record):
+                unverifiable = why
+            else:
                 if self.rank == 0:
                     problems = dict.fromkeys(unrecorded_files(folder, record), "not in the record")
                 mine = share_of_files(record, self.rank, self.world_size)
                 problems.update(verify_files(folder, record, mine))
         except (IntegrityError, OSError) as e:
-            record, problems = {}, {RECORD: str(e)}
+            problems = {RECORD: str(e)}
         merged = self._all_problems(problems)
         if merged:
             return _describe(merged, folder)
-        if record is None:
-            self._warn(f"{folder} has no {RECORD}: loading it without verification")
+        if unverifiable:
+            self._warn(f"cannot verify {folder} ({unverifiable}): loading it unverified")
         else:
             self.verified.add(step)
         return None

@@ -32,7 +32,8 @@ from bloomnative import checkpoint_integrity as integrity
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.train import checkpoint as ckpt
 
-WRITERS = {"plain": None, "xxh3_64": "xxh3_64", "crc32": "crc32"}
+ALGORITHMS = ["xxh3_64", "crc32"] if integrity.xxhash is not None else ["crc32"]
+WRITERS = {"plain": None, **{a: a for a in ALGORITHMS}}
 
 
 def training_state(args: BloomArgs) -> dict:
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
             for name, v in wall.items()
         },
         "read_back_verify_s": verify_s,
-        "one_core_gbps": {a: one_core_gbps(a) for a in ("xxh3_64", "crc32")},
+        "one_core_gbps": {a: one_core_gbps(a) for a in ALGORITHMS},
         "algorithm": default,
         "torch": torch.__version__,
     }

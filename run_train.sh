@@ -23,6 +23,6 @@ if [ "$NNODES" = 1 ]; then
 else
   rendezvous=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port for multi-node runs}")
 fi
-exec "$BLOOMNATIVE_PYTHON" -m bloomnative.train.launch ${STOP_GRACE_S:+--stop-grace-s="$STOP_GRACE_S"} \
+exec "$BLOOMNATIVE_PYTHON" -m bloomnative.train.launch ${STOP_GRACE_S:+"--stop-grace-s=$STOP_GRACE_S"} \
   "${rendezvous[@]}" --nproc-per-node="$NPROC" --max-restarts="$MAX_RESTARTS" \
   -m bloomnative.train.main "$@"

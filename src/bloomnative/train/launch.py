@@ -1,8 +1,8 @@
 """`python -m bloomnative.train.launch [--stop-grace-s S] TORCHRUN_ARGS`: torchrun, stoppable.
 
 What run_train.sh runs. Left to itself, torchrun's agent turns SIGTERM and SIGINT into an
-exception: it signals the workers, kills them 30 s later (torch < 2.12 cannot wait longer) and
-exits 1 with a traceback, even when the workers stopped cleanly (and SIGUSR1, which SLURM sends
+exception: it signals the workers, kills them 30 s later (by default) and exits 1 with a
+traceback, even when the workers stopped cleanly (and SIGUSR1, which SLURM sends
 before pre-empting, kills it outright). Here the agent leaves those signals alone
 (`--signals-to-handle`) and this process takes them instead:
 

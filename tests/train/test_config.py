@@ -188,3 +188,21 @@ def test_preflight_refuses_eod_mask_loss_without_an_eod_naming_the_keys(tmp_path
     assert "data.eod_token" in err and "none of the usual end-of-document tokens" in err, err
     assert main(["--world-size=1", *args, "--data.eod_token=t5"]) == 0
     assert main(["--world-size=1", "--data.tokenizer=nope.json"]) == 0  # masking off: not read
+
+
+def test_spike_recovery_is_on_in_the_bloom_configs_only():
+    enabled = {p.stem: parse_args(["--config", str(p)]).spikes.enable for p in CONFIGS}
+    assert enabled == {p.stem: p.stem.startswith("bloom-") for p in CONFIGS}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--spikes.loss_factor=0.9", r"spikes.loss_factor must be > 1 \(or 0 to disable\)"),
+        ("--spikes.consecutive_steps=0", "spikes.consecutive_steps must be positive"),
+        ("--checkpoint.keep_latest_k=1", "checkpoint.keep_latest_k = 0 or >= 2"),
+    ],
+)
+def test_spike_settings_that_cannot_work_are_rejected(override, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["--spikes.enable=true", override])

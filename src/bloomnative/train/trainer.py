@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from bloomnative.config import Config, model_args_from_config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.model import Bloom
+from bloomnative.model.state import load_model_state, model_state
 from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
 from bloomnative.parallel.layout_check import pipeline_microbatches
@@ -274,7 +275,7 @@ class Trainer:
         sample order does not depend on the layout) and the windows of it that loss-spike
         rollbacks skipped."""
         state = {
-            "model": ckpt.model_state(self.model_parts),
+            "model": model_state(self.model_parts),
             "optimizer": ckpt.optimizer_state(self.model_parts, self.optimizers),
             "train": {
                 "step": torch.tensor(self.step),
@@ -307,9 +308,9 @@ class Trainer:
             return
         path = self.checkpointer.path(step)
         if ckpt.is_model_only(path):
-            state = {"model": ckpt.model_state(self.model_parts)}
+            state = {"model": model_state(self.model_parts)}
             ckpt.load(path, state)
-            ckpt.load_model_state(self.model_parts, state["model"])
+            load_model_state(self.model_parts, state["model"])
             self._say(f"initial weights from model-only checkpoint {path}")
             return
         self.load_training_state(path)
@@ -336,7 +337,7 @@ class Trainer:
         if detector and all(saved.get(f"spikes.{k}") == v.shape for k, v in detector.items()):
             state["spikes"] = detector
         ckpt.load(path, state)
-        ckpt.load_model_state(self.model_parts, state["model"])
+        load_model_state(self.model_parts, state["model"])
         ckpt.load_optimizer_state(self.model_parts, self.optimizers, state["optimizer"])
         if "rng" in state:
             ckpt.restore_rng_state(state["rng"])
@@ -369,7 +370,7 @@ class Trainer:
                     f"the configured model has {getattr(mine, key)}; set model.preset / "
                     f"model.{key} to match"
                 )
-        ckpt.load_model_state(self.model_parts, ckpt.model_state([source]), full=True)
+        load_model_state(self.model_parts, model_state([source]), full=True)
         self._say(f"initial weights from Hugging Face folder {hf_dir}")
 
     def _say(self, message: str) -> None:

@@ -4,7 +4,6 @@ step: forward/backward over micro batches, clip, AdamW, log, evaluate, checkpoin
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from pathlib import Path
@@ -261,12 +260,7 @@ class Trainer:
 
     def _write_resolved_config(self) -> None:
         self.dump.mkdir(parents=True, exist_ok=True)
-        lines = []
-        for section, values in self.config.to_dict().items():
-            lines.append(f"[{section}]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-            lines.append("")
-        (self.dump / "config.toml").write_text("\n".join(lines))
+        (self.dump / "config.toml").write_text(self.config.to_toml())
 
     # ------------------------------------------------------------------ checkpoints
 

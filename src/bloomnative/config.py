@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import json
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -295,6 +297,24 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The whole configuration as TOML that `load_toml` reads back into an equal Config.
+        A key whose value is None is left out: TOML has no null, and None is its default."""
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # bool, int, float and str are spelled alike in JSON and TOML
 
 
 def model_args_from_config(cfg: ModelConfig) -> BloomArgs:

@@ -18,6 +18,17 @@ def test_every_shipped_config_loads_and_validates(path):
     assert config.model.preset in (path.stem, "debug")
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_the_written_config_reads_back_equal(path, tmp_path):
+    # The trainer writes <dump>/config.toml with to_toml; a rerun or a tool must read it back.
+    config = parse_args(["--config", str(path), "--model.hidden_size=64", "--data.blend=a,b"])
+    written = tmp_path / "config.toml"
+    written.write_text(config.to_toml())
+    again = Config()
+    load_toml(again, written)
+    assert again == config
+
+
 def test_bloom_176b_config_records_the_published_recipe():
     c = parse_args(["--config", str(CONFIGS[0].parent / "bloom-176b.toml")])
     assert (c.training.seq_len, c.training.global_batch_size, c.training.micro_batch_size) == (

@@ -4,7 +4,6 @@ step: forward/backward over micro batches, clip, AdamW, log, evaluate, checkpoin
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from bloomnative.config import Config, model_args_from_config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.model import Bloom
+from bloomnative.model.state import load_model_state, model_state
 from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
 from bloomnative.parallel.layout_check import pipeline_microbatches
@@ -272,12 +272,7 @@ class Trainer:
 
     def _write_resolved_config(self) -> None:
         self.dump.mkdir(parents=True, exist_ok=True)
-        lines = []
-        for section, values in self.config.to_dict().items():
-            lines.append(f"[{section}]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-            lines.append("")
-        (self.dump / "config.toml").write_text("\n".join(lines))
+        (self.dump / "config.toml").write_text(self.config.to_toml())
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -286,7 +281,7 @@ class Trainer:
         sample order does not depend on the layout) and the windows of it that loss-spike
         rollbacks skipped."""
         state = {
-            "model": ckpt.model_state(self.model_parts),
+            "model": model_state(self.model_parts),
             "optimizer": ckpt.optimizer_state(self.model_parts, self.optimizers),
             "train": {
                 "step": torch.tensor(self.step),
@@ -319,9 +314,9 @@ class Trainer:
             return
         path = self.checkpointer.path(step)
         if ckpt.is_model_only(path):
-            state = {"model": ckpt.model_state(self.model_parts)}
+            state = {"model": model_state(self.model_parts)}
             ckpt.load(path, state)
-            ckpt.load_model_state(self.model_parts, state["model"])
+            load_model_state(self.model_parts, state["model"])
             self._say(f"initial weights from model-only checkpoint {path}")
             return
         self.load_training_state(path)
@@ -348,7 +343,7 @@ class Trainer:
         if detector and all(saved.get(f"spikes.{k}") == v.shape for k, v in detector.items()):
             state["spikes"] = detector
         ckpt.load(path, state)
-        ckpt.load_model_state(self.model_parts, state["model"])
+        load_model_state(self.model_parts, state["model"])
         ckpt.load_optimizer_state(self.model_parts, self.optimizers, state["optimizer"])
         if "rng" in state:
             ckpt.restore_rng_state(state["rng"])
@@ -381,7 +376,7 @@ class Trainer:
                     f"the configured model has {getattr(mine, key)}; set model.preset / "
                     f"model.{key} to match"
                 )
-        ckpt.load_model_state(self.model_parts, ckpt.model_state([source]), full=True)
+        load_model_state(self.model_parts, model_state([source]), full=True)
         self._say(f"initial weights from Hugging Face folder {hf_dir}")
 
     def _say(self, message: str) -> None:

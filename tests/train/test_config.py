@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from bloomnative.config import Config, ConfigError, load_toml, parse_args
+from bloomnative.config import Config, ConfigError, load_toml, parse_args, validate
 from bloomnative.model import BloomArgs
 from bloomnative.train.preflight import eod_mask_id, main
 from training_helpers import EOD_ID, write_word_level_tokenizer
@@ -147,6 +147,29 @@ def test_invalid_choice_lists_the_valid_values():
         parse_args(["--model.attention=flash"])
     with pytest.raises(ConfigError, match=r"unknown preset|model.preset"):
         parse_args(["--model.preset=bloom-9b"])
+
+
+def _choice_keys() -> list[str]:
+    import dataclasses
+    import typing
+
+    return [
+        f"{section.name}.{name}"
+        for section in dataclasses.fields(Config)
+        for name, tp in typing.get_type_hints(type(getattr(Config(), section.name))).items()
+        if typing.get_origin(tp) is typing.Literal
+    ]
+
+
+@pytest.mark.parametrize("key", _choice_keys())
+def test_every_choice_is_checked_against_its_type(key):
+    with pytest.raises(ConfigError, match=rf"{key} = 'bogus'; valid: "):
+        parse_args([f"--{key}=bogus"])
+    section, name = key.split(".")
+    config = Config()
+    setattr(getattr(config, section), name, "bogus")  # a config built in code, too
+    with pytest.raises(ConfigError, match=key):
+        validate(config)
 
 
 def test_rampup_must_reach_the_global_batch_in_whole_increments():

@@ -9,6 +9,7 @@ parameter name) and `sync_tied_weights` sums their gradients, so they stay equal
 from __future__ import annotations
 
 import copy
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,9 +24,10 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from bloomnative.config import PipelineSchedule
 from bloomnative.model import Bloom
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 
 
 def is_multi_stage(schedule: str) -> bool:

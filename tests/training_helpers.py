@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from bloomnative.data import IndexedDatasetBuilder
 
@@ -48,6 +49,20 @@ def build_synthetic_corpus(prefix: str, documents: int = 200, vocab: int = 128) 
             doc[noise] = rng.integers(0, vocab, noise.sum())
             builder.add_document(doc)
     return prefix
+
+
+def write_word_tokenizer(path: Path, vocab: int = 128) -> Path:
+    """A word-level tokenizer.json for the synthetic corpus: token id i is the word "w<i>", and id
+    0 is the end of document."""
+    words = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, vocab)}}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path))
+    return path
+
+
+SAMPLE_PROMPT = "w1 w2 w3"
+"""The end-of-training sample's prompt in the conftest's 2-process run."""
 
 
 # Set by torchrun for its workers; a launched run must not inherit them from the test process.

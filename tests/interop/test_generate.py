@@ -1,23 +1,21 @@
 """Sampling: bloomnative.generate and tools/generate.py on checkpoints the tests make themselves
-(a 2-process FSDP training run, its step folder, a Hugging Face folder written by
-save_pretrained_hf), against transformers' own generate for greedy decoding."""
+(a 2-process FSDP training run (tests/conftest.py), its step folder, a Hugging Face folder written
+by save_pretrained_hf), against transformers' own generate for greedy decoding."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import torch
 from hf_testing import make_hf_bloom, save_hf_bloom
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from bloomnative.generate import Sampling, generate, load_model, next_token
-from training_helpers import REPO, TINY_RUN, run_training
+from training_helpers import REPO, SAMPLE_PROMPT
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-PROMPT = "w1 w2 w3"
+PROMPT = SAMPLE_PROMPT
 SAMPLE_FLAGS = ["--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "40"]
 
 
@@ -29,37 +27,6 @@ def load_tool():
 
 
 generate_tool = load_tool()
-
-
-def write_word_tokenizer(path: Path, vocab: int = 128) -> Path:
-    """A word-level tokenizer over the synthetic corpus' ids: "w<id>", id 0 the end of document."""
-    words = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, vocab)}}
-    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory, synthetic_corpus) -> tuple[Path, str]:
-    """A 2-process FSDP run that prints its end-of-training sample; (dump folder, stdout)."""
-    root = tmp_path_factory.mktemp("generate")
-    tokenizer = write_word_tokenizer(root / "tokenizer.json")
-    dump = root / "run"
-    proc = run_training(
-        [
-            *TINY_RUN,
-            f"--data.blend={synthetic_corpus}",
-            f"--data.tokenizer={tokenizer}",
-            "--training.steps=3",
-            "--parallelism.dp_shard=2",
-            f"--job.dump_folder={dump}",
-            "--validation.sample_tokens=12",
-            f"--validation.sample_prompt={PROMPT}",
-        ],
-        nproc=2,
-    )
-    return dump, proc.stdout
 
 
 def run_tool(args: list[str], capsys) -> tuple[int, str, str]:

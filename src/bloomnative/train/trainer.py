@@ -31,6 +31,7 @@ from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tfl
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
 from bloomnative.train.preflight import check_run
+from bloomnative.train.profiling import StepProfiler
 
 
 class Trainer:
@@ -454,9 +455,12 @@ class Trainer:
         ckpt_cfg = self.config.checkpoint
         stop = StopRequest(self.dump / "STOP")
         self.throughput.read_and_reset()
+        profiler = StepProfiler(self.config.profiling, self.dump, self.rank, self.device)
         try:
+            profiler.start(self.step, t.steps)
             while self.step < t.steps:
                 loss, grad_norm, lr, gbs = self.train_step()
+                profiler.after_step(self.step)
                 self.throughput.add_tokens(gbs * t.seq_len)
                 if self.step % m.log_freq == 0 or self.step == 1 or self.step == t.steps:
                     self.nonfinite.check(self.step)
@@ -472,6 +476,7 @@ class Trainer:
                     break
             self.checkpointer.wait()
         finally:
+            profiler.close()
             stop.restore()
             self.metrics.close()
 

@@ -66,7 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "without it the first bad line stops the run and nothing is written",
     )
     parser.add_argument(
-        "--log-interval", type=float, default=10.0, help="seconds between progress lines"
+        "--log-interval",
+        type=float,
+        default=0.5,
+        help="seconds between updates of the progress line (documents, tokens/s, ETA), which is "
+        "shown only when stderr is a terminal",
     )
     return parser.parse_args(argv)
 

@@ -4,8 +4,10 @@ tests/conftest.py), and the window logic of StepProfiler on its own."""
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
+import pytest
 import torch
 
 from bloomnative.config import ProfilingConfig
@@ -62,3 +64,23 @@ def test_a_run_resumed_after_the_window_or_disabled_profiles_nothing(tmp_path, c
     assert "nothing is profiled" in capsys.readouterr().out
     run_steps(StepProfiler(ProfilingConfig(), tmp_path / "b", 0, torch.device("cpu")), 0, 6)
     assert not (tmp_path / "a" / "profile").exists() and not (tmp_path / "b" / "profile").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory snapshots need a GPU")
+def test_cuda_memory_snapshots_after_the_window_and_on_out_of_memory(tmp_path):
+    device = torch.device("cuda")
+    cfg = ProfilingConfig(enable=True, start_step=1, steps=1)
+    profiler = StepProfiler(cfg, tmp_path, 0, device)
+    profiler.start(0, 3)
+    x = torch.ones(1024, 1024, device=device)
+    (x @ x).sum().item()
+    profiler.after_step(1)
+    window = tmp_path / "profile" / "rank0.steps-1-1.memory_snapshot.pickle"
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(1 << 48, dtype=torch.uint8, device=device)  # 256 TiB
+    profiler.close()
+    oom = tmp_path / "profile" / "rank0.oom.memory_snapshot.pickle"
+    for path in (window, oom):
+        with path.open("rb") as f:
+            snapshot = pickle.load(f)  # written by this test's own process
+        assert snapshot["segments"] and any(snapshot["device_traces"]), path

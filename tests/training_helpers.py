@@ -33,6 +33,7 @@ TINY_RUN = [
     "--data.split=1000,0,0",
     "--data.prefetch=false",
     "--validation.freq=0",
+    "--validation.sample_tokens=0",
 ]
 
 

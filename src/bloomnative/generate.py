@@ -242,11 +242,12 @@ def print_final_sample(
         step_dir = checkpoint_dir(dump_folder)
         model = load_model(step_dir)
         tokenizer = load_tokenizer_for(dump_folder)
+        sampling = Sampling(temperature=0.8, top_k=40)
+        text = sample_text(model, tokenizer, prompt, max_new_tokens, sampling, seed)
     except (CheckpointFormatError, FileNotFoundError, ValueError) as e:
+        # The run itself succeeded: a sample that cannot be made is reported, not an error.
         print(f"[bloomnative] no sample: {e}", flush=True)
         return
-    sampling = Sampling(temperature=0.8, top_k=40)
-    text = sample_text(model, tokenizer, prompt, max_new_tokens, sampling, seed)
     print(
         f"[bloomnative] sample from {step_dir.name} (more: tools/generate.py --checkpoint "
         f"{dump_folder} --prompt ...):\n{text}",

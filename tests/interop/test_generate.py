@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 
 import pytest
 import torch
 from hf_testing import make_hf_bloom, save_hf_bloom
 
-from bloomnative.generate import Sampling, generate, load_model, next_token
+from bloomnative.generate import (
+    Sampling,
+    generate,
+    load_model,
+    next_token,
+    print_final_sample,
+)
 from training_helpers import REPO, SAMPLE_PROMPT
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -108,3 +115,14 @@ def test_bad_arguments_and_paths_are_one_line_errors(tmp_path, capsys):
     assert code == 2 and "no complete checkpoint" in err
     code, _, err = run_tool(["--checkpoint", str(empty_run), "--top-p", "0"], capsys)
     assert code == 2 and "top_p must be in (0, 1]" in err
+
+
+def test_a_sample_that_cannot_be_made_is_reported_not_raised(fsdp_run, tmp_path, capsys):
+    dump, _ = fsdp_run
+    copy = tmp_path / "run"
+    shutil.copytree(dump, copy)
+    config = copy / "config.toml"
+    pydocs = REPO / "assets" / "pydocs" / "tokenizer.json"  # 8192 ids for a 128-row model
+    config.write_text(re.sub(r'tokenizer = ".*"', f'tokenizer = "{pydocs}"', config.read_text()))
+    print_final_sample(copy, "The list type", 8, seed=0)
+    assert "[bloomnative] no sample: the prompt has token ids up to" in capsys.readouterr().out

@@ -39,6 +39,7 @@ def test_cli_overrides_convert_to_the_field_type():
             "--optimizer.lr",
             "2e-3",
             "--metrics.tensorboard=false",
+            "--training.global_batch_size=16",
             "--training.rampup_batch_size=8,8,64",
             "--data.blend=0.3,a,0.7,b",
             "--model.preset=debug",

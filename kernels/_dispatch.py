@@ -140,14 +140,32 @@ def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def autotune(
-    configs: list[Any], interpreter_config: Any, key: list[str]
+    configs: list[Any],
+    interpreter_config: Any,
+    key: list[str],
+    reset_to_zero: list[str] | None = None,
 ) -> Callable[[Callable], Any]:
     """``triton.autotune`` over ``configs`` on a GPU; the one small ``interpreter_config`` under
-    the interpreter (an autotuner with a single config launches it without benchmarking)."""
+    the interpreter (an autotuner with a single config launches it without benchmarking).
+    ``reset_to_zero`` names the buffers a kernel accumulates into, zeroed before each timed run.
+
+    ``BLOOMNATIVE_AUTOTUNE=first`` in the environment keeps only the first config of each list
+    (no timing runs): the GPU test suite uses it, since it checks numerics, not speed, and
+    would otherwise compile and time every config for every test shape."""
     if INTERPRET:
         return triton.autotune(configs=[interpreter_config], key=[])
-    return triton.autotune(configs=configs, key=key)
+    if _AUTOTUNE_FIRST_ONLY:
+        return triton.autotune(configs=configs[:1], key=[])
+    return triton.autotune(configs=configs, key=key, reset_to_zero=reset_to_zero)
 
+
+_AUTOTUNE_ENV = os.environ.get("BLOOMNATIVE_AUTOTUNE", "all").strip().lower()
+if _AUTOTUNE_ENV not in ("all", "first"):
+    raise ValueError(
+        f"BLOOMNATIVE_AUTOTUNE={_AUTOTUNE_ENV!r} is not valid: use 'all' (time every config, the "
+        "default) or 'first' (the first config of each kernel, no timing)"
+    )
+_AUTOTUNE_FIRST_ONLY = _AUTOTUNE_ENV == "first"
 
 _poison_outputs = os.environ.get("BLOOMNATIVE_KERNELS_POISON", "0") == "1"
 

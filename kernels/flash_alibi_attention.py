@@ -1,30 +1,50 @@
-"""FlashAttention-2 style attention with BLOOM's ALiBi bias computed inside the kernel.
+"""FlashAttention-2/3 style attention with BLOOM's ALiBi bias and dropout inside the kernels.
 
 For one (batch, head) with slope ``m`` and softmax scale ``c`` (default ``1/sqrt(head_dim)``):
 
     s[i, j] = c * q_i . k_j + m * (j - i)            (masked to -inf where j > i when causal)
-    p[i, :] = softmax(s[i, :]),   out_i = sum_j p[i, j] v_j,   lse_i = logsumexp_j s[i, j]
+    p[i, :] = softmax(s[i, :]),   out_i = sum_j p[i, j] keep[i, j] / (1 - dropout_p) v_j
 
-``m * (j - i)`` equals BLOOM's ``m * j`` up to a per-row constant, which softmax ignores; the
-relative form keeps the bias small (it is exactly 0 on the diagonal), so it loses no precision to
-large positions. No seq x seq tensor exists anywhere: the bias and the causal mask are computed
-per tile from the block offsets.
+``m * (j - i)`` equals BLOOM's ``m * j`` up to a per-row constant, which softmax ignores. The
+kernels go one step further: a per-row constant cancels, so the bias they add is the column
+term ``m * (j - j0)`` with ``j0`` the first row (forward) or key (backward) of the program's
+block. That is one vector per key block instead of a subtract, convert, multiply and add per
+score, and it stays as small as the relative form where the softmax mass is, so no precision is
+lost to large positions. The stored log-sum-exp is of the relative form, in log2 units
+(``lse2_i = log2 sum_j 2^(log2(e) s[i, j])``); each program converts it to its own column form
+with one multiply-add per row. The score is then one fused multiply-add per element:
+``log2(e) c (q . k) + column term``.
 
 Forward (one program per query block of one head): stream over key/value blocks with an online
-softmax in the base-2 domain (``exp2``, the scale and slopes pre-multiplied by log2(e)), keeping
-fp32 running max, running sum and fp32 output accumulator. Key blocks wholly left of the query
-block are processed without any masking; only the blocks on the diagonal (causal) or the ragged
-last block (non-causal) are masked, and the loop stops at the diagonal. The program stores the
-output and ``lse`` (natural log, fp32) for the backward.
+softmax in base 2, fp32 running max, sum and output accumulator. Key blocks wholly left of the
+query block run without any mask; only the diagonal blocks (causal) or the ragged last block
+(non-causal) are masked, and the loop stops at the diagonal. On sm_90 the tiles come through TMA
+tensor descriptors (``tl.make_tensor_descriptor``); elsewhere (pre-Hopper GPUs, the
+interpreter with ``_use_tma`` off, strides TMA cannot describe) through pointer loads.
 
-Backward, atomic-free as in FlashAttention-2: ``delta_i = sum_d out_id * dout_id`` first; then
-one kernel per key block accumulates ``dv = p^T dout`` and ``dk = c * ds^T q`` over the query blocks
-at and below the diagonal, and a second per query block accumulates ``dq = c * ds k``, where
-``p`` is recomputed from ``lse`` and ``ds = p * (dout v^T - delta)``.
+Backward, one pass per key block with five matmuls, as FlashAttention-2/3: the program owning a
+key block walks the query blocks at and below the diagonal and computes
+``S = K Q^T``, ``dP = V dO^T``, ``dV += P^T dO``, ``dK += dS^T Q`` and ``dQ_partial = dS K``,
+with ``P`` recomputed from the stored log-sum-exp and ``dS = P * (dP - delta)``,
+``delta_i = out_i . dout_i``. ``dQ_partial`` is added to an fp32 accumulator with atomics (a TMA
+reduction on sm_90), then rounded to q's dtype.
 
-Any head count (per-head slopes), any head_dim up to 256 (non-powers of two such as 80 or 96 are
-padded to the next power of two with masked loads), fp32/bf16/fp16 inputs with fp32 statistics;
-fp32 inputs use IEEE fp32 dot products. Slopes are constants: they get no gradient.
+Head dims that are not a power of two but a sum of two (80 = 64 + 16, 96 = 64 + 32, 48 = 32 + 16)
+are split into two tiles and every matmul into two: no tensor-core work is spent on padding.
+Other head dims (up to 256) are padded to the next power of two with masked pointer loads.
+
+Dropout (``dropout_p > 0``) zeroes ``p[i, j]`` (after the softmax statistics, which stay exact)
+where a Philox draw says so and scales the rest by ``1 / (1 - dropout_p)``; the backward
+regenerates the same draws, so no mask is stored. The draw for element ``(b, h, i, j)`` (``h`` the
+head index within the tensors passed in) is word ``j % 4`` of Philox-4x32-10 (Triton's
+``tl.philox``) with key ``(seed mod 2^32, seed >> 32)`` and counter
+``(i * 2^14 + j // 4, h, b, 0)``; the element is kept iff the word's top 24 bits are
+``>= ceil(dropout_p * 2^24)``. A pure function of (seed, b, h, i, j), whatever the tiling, batch
+size, head count or sequence length (up to 65,536). :func:`dropout_keep_mask` computes the same
+stream in torch, so the reference path drops exactly the same elements.
+
+fp32/bf16/fp16 inputs with fp32 statistics; fp32 inputs use IEEE fp32 dot products. Slopes are
+constants: they get no gradient.
 """
 
 from __future__ import annotations
@@ -34,6 +54,7 @@ import math
 import torch
 
 from ._dispatch import (
+    INTERPRET,
     autotune,
     check_float_dtype,
     dot_precision,
@@ -47,8 +68,10 @@ from ._dispatch import (
 )
 
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 _MAX_HEAD_DIM = 256
+_DROPOUT_BITS = 24  # a draw is the top 24 bits of a Philox word: 6e-8 resolution
+_DROPOUT_ROW_STRIDE = 16384  # counter word 0 is i * 2^14 + j // 4: unique for seq <= 65536
+_DROPOUT_MAX_SEQ = 4 * _DROPOUT_ROW_STRIDE
 
 
 def _configs(*specs: tuple[int, int, int, int]) -> list:
@@ -58,109 +81,163 @@ def _configs(*specs: tuple[int, int, int, int]) -> list:
     ]
 
 
-# H100 search spaces, (BLOCK_M, BLOCK_N, num_warps, num_stages): the configs that compile for
-# sm_90 without register spills at head_dim 64 and 128 (checked offline with ptxas -v).
-_FWD_CONFIGS = _configs(
-    (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
-    (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2),
-)  # fmt: skip
-_DKDV_CONFIGS = _configs(  # BLOCK_M walks queries, BLOCK_N is the key block a program owns
-    (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 2), (32, 128, 8, 3),
-    (64, 64, 8, 2), (64, 64, 8, 3), (64, 128, 8, 3),
-)  # fmt: skip
-_DQ_CONFIGS = _configs(  # BLOCK_M is the query block a program owns, BLOCK_N walks keys
-    (64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 8, 3),
-    (128, 32, 8, 2), (128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3),
-)  # fmt: skip
+# H100 search spaces, (BLOCK_M, BLOCK_N, num_warps, num_stages), kept short: every config is
+# compiled and timed once per (seq bucket, head_dim, causal, dropout) key. All compile for sm_90
+# without spills at head_dim 64, 80, 96 and 128 (tests/kernels/sm90_compile_check.py).
+_FWD_CONFIGS = _configs((128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3))
+_FWD_DROPOUT_CONFIGS = _configs((128, 64, 8, 3), (64, 64, 4, 3))  # + Philox state per score
+# Backward: BLOCK_M walks queries, BLOCK_N is the key block a program owns. The program holds
+# K, V and the fp32 dK, dV of its key block, so wide heads need the shorter query tiles.
+_BWD_CONFIGS_NARROW = _configs((64, 128, 8, 2), (32, 128, 8, 2), (32, 64, 4, 3))  # head_dim <= 80
+_BWD_CONFIGS_WIDE = _configs((32, 128, 8, 3), (16, 128, 8, 2), (32, 64, 4, 3))
+_BWD_DROPOUT_CONFIGS = _configs((32, 64, 8, 2))
 # Small tiles for the interpreter, with BLOCK_M != BLOCK_N so the ragged-diagonal code runs.
 _INTERPRETER_FWD = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16})
-_INTERPRETER_DKDV = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
-_INTERPRETER_DQ = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16})
+_INTERPRETER_BWD = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
 _PREPROCESS_BLOCK_M = 64
-_AUTOTUNE_KEY = ["seq_len", "HEAD_DIM", "CAUSAL"]
+_AUTOTUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "DROPOUT"]
 
 
 @triton.jit
-def _load_tile(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
-    # Masked only along the dimensions that can be ragged, so aligned tiles load unmasked.
-    if CHECK_ROWS and CHECK_COLS:
-        tile = tl.load(ptrs, mask=rows_ok[:, None] & cols_ok[None, :], other=0.0)
-    elif CHECK_ROWS:
-        tile = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
-    elif CHECK_COLS:
-        tile = tl.load(ptrs, mask=cols_ok[None, :], other=0.0)
+def _load_tile(
+    src, row0, col0, n_rows, stride_row, stride_col, head_dim,
+    ROWS: tl.constexpr, COLS: tl.constexpr, USE_TMA: tl.constexpr,
+    CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr,
+):  # fmt: skip
+    # The [ROWS, COLS] tile at (row0, col0) of an [n_rows, head_dim] matrix, zero past its end:
+    # a TMA load from a tensor descriptor (which zero-fills by itself), or masked pointer loads
+    # along the dimensions that can be ragged.
+    if USE_TMA:
+        tile = src.load([row0, col0])
     else:
-        tile = tl.load(ptrs)
+        rows = row0 + tl.arange(0, ROWS)
+        cols = col0 + tl.arange(0, COLS)
+        ptrs = src + rows[:, None] * stride_row + cols[None, :] * stride_col
+        if CHECK_ROWS and CHECK_COLS:
+            tile = tl.load(
+                ptrs, mask=(rows < n_rows)[:, None] & (cols < head_dim)[None, :], other=0.0
+            )
+        elif CHECK_ROWS:
+            tile = tl.load(ptrs, mask=(rows < n_rows)[:, None], other=0.0)
+        elif CHECK_COLS:
+            tile = tl.load(ptrs, mask=(cols < head_dim)[None, :], other=0.0)
+        else:
+            tile = tl.load(ptrs)
     return tile
 
 
 @triton.jit
-def _alibi(slope2, offs_q, offs_k, TRANSPOSED: tl.constexpr):
-    # log2(e) * slope * (key_pos - query_pos), laid out [q, k] or [k, q].
-    if TRANSPOSED:
-        bias = slope2 * (offs_k[:, None] - offs_q[None, :]).to(tl.float32)
+def _store_tile(
+    dst, value, row0, col0, n_rows, stride_row, stride_col, head_dim,
+    ROWS: tl.constexpr, COLS: tl.constexpr, USE_TMA: tl.constexpr, CHECK_COLS: tl.constexpr,
+):  # fmt: skip
+    if USE_TMA:
+        dst.store([row0, col0], value)  # rows past the end are clipped by the TMA unit
     else:
-        bias = slope2 * (offs_k[None, :] - offs_q[:, None]).to(tl.float32)
-    return bias
+        rows = row0 + tl.arange(0, ROWS)
+        cols = col0 + tl.arange(0, COLS)
+        mask = (rows < n_rows)[:, None]
+        if CHECK_COLS:
+            mask = mask & (cols < head_dim)[None, :]
+        tl.store(dst + rows[:, None] * stride_row + cols[None, :] * stride_col, value, mask=mask)
 
 
 @triton.jit
-def _scores(
-    q, kt, slope2, qk_scale, offs_m, offs_n, n_ok,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+def _matrix(
+    base, n_rows, stride_row, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):  # fmt: skip
-    # log2(e) * (c q.k + ALiBi) of a [query, key] tile; -inf past the sequence end and, when
-    # causal, right of the diagonal (only tiles that can hold such keys are MASKED).
-    s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-    s += _alibi(slope2, offs_m, offs_n, False)
-    if MASKED:
-        keep = n_ok[None, :]
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None])
-        s = tl.where(keep, s, float("-inf"))
-    return s
+    # What _load_tile / _store_tile read: a TMA descriptor of the [n_rows, HEAD_DIM] matrix at
+    # `base` (unit column stride) with [ROWS, COLS] boxes, or the plain pointer.
+    if USE_TMA:
+        src = tl.make_tensor_descriptor(
+            base, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1], block_shape=[ROWS, COLS]
+        )
+    else:
+        src = base
+    return src
+
+
+@triton.jit
+def _dropout_keep(seed, b, h, offs_q, k0, threshold, BLOCK_N: tl.constexpr):
+    # The documented stream, for queries offs_q and keys k0 .. k0 + BLOCK_N (k0 a multiple of 4):
+    # one Philox call per 4 consecutive keys, counter (i * 2^14 + j // 4, h, b, 0), word j % 4
+    # for key j, kept iff its top 24 bits >= threshold. Laid out [query, key].
+    groups = k0 // 4 + tl.arange(0, BLOCK_N // 4)
+    c0 = offs_q[:, None] * 16384 + groups[None, :]
+    zero = c0 * 0
+    w0, w1, w2, w3 = tl.philox(seed, c0, zero + h.to(tl.int32), zero + b.to(tl.int32), zero)
+    # join(join(w0, w2), join(w1, w3))[..., x, y] is word 2x + y: row-major that is key 4g + r.
+    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [offs_q.shape[0], BLOCK_N])
+    return (words >> 8).to(tl.int32) >= threshold
 
 
 @triton.jit
 def _fwd_kv_loop(
-    acc, m_i, l_i, q, K_BASE, V_BASE, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_d, d_ok, slope2, qk_scale, seq_len, lo, hi,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    PAD_D: tl.constexpr, PRECISION: tl.constexpr,
+    acc, acc_t, m_i, l_i, q, q_t, k_src, k_src_t, v_src, v_src_t,
+    stride_ks, stride_kd, stride_vs, stride_vd, offs_m, q0, slope2, qk_scale, seq_len,
+    seed, drop_threshold, b, h, lo, hi,
+    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+    USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    for start_n in range(lo, hi, BLOCK_N):
+    PAD_D: tl.constexpr = D0 > HEAD_DIM
+    for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < seq_len
-        kt = _load_tile(
-            K_BASE + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn,
-            d_ok, n_ok, PAD_D, MASKED,
+        k = _load_tile(
+            k_src, start_n, 0, seq_len, stride_ks, stride_kd, HEAD_DIM,
+            BLOCK_N, D0, USE_TMA, MASKED, PAD_D,
         )  # fmt: skip
-        v = _load_tile(
-            V_BASE + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-            n_ok, d_ok, MASKED, PAD_D,
-        )  # fmt: skip
-        s = _scores(q, kt, slope2, qk_scale, offs_m, offs_n, n_ok, MASKED, CAUSAL, PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if D1 > 0:
+            k_t = _load_tile(
+                k_src_t, start_n, D0, seq_len, stride_ks, stride_kd, HEAD_DIM,
+                BLOCK_N, D1, USE_TMA, MASKED, False,
+            )  # fmt: skip
+            s = tl.dot(q_t, tl.trans(k_t), s, input_precision=PRECISION)
+        # log2(e) * (c q.k + m (j - q0)): the scale and the ALiBi column term in one FMA.
+        column = slope2 * (offs_n - q0).to(tl.float32)
+        s = s * qk_scale + column[None, :]
+        if MASKED:
+            keep = (offs_n < seq_len)[None, :]
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(keep, s, float("-inf"))
         # Every row sees at least one unmasked key in the first block it processes (key
         # `lo` <= its position), so m_new is finite and exp2(m_i - m_new) never meets -inf - -inf.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if DROPOUT:  # the statistics stay those of the full softmax; only the sum over v drops
+            keep = _dropout_keep(seed, b, h, offs_m, start_n, drop_threshold, BLOCK_N)
+            p = tl.where(keep, p, 0.0)
+        v = _load_tile(
+            v_src, start_n, 0, seq_len, stride_vs, stride_vd, HEAD_DIM,
+            BLOCK_N, D0, USE_TMA, MASKED, PAD_D,
+        )  # fmt: skip
+        p = p.to(v.dtype)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+        if D1 > 0:
+            v_t = _load_tile(
+                v_src_t, start_n, D0, seq_len, stride_vs, stride_vd, HEAD_DIM,
+                BLOCK_N, D1, USE_TMA, MASKED, False,
+            )  # fmt: skip
+            acc_t = tl.dot(p, v_t, acc_t * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-    return acc, m_i, l_i
+    return acc, acc_t, m_i, l_i
 
 
-@autotune(configs=_FWD_CONFIGS, interpreter_config=_INTERPRETER_FWD, key=_AUTOTUNE_KEY)
 @triton.jit
 def _flash_alibi_fwd_kernel(
-    Q, K, V, SLOPES, OUT, LSE, seq_len, num_heads, qk_scale,
+    Q, K, V, SLOPES, OUT, LSE, SEED, seq_len, num_heads, qk_scale, drop_threshold, drop_scale,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEQ_BUCKET, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, D0: tl.constexpr,
+    D1: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks see the most keys: launch them first
@@ -168,260 +245,390 @@ def _flash_alibi_fwd_kernel(
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
-    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    PAD_D: tl.constexpr = D0 > HEAD_DIM
+    DT: tl.constexpr = D1 if D1 > 0 else 16  # tail tiles exist only when D1 > 0
 
-    q_start = pid_m * BLOCK_M
-    offs_m = q_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < seq_len
-    d_ok = offs_d < HEAD_DIM
+    q0 = pid_m * BLOCK_M
+    offs_m = q0 + tl.arange(0, BLOCK_M)
     slope2 = tl.load(SLOPES + h) * 1.4426950408889634
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
-    q = _load_tile(q_ptrs + offs_d[None, :] * stride_qd, m_ok, d_ok, True, PAD_D)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    o_base = OUT + b * stride_ob + h * stride_oh
+    q_src = _matrix(q_base, seq_len, stride_qs, HEAD_DIM, BLOCK_M, D0, USE_TMA)
+    k_src = _matrix(k_base, seq_len, stride_ks, HEAD_DIM, BLOCK_N, D0, USE_TMA)
+    v_src = _matrix(v_base, seq_len, stride_vs, HEAD_DIM, BLOCK_N, D0, USE_TMA)
+    q_src_t = _matrix(q_base, seq_len, stride_qs, HEAD_DIM, BLOCK_M, DT, USE_TMA and D1 > 0)
+    k_src_t = _matrix(k_base, seq_len, stride_ks, HEAD_DIM, BLOCK_N, DT, USE_TMA and D1 > 0)
+    v_src_t = _matrix(v_base, seq_len, stride_vs, HEAD_DIM, BLOCK_N, DT, USE_TMA and D1 > 0)
+    q = _load_tile(
+        q_src, q0, 0, seq_len, stride_qs, stride_qd, HEAD_DIM, BLOCK_M, D0, USE_TMA, True, PAD_D
+    )
+    q_t = q  # unused unless D1 > 0
+    if D1 > 0:
+        q_t = _load_tile(
+            q_src_t, q0, D0, seq_len, stride_qs, stride_qd, HEAD_DIM,
+            BLOCK_M, DT, USE_TMA, True, False,
+        )  # fmt: skip
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_M, DT], dtype=tl.float32)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
     if CAUSAL:
-        unmasked_hi = (q_start // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(q_start + BLOCK_M, seq_len)
+        unmasked_hi = (q0 // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(q0 + BLOCK_M, seq_len)
     else:
         unmasked_hi = (seq_len // BLOCK_N) * BLOCK_N
         hi = seq_len
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
-    acc, m_i, l_i = _fwd_kv_loop(
-        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-        offs_m, offs_d, d_ok, slope2, qk_scale, seq_len, 0, unmasked_hi,
-        BLOCK_N, False, CAUSAL, PAD_D, PRECISION,
+    acc, acc_t, m_i, l_i = _fwd_kv_loop(
+        acc, acc_t, m_i, l_i, q, q_t, k_src, k_src_t, v_src, v_src_t,
+        stride_ks, stride_kd, stride_vs, stride_vd, offs_m, q0, slope2, qk_scale, seq_len,
+        seed, drop_threshold, b, h, 0, unmasked_hi,
+        HEAD_DIM, D0, D1, BLOCK_N, False, CAUSAL, DROPOUT, USE_TMA, PRECISION,
     )  # fmt: skip
-    acc, m_i, l_i = _fwd_kv_loop(
-        acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-        offs_m, offs_d, d_ok, slope2, qk_scale, seq_len, unmasked_hi, hi,
-        BLOCK_N, True, CAUSAL, PAD_D, PRECISION,
+    acc, acc_t, m_i, l_i = _fwd_kv_loop(
+        acc, acc_t, m_i, l_i, q, q_t, k_src, k_src_t, v_src, v_src_t,
+        stride_ks, stride_kd, stride_vs, stride_vd, offs_m, q0, slope2, qk_scale, seq_len,
+        seed, drop_threshold, b, h, unmasked_hi, hi,
+        HEAD_DIM, D0, D1, BLOCK_N, True, CAUSAL, DROPOUT, USE_TMA, PRECISION,
     )  # fmt: skip
 
-    out = acc / l_i[:, None]
-    o_ptrs = OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os
-    o_ptrs += offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, lse, mask=m_ok)
+    inv_l = drop_scale / l_i
+    o_src = _matrix(o_base, seq_len, stride_os, HEAD_DIM, BLOCK_M, D0, USE_TMA)
+    _store_tile(
+        o_src, (acc * inv_l[:, None]).to(OUT.dtype.element_ty), q0, 0, seq_len,
+        stride_os, stride_od, HEAD_DIM, BLOCK_M, D0, USE_TMA, PAD_D,
+    )  # fmt: skip
+    if D1 > 0:
+        o_src_t = _matrix(o_base, seq_len, stride_os, HEAD_DIM, BLOCK_M, DT, USE_TMA)
+        _store_tile(
+            o_src_t, (acc_t * inv_l[:, None]).to(OUT.dtype.element_ty), q0, D0, seq_len,
+            stride_os, stride_od, HEAD_DIM, BLOCK_M, DT, USE_TMA, False,
+        )  # fmt: skip
+    # Back from this block's column form to the relative form: subtract m (i - q0) (log2 units).
+    lse2 = m_i + tl.log2(l_i) - slope2 * (offs_m - q0).to(tl.float32)
+    tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, lse2, mask=offs_m < seq_len)
 
 
 @triton.jit
 def _flash_alibi_bwd_preprocess_kernel(
-    OUT, DOUT, DELTA, seq_len, num_heads,
+    OUT, DOUT, DELTA, DQ_ACC, seq_len, num_heads,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_gb, stride_gh, stride_gs, stride_gd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    # delta_i = sum_d out_id * dout_id, the row term of the softmax backward.
+    # delta_i = sum_d out_id * dout_id, the row term of the softmax backward; and zeros for the
+    # dq accumulator the main kernel adds into.
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < seq_len
-    d_ok = offs_d < HEAD_DIM
+    mask = (offs_m < seq_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
     o_ptrs = OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os
     do_ptrs = DOUT + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gs
-    o = _load_tile(o_ptrs + offs_d[None, :] * stride_od, m_ok, d_ok, True, BLOCK_D != HEAD_DIM)
-    do = _load_tile(do_ptrs + offs_d[None, :] * stride_gd, m_ok, d_ok, True, BLOCK_D != HEAD_DIM)
+    o = tl.load(o_ptrs + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(do_ptrs + offs_d[None, :] * stride_gd, mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + bh.to(tl.int64) * seq_len + offs_m, delta, mask=m_ok)
+    row = bh.to(tl.int64) * seq_len + offs_m
+    tl.store(DELTA + row, delta, mask=offs_m < seq_len)
+    zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    tl.store(DQ_ACC + row[:, None] * HEAD_DIM + offs_d[None, :], zeros, mask=mask)
 
 
 @triton.jit
-def _dkdv_q_loop(
-    dk, dv, k, v, Q_BASE, DO_BASE, LSE_BASE, DELTA_BASE,
-    stride_qs, stride_qd, stride_gs, stride_gd,
-    offs_n, offs_d, d_ok, slope2, qk_scale, seq_len, lo, hi,
-    BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr, PAD_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+def _add_dq(
+    dq_dst, value, row0, col0, seq_len, HEAD_DIM: tl.constexpr,
+    ROWS: tl.constexpr, COLS: tl.constexpr, USE_TMA: tl.constexpr, CHECK_COLS: tl.constexpr,
 ):  # fmt: skip
-    # Works in the transposed [key, query] layout so dk and dv accumulate row-major.
-    for start_m in range(lo, hi, BLOCK_M):
+    # dq_acc[rows, cols] += value: a TMA reduction on sm_90, relaxed atomics elsewhere (and
+    # under the interpreter, which has no TMA reductions).
+    if USE_TMA:
+        dq_dst.atomic_add([row0, col0], value)
+    else:
+        rows = row0 + tl.arange(0, ROWS)
+        cols = col0 + tl.arange(0, COLS)
+        mask = (rows < seq_len)[:, None]
+        if CHECK_COLS:
+            mask = mask & (cols < HEAD_DIM)[None, :]
+        ptrs = dq_dst + rows[:, None] * HEAD_DIM + cols[None, :]
+        tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _bwd_q_loop(
+    dk, dk_t, dv, dv_t, k, k_t, v, v_t, q_src, q_src_t, do_src, do_src_t, dq_dst, dq_dst_t,
+    LSE_ROW, DELTA_ROW, stride_qs, stride_qd, stride_gs, stride_gd,
+    offs_n, n0, column, slope2, qk_scale, sm_scale, seq_len,
+    seed, drop_threshold, drop_scale, b, h, lo, hi,
+    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, DT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
+    USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # Works in the transposed [key, query] layout so dk and dv accumulate row-major. Query rows
+    # past the end load as zeros with lse = +inf, so their p is exactly 0; key rows past the end
+    # are zero, so they add nothing to dq (and their dk, dv rows are never stored).
+    PAD_D: tl.constexpr = D0 > HEAD_DIM
+    for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < seq_len
-        qt = _load_tile(
-            Q_BASE + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qs,
-            d_ok, m_ok, PAD_D, True,
+        q = _load_tile(
+            q_src, start_m, 0, seq_len, stride_qs, stride_qd, HEAD_DIM,
+            BLOCK_M, D0, USE_TMA, True, PAD_D,
         )  # fmt: skip
         do = _load_tile(
-            DO_BASE + offs_m[:, None] * stride_gs + offs_d[None, :] * stride_gd,
-            m_ok, d_ok, True, PAD_D,
+            do_src, start_m, 0, seq_len, stride_gs, stride_gd, HEAD_DIM,
+            BLOCK_M, D0, USE_TMA, True, PAD_D,
         )  # fmt: skip
-        # lse = +inf past the end of the sequence makes p = 0 for those query rows.
-        lse2 = tl.load(LSE_BASE + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
-        delta = tl.load(DELTA_BASE + offs_m, mask=m_ok, other=0.0)
-        st = tl.dot(k, qt, input_precision=PRECISION) * qk_scale
-        st += _alibi(slope2, offs_m, offs_n, True)
-        if CAUSAL_MASK:
-            st = tl.where(offs_m[None, :] >= offs_n[:, None], st, float("-inf"))
-        pt = tl.exp2(st - lse2[None, :])
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
-        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
-    return dk, dv
+        # This key block's column form of the stored lse: lse2_i + m (i - n0).
+        lse = tl.load(LSE_ROW + offs_m, mask=m_ok, other=float("inf"))
+        lse = lse + slope2 * (offs_m - n0).to(tl.float32)
+        delta = tl.load(DELTA_ROW + offs_m, mask=m_ok, other=0.0)
+        st = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # matmul 1: S^T
+        if D1 > 0:
+            q_t = _load_tile(
+                q_src_t, start_m, D0, seq_len, stride_qs, stride_qd, HEAD_DIM,
+                BLOCK_M, DT, USE_TMA, True, False,
+            )  # fmt: skip
+            do_t = _load_tile(
+                do_src_t, start_m, D0, seq_len, stride_gs, stride_gd, HEAD_DIM,
+                BLOCK_M, DT, USE_TMA, True, False,
+            )  # fmt: skip
+            st = tl.dot(k_t, tl.trans(q_t), st, input_precision=PRECISION)
+        pt = tl.exp2(st * qk_scale + column[:, None] - lse[None, :])
+        if MASKED:  # causal diagonal band (exp2 of a masked score may be inf: select, not scale)
+            pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # matmul 2: dP^T
+        if D1 > 0:
+            dpt = tl.dot(v_t, tl.trans(do_t), dpt, input_precision=PRECISION)
+        if DROPOUT:
+            keep = tl.trans(_dropout_keep(seed, b, h, offs_m, n0, drop_threshold, BLOCK_N))
+            pdt = tl.where(keep, pt * drop_scale, 0.0)
+            dpt = tl.where(keep, dpt * drop_scale, 0.0)
+        else:
+            pdt = pt
+        pdt = pdt.to(do.dtype)
+        dv = tl.dot(pdt, do, dv, input_precision=PRECISION)  # matmul 3: dV += P^T dO
+        if D1 > 0:
+            dv_t = tl.dot(pdt, do_t, dv_t, input_precision=PRECISION)
+        dst = (pt * (dpt - delta[None, :])).to(q.dtype)
+        dk = tl.dot(dst, q, dk, input_precision=PRECISION)  # matmul 4: dK += dS^T Q
+        if D1 > 0:
+            dk_t = tl.dot(dst, q_t, dk_t, input_precision=PRECISION)
+        ds = tl.trans(dst)
+        dq = tl.dot(ds, k, input_precision=PRECISION) * sm_scale  # matmul 5: dQ += dS K
+        _add_dq(dq_dst, dq, start_m, 0, seq_len, HEAD_DIM, BLOCK_M, D0, DQ_TMA, PAD_D)
+        if D1 > 0:
+            dq_t = tl.dot(ds, k_t, input_precision=PRECISION) * sm_scale
+            _add_dq(dq_dst_t, dq_t, start_m, D0, seq_len, HEAD_DIM, BLOCK_M, DT, DQ_TMA, False)
+    return dk, dk_t, dv, dv_t
 
 
-@autotune(configs=_DKDV_CONFIGS, interpreter_config=_INTERPRETER_DKDV, key=_AUTOTUNE_KEY)
 @triton.jit
-def _flash_alibi_bwd_dkdv_kernel(
-    Q, K, V, SLOPES, DOUT, LSE, DELTA, DK, DV, seq_len, num_heads, qk_scale, sm_scale,
+def _flash_alibi_bwd_kernel(
+    Q, K, V, SLOPES, DOUT, LSE, DELTA, DQ_ACC, DK, DV, SEED,
+    seq_len, num_heads, qk_scale, sm_scale, drop_threshold, drop_scale,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_gb, stride_gh, stride_gs, stride_gd,
     stride_dkb, stride_dkh, stride_dks, stride_dkd,
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    SEQ_BUCKET, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, D0: tl.constexpr,
+    D1: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
-    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    PAD_D: tl.constexpr = D0 > HEAD_DIM
+    DT: tl.constexpr = D1 if D1 > 0 else 16
+    TAIL_TMA: tl.constexpr = USE_TMA and D1 > 0
 
-    k_start = tl.program_id(0) * BLOCK_N
-    offs_n = k_start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < seq_len
-    d_ok = offs_d < HEAD_DIM
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     slope2 = tl.load(SLOPES + h) * 1.4426950408889634
-    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_ks
-    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vs
-    k = _load_tile(k_ptrs + offs_d[None, :] * stride_kd, n_ok, d_ok, True, PAD_D)
-    v = _load_tile(v_ptrs + offs_d[None, :] * stride_vd, n_ok, d_ok, True, PAD_D)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    column = slope2 * (offs_n - n0).to(tl.float32)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    k_src = _matrix(k_base, seq_len, stride_ks, HEAD_DIM, BLOCK_N, D0, USE_TMA)
+    v_src = _matrix(v_base, seq_len, stride_vs, HEAD_DIM, BLOCK_N, D0, USE_TMA)
+    k = _load_tile(
+        k_src, n0, 0, seq_len, stride_ks, stride_kd, HEAD_DIM, BLOCK_N, D0, USE_TMA, True, PAD_D
+    )
+    v = _load_tile(
+        v_src, n0, 0, seq_len, stride_vs, stride_vd, HEAD_DIM, BLOCK_N, D0, USE_TMA, True, PAD_D
+    )
+    k_t = k  # the tails are unused unless D1 > 0
+    v_t = v
+    if D1 > 0:
+        k_src_t = _matrix(k_base, seq_len, stride_ks, HEAD_DIM, BLOCK_N, DT, USE_TMA)
+        v_src_t = _matrix(v_base, seq_len, stride_vs, HEAD_DIM, BLOCK_N, DT, USE_TMA)
+        k_t = _load_tile(
+            k_src_t, n0, D0, seq_len, stride_ks, stride_kd, HEAD_DIM,
+            BLOCK_N, DT, USE_TMA, True, False,
+        )  # fmt: skip
+        v_t = _load_tile(
+            v_src_t, n0, D0, seq_len, stride_vs, stride_vd, HEAD_DIM,
+            BLOCK_N, DT, USE_TMA, True, False,
+        )  # fmt: skip
+    dk = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
+    dk_t = tl.zeros([BLOCK_N, DT], dtype=tl.float32)
+    dv_t = tl.zeros([BLOCK_N, DT], dtype=tl.float32)
 
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = DOUT + b * stride_gb + h * stride_gh
-    lse_base = LSE + bh.to(tl.int64) * seq_len
-    delta_base = DELTA + bh.to(tl.int64) * seq_len
+    dq_base = DQ_ACC + bh.to(tl.int64) * seq_len * HEAD_DIM
+    q_src = _matrix(q_base, seq_len, stride_qs, HEAD_DIM, BLOCK_M, D0, USE_TMA)
+    do_src = _matrix(do_base, seq_len, stride_gs, HEAD_DIM, BLOCK_M, D0, USE_TMA)
+    dq_dst = _matrix(dq_base, seq_len, HEAD_DIM, HEAD_DIM, BLOCK_M, D0, DQ_TMA)
+    q_src_t = _matrix(q_base, seq_len, stride_qs, HEAD_DIM, BLOCK_M, DT, TAIL_TMA)
+    do_src_t = _matrix(do_base, seq_len, stride_gs, HEAD_DIM, BLOCK_M, DT, TAIL_TMA)
+    dq_dst_t = _matrix(dq_base, seq_len, HEAD_DIM, HEAD_DIM, BLOCK_M, DT, DQ_TMA and D1 > 0)
+    lse_row = LSE + bh.to(tl.int64) * seq_len
+    delta_row = DELTA + bh.to(tl.int64) * seq_len
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
     if CAUSAL:
         # Query blocks before this key block never see it; those overlapping it need the
         # causal mask; everything after sees the whole key block.
-        lo = (k_start // BLOCK_M) * BLOCK_M
-        band_hi = tl.minimum(((k_start + BLOCK_N + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, seq_len)
-        dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-            stride_qs, stride_qd, stride_gs, stride_gd,
-            offs_n, offs_d, d_ok, slope2, qk_scale, seq_len, lo, band_hi,
-            BLOCK_M, True, PAD_D, PRECISION,
+        lo = (n0 // BLOCK_M) * BLOCK_M
+        band_hi = tl.minimum(((n0 + BLOCK_N + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, seq_len)
+        dk, dk_t, dv, dv_t = _bwd_q_loop(
+            dk, dk_t, dv, dv_t, k, k_t, v, v_t, q_src, q_src_t, do_src, do_src_t,
+            dq_dst, dq_dst_t, lse_row, delta_row, stride_qs, stride_qd, stride_gs, stride_gd,
+            offs_n, n0, column, slope2, qk_scale, sm_scale, seq_len,
+            seed, drop_threshold, drop_scale, b, h, lo, band_hi,
+            HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, True, DROPOUT, USE_TMA, DQ_TMA, PRECISION,
         )  # fmt: skip
     else:
         band_hi = 0
-    dk, dv = _dkdv_q_loop(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-        stride_qs, stride_qd, stride_gs, stride_gd,
-        offs_n, offs_d, d_ok, slope2, qk_scale, seq_len, band_hi, seq_len,
-        BLOCK_M, False, PAD_D, PRECISION,
+    dk, dk_t, dv, dv_t = _bwd_q_loop(
+        dk, dk_t, dv, dv_t, k, k_t, v, v_t, q_src, q_src_t, do_src, do_src_t,
+        dq_dst, dq_dst_t, lse_row, delta_row, stride_qs, stride_qd, stride_gs, stride_gd,
+        offs_n, n0, column, slope2, qk_scale, sm_scale, seq_len,
+        seed, drop_threshold, drop_scale, b, h, band_hi, seq_len,
+        HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, False, DROPOUT, USE_TMA, DQ_TMA, PRECISION,
     )  # fmt: skip
 
-    mask = n_ok[:, None] & d_ok[None, :]
-    dk_ptrs = (
-        DK + b * stride_dkb + h * stride_dkh
-        + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd
+    dk_base = DK + b * stride_dkb + h * stride_dkh
+    dv_base = DV + b * stride_dvb + h * stride_dvh
+    dk_dst = _matrix(dk_base, seq_len, stride_dks, HEAD_DIM, BLOCK_N, D0, USE_TMA)
+    dv_dst = _matrix(dv_base, seq_len, stride_dvs, HEAD_DIM, BLOCK_N, D0, USE_TMA)
+    _store_tile(
+        dk_dst, (dk * sm_scale).to(DK.dtype.element_ty), n0, 0, seq_len, stride_dks, stride_dkd,
+        HEAD_DIM, BLOCK_N, D0, USE_TMA, PAD_D,
     )  # fmt: skip
-    dv_ptrs = (
-        DV + b * stride_dvb + h * stride_dvh
-        + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
+    _store_tile(
+        dv_dst, dv.to(DV.dtype.element_ty), n0, 0, seq_len, stride_dvs, stride_dvd,
+        HEAD_DIM, BLOCK_N, D0, USE_TMA, PAD_D,
     )  # fmt: skip
-    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _dq_kv_loop(
-    dq, q, do, lse2, delta, K_BASE, V_BASE, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_d, d_ok, slope2, qk_scale, seq_len, lo, hi,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    PAD_D: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < seq_len
-        kt = _load_tile(
-            K_BASE + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn,
-            d_ok, n_ok, PAD_D, MASKED,
+    if D1 > 0:
+        dk_dst_t = _matrix(dk_base, seq_len, stride_dks, HEAD_DIM, BLOCK_N, DT, USE_TMA)
+        dv_dst_t = _matrix(dv_base, seq_len, stride_dvs, HEAD_DIM, BLOCK_N, DT, USE_TMA)
+        _store_tile(
+            dk_dst_t, (dk_t * sm_scale).to(DK.dtype.element_ty), n0, D0, seq_len,
+            stride_dks, stride_dkd, HEAD_DIM, BLOCK_N, DT, USE_TMA, False,
         )  # fmt: skip
-        vt = _load_tile(
-            V_BASE + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn,
-            d_ok, n_ok, PAD_D, MASKED,
+        _store_tile(
+            dv_dst_t, dv_t.to(DV.dtype.element_ty), n0, D0, seq_len,
+            stride_dvs, stride_dvd, HEAD_DIM, BLOCK_N, DT, USE_TMA, False,
         )  # fmt: skip
-        s = _scores(q, kt, slope2, qk_scale, offs_m, offs_n, n_ok, MASKED, CAUSAL, PRECISION)
-        p = tl.exp2(s - lse2[:, None])
-        dp = tl.dot(do, vt, input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=PRECISION)
-    return dq
 
 
-@autotune(configs=_DQ_CONFIGS, interpreter_config=_INTERPRETER_DQ, key=_AUTOTUNE_KEY)
-@triton.jit
-def _flash_alibi_bwd_dq_kernel(
-    Q, K, V, SLOPES, DOUT, LSE, DELTA, DQ, seq_len, num_heads, qk_scale, sm_scale,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_gb, stride_gh, stride_gs, stride_gd,
-    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    b = (bh // num_heads).to(tl.int64)
-    h = (bh % num_heads).to(tl.int64)
-    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-
-    q_start = pid_m * BLOCK_M
-    offs_m = q_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < seq_len
-    d_ok = offs_d < HEAD_DIM
-    slope2 = tl.load(SLOPES + h) * 1.4426950408889634
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
-    q = _load_tile(q_ptrs + offs_d[None, :] * stride_qd, m_ok, d_ok, True, PAD_D)
-    do_ptrs = DOUT + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gs
-    do = _load_tile(do_ptrs + offs_d[None, :] * stride_gd, m_ok, d_ok, True, PAD_D)
-    row_offset = bh.to(tl.int64) * seq_len
-    lse2 = tl.load(LSE + row_offset + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + row_offset + offs_m, mask=m_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if CAUSAL:
-        unmasked_hi = (q_start // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(q_start + BLOCK_M, seq_len)
-    else:
-        unmasked_hi = (seq_len // BLOCK_N) * BLOCK_N
-        hi = seq_len
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
-    dq = _dq_kv_loop(
-        dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-        offs_m, offs_d, d_ok, slope2, qk_scale, seq_len, 0, unmasked_hi,
-        BLOCK_N, False, CAUSAL, PAD_D, PRECISION,
-    )  # fmt: skip
-    dq = _dq_kv_loop(
-        dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-        offs_m, offs_d, d_ok, slope2, qk_scale, seq_len, unmasked_hi, hi,
-        BLOCK_N, True, CAUSAL, PAD_D, PRECISION,
-    )  # fmt: skip
-    dq_ptrs = (
-        DQ + b * stride_dqb + h * stride_dqh
-        + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
-    )  # fmt: skip
-    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+def _autotuned(kernel, configs: list, interpreter_config, zeroed: list[str] | None = None):
+    return autotune(configs, interpreter_config, _AUTOTUNE_KEY, reset_to_zero=zeroed)(kernel)
 
 
-def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs >= 16
+# One autotuner per search space (the same kernel): the spaces differ in what fits in registers.
+_fwd_kernels = {
+    False: _autotuned(_flash_alibi_fwd_kernel, _FWD_CONFIGS, _INTERPRETER_FWD),
+    True: _autotuned(_flash_alibi_fwd_kernel, _FWD_DROPOUT_CONFIGS, _INTERPRETER_FWD),
+}
+_bwd_kernels = {  # (dropout, head_dim > 80)
+    (False, False): _autotuned(
+        _flash_alibi_bwd_kernel, _BWD_CONFIGS_NARROW, _INTERPRETER_BWD, ["DQ_ACC"]
+    ),
+    (False, True): _autotuned(
+        _flash_alibi_bwd_kernel, _BWD_CONFIGS_WIDE, _INTERPRETER_BWD, ["DQ_ACC"]
+    ),
+    (True, False): _autotuned(
+        _flash_alibi_bwd_kernel, _BWD_DROPOUT_CONFIGS, _INTERPRETER_BWD, ["DQ_ACC"]
+    ),
+    (True, True): _autotuned(
+        _flash_alibi_bwd_kernel, _BWD_DROPOUT_CONFIGS, _INTERPRETER_BWD, ["DQ_ACC"]
+    ),
+}
+
+
+def head_dim_split(head_dim: int) -> tuple[int, int]:
+    """How the kernels tile ``head_dim``: ``(d0, d1)`` with d0 a power of two >= 16 and d1 0
+    or a power of two >= 16 such that ``d0 + d1 == head_dim`` (80 -> (64, 16), 96 -> (64, 32));
+    ``(next power of two, 0)`` with masked padding when no such split exists."""
+    pow2 = max(16, triton.next_power_of_2(head_dim))
+    if pow2 == head_dim:
+        return head_dim, 0
+    d0, d1 = pow2 // 2, head_dim - pow2 // 2
+    if d0 >= 16 and d1 >= 16 and d1 & (d1 - 1) == 0:
+        return d0, d1
+    return pow2, 0
+
+
+def _seq_bucket(seq: int) -> int:
+    """Autotuning key for the sequence length: its power-of-two bucket, so a handful of lengths
+    share one tuning run instead of re-tuning (and re-timing every config) for each."""
+    return triton.next_power_of_2(max(seq, 1))
+
+
+def _tma_compatible(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor can be read through a TMA descriptor of its [seq, head_dim] slices:
+    unit last stride, 16-byte aligned base and row/head/batch strides."""
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((stride * size) % 16 for stride in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _use_tma(head_dim: int, *tensors: torch.Tensor) -> bool:
+    """TMA descriptors on Hopper and newer (and under the interpreter, which emulates them);
+    pointer loads on older GPUs, for padded head dims and for layouts TMA cannot describe."""
+    if head_dim_split(head_dim)[0] > head_dim:
+        return False
+    if not _tma_compatible(*tensors):
+        return False
+    if INTERPRET:
+        return tensors[0].device.type == "cpu"
+    return torch.cuda.get_device_capability(tensors[0].device)[0] >= 9
+
+
+def _allocate_tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # Device-side tensor descriptors live in a small global scratch buffer per program.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _set_tma_allocator(use_tma: bool) -> None:
+    # Triton keeps its allocator in a context variable, unset in autograd's backward threads:
+    # set it before every launch that creates descriptors (torch.compile's launcher provides the
+    # scratch itself).
+    if use_tma and not INTERPRET and not torch.compiler.is_compiling():
+        triton.set_allocator(_allocate_tma_scratch)
+
+
+def _dropout_threshold(dropout_p: float) -> int:
+    return math.ceil(dropout_p * (1 << _DROPOUT_BITS))
+
+
+def _seed_or_placeholder(rng_seed: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    return rng_seed if rng_seed is not None else fallback  # never read without dropout
 
 
 @kernel_op("bloomnative::flash_alibi_attention_fwd")
@@ -432,26 +639,34 @@ def _flash_alibi_fwd(
     slopes: torch.Tensor,
     causal: bool,
     softmax_scale: float,
+    dropout_p: float,
+    rng_seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out, lse): out like q, lse fp32 [batch, heads, seq] (natural log)."""
+    """Returns (out, lse2): out like q, lse2 fp32 [batch, heads, seq], the log-sum-exp of the
+    relative-form scores in log2 units."""
     batch, heads, seq, head_dim = q.shape
+    d0, d1 = head_dim_split(head_dim)
     out = empty_like(q)
     lse = empty((batch, heads, seq), torch.float32, q.device)
+    use_tma = _use_tma(head_dim, q, k, v, out)
+    _set_tma_allocator(use_tma)
 
     def grid(meta):
         return (triton.cdiv(seq, meta["BLOCK_M"]), batch * heads)
 
     launch(
-        _flash_alibi_fwd_kernel, grid, q, k, v, slopes, out, lse, seq, heads,
-        softmax_scale * _LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-        PRECISION=dot_precision(q.dtype),
+        _fwd_kernels[dropout_p > 0], grid, q, k, v, slopes, out, lse,
+        _seed_or_placeholder(rng_seed, slopes), seq, heads, softmax_scale * _LOG2E,
+        _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), _seq_bucket(seq),
+        CAUSAL=causal, HEAD_DIM=head_dim, D0=d0, D1=d1, DROPOUT=dropout_p > 0,
+        USE_TMA=use_tma, PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     return out, lse
 
 
 @_flash_alibi_fwd.register_fake
-def _(q, k, v, slopes, causal, softmax_scale):
+def _(q, k, v, slopes, causal, softmax_scale, dropout_p, rng_seed):
     batch, heads, seq, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, heads, seq), dtype=torch.float32)
 
@@ -467,65 +682,119 @@ def _flash_alibi_bwd(
     slopes: torch.Tensor,
     causal: bool,
     softmax_scale: float,
+    dropout_p: float,
+    rng_seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dq, dk, dv), each laid out like its input."""
+    """Returns (dq, dk, dv); dk and dv are laid out like k and v, dq is contiguous."""
     batch, heads, seq, head_dim = q.shape
-    block_d = _block_d(head_dim)
-    precision = dot_precision(q.dtype)
+    d0, d1 = head_dim_split(head_dim)
     delta = empty((batch, heads, seq), torch.float32, q.device)
-    dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+    # Zeroed by the preprocess kernel, not poisoned: the main kernel adds into it.
+    dq_acc = torch.empty((batch, heads, seq, head_dim), dtype=torch.float32, device=q.device)
+    dk, dv = empty_like(k), empty_like(v)
     launch(
         _flash_alibi_bwd_preprocess_kernel,
         (triton.cdiv(seq, _PREPROCESS_BLOCK_M), batch * heads),
-        out, grad_out, delta, seq, heads, *out.stride(), *grad_out.stride(),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=_PREPROCESS_BLOCK_M,
+        out, grad_out, delta, dq_acc, seq, heads, *out.stride(), *grad_out.stride(),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=_PREPROCESS_BLOCK_M,
     )  # fmt: skip
+    use_tma = _use_tma(head_dim, q, k, v, grad_out, dk, dv)
+    _set_tma_allocator(use_tma)
 
-    def dkdv_grid(meta):
+    def grid(meta):
         return (triton.cdiv(seq, meta["BLOCK_N"]), batch * heads)
 
     launch(
-        _flash_alibi_bwd_dkdv_kernel, dkdv_grid, q, k, v, slopes, grad_out, lse, delta, dk, dv,
-        seq, heads, softmax_scale * _LOG2E, softmax_scale,
+        _bwd_kernels[(dropout_p > 0, head_dim > 80)], grid,
+        q, k, v, slopes, grad_out, lse, delta, dq_acc, dk, dv,
+        _seed_or_placeholder(rng_seed, slopes), seq, heads, softmax_scale * _LOG2E,
+        softmax_scale, _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-        CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d, PRECISION=precision,
+        _seq_bucket(seq), CAUSAL=causal, HEAD_DIM=head_dim, D0=d0, D1=d1,
+        DROPOUT=dropout_p > 0, USE_TMA=use_tma, DQ_TMA=use_tma and not INTERPRET,
+        PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
-
-    def dq_grid(meta):
-        return (triton.cdiv(seq, meta["BLOCK_M"]), batch * heads)
-
-    launch(
-        _flash_alibi_bwd_dq_kernel, dq_grid, q, k, v, slopes, grad_out, lse, delta, dq,
-        seq, heads, softmax_scale * _LOG2E, softmax_scale,
-        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
-        CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d, PRECISION=precision,
-    )  # fmt: skip
-    return dq, dk, dv
+    return dq_acc.to(q.dtype), dk, dv
 
 
 @_flash_alibi_bwd.register_fake
-def _(grad_out, q, k, v, out, lse, slopes, causal, softmax_scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(grad_out, q, k, v, out, lse, slopes, causal, softmax_scale, dropout_p, rng_seed):
+    return (
+        q.new_empty(q.shape),
+        torch.empty_like(k),
+        torch.empty_like(v),
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, slopes, causal, softmax_scale = inputs
+    q, k, v, slopes, causal, softmax_scale, dropout_p, rng_seed = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
-    ctx.save_for_backward(q, k, v, out, lse, slopes)
+    ctx.dropout_p = dropout_p
+    ctx.has_seed = rng_seed is not None
+    saved = (q, k, v, out, lse, slopes) + ((rng_seed,) if rng_seed is not None else ())
+    ctx.save_for_backward(*saved)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, slopes = ctx.saved_tensors
+    q, k, v, out, lse, slopes, *seed = ctx.saved_tensors
     dq, dk, dv = _flash_alibi_bwd(
-        grad_out, q, k, v, out, lse, slopes, ctx.causal, ctx.softmax_scale
-    )
-    return dq, dk, dv, None, None, None
+        grad_out, q, k, v, out, lse, slopes, ctx.causal, ctx.softmax_scale, ctx.dropout_p,
+        seed[0] if ctx.has_seed else None,
+    )  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None
 
 
 _flash_alibi_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _philox_uint32_mul(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of the 64-bit product of the constant ``a`` and the uint32
+    values in ``x`` (int64 tensor), without overflowing int64: x is split into 16-bit halves."""
+    x_hi, x_lo = x >> 16, x & 0xFFFF
+    p_hi, p_lo = a * x_hi, a * x_lo  # each < 2^48
+    mid = p_hi + (p_lo >> 16)
+    return mid >> 16, ((mid & 0xFFFF) << 16) | (p_lo & 0xFFFF)
+
+
+def _philox_words(
+    seed: torch.Tensor, counter: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """The four output words of Philox-4x32-10 as Triton's ``tl.philox(seed, *counter)``
+    computes them: key (seed mod 2^32, seed >> 32). uint32 values held in int64 tensors."""
+    mask = 0xFFFFFFFF
+    k0, k1 = seed & mask, (seed >> 32) & mask
+    c0, c1, c2, c3 = (c & mask for c in counter)
+    for _ in range(10):
+        hi_b, lo_b = _philox_uint32_mul(0xCD9E8D57, c2)
+        hi_a, lo_a = _philox_uint32_mul(0xD2511F53, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + 0x9E3779B9) & mask, (k1 + 0xBB67AE85) & mask
+    return c0, c1, c2, c3
+
+
+def dropout_keep_mask(
+    rng_seed: torch.Tensor, shape: tuple[int, int, int, int], dropout_p: float
+) -> torch.Tensor:
+    """The ``[batch, heads, seq, seq]`` boolean keep-mask that the kernels draw for ``rng_seed``
+    (module docstring: a pure function of the seed and (b, h, i, j)). For references and tests:
+    it materialises ``seq x seq``, the kernels never do."""
+    batch, heads, seq, _ = shape
+    groups = -(-seq // 4)
+
+    def index(n: int, dim: int) -> torch.Tensor:
+        view = [1, 1, 1, 1]
+        view[dim] = n
+        return torch.arange(n, device=rng_seed.device, dtype=torch.int64).view(view)
+
+    full = (batch, heads, seq, groups)
+    c0 = (index(seq, 2) * _DROPOUT_ROW_STRIDE + index(groups, 3)).expand(full)
+    counter = (c0, index(heads, 1).expand(full), index(batch, 0).expand(full), c0 * 0)
+    words = _philox_words(rng_seed.to(torch.int64), counter)
+    bits = torch.stack(words, dim=-1).reshape(batch, heads, seq, 4 * groups)[..., :seq]
+    return (bits >> 8) >= _dropout_threshold(dropout_p)
 
 
 def flash_alibi_attention_reference(
@@ -535,8 +804,12 @@ def flash_alibi_attention_reference(
     slopes: torch.Tensor,
     causal: bool = True,
     softmax_scale: float | None = None,
+    *,
+    dropout_p: float = 0.0,
+    rng_seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pure-torch ALiBi attention, same contract as :func:`flash_alibi_attention`.
+    """Pure-torch ALiBi attention, same contract as :func:`flash_alibi_attention` (dropout
+    included: the same elements are dropped for the same seed).
 
     Materializes the [batch, heads, seq, seq] scores in fp32 (float64 inputs stay float64): the
     portable CPU path and the test oracle, not something to run at seq 2048 on a GPU.
@@ -551,7 +824,17 @@ def flash_alibi_attention_reference(
         future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu_(1)
         scores = scores.masked_fill(future, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        seed = rng_seed if rng_seed is not None else _draw_seed(q.device)
+        keep = dropout_keep_mask(seed, tuple(scores.shape), dropout_p)
+        probs = probs * keep / (1.0 - dropout_p)
     return (probs @ v.to(compute)).to(q.dtype)
+
+
+def _draw_seed(device: torch.device) -> torch.Tensor:
+    """A fresh int64 seed from torch's default generator for ``device``, on the device (no host
+    synchronisation, capturable by torch.compile)."""
+    return torch.randint(0, 2**62, (), device=device, dtype=torch.int64)
 
 
 def flash_alibi_attention(
@@ -561,8 +844,11 @@ def flash_alibi_attention(
     slopes: torch.Tensor,
     causal: bool = True,
     softmax_scale: float | None = None,
+    *,
+    dropout_p: float = 0.0,
+    rng_seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention with BLOOM's ALiBi bias, FlashAttention-2 style (no seq x seq tensor).
+    """Attention with BLOOM's ALiBi bias, FlashAttention style (no seq x seq tensor).
 
     Args:
         q, k, v: ``[batch, heads, seq, head_dim]`` like ``scaled_dot_product_attention``, same
@@ -571,6 +857,11 @@ def flash_alibi_attention(
             ``slopes[h] * (j - i)``. Not differentiated.
         causal: mask keys after the query (BLOOM is causal).
         softmax_scale: multiplies ``q . k``; default ``1 / sqrt(head_dim)``.
+        dropout_p: attention-probability dropout in ``[0, 1)``, applied inside the kernel.
+        rng_seed: int64 0-d tensor on q's device, read inside the kernel (no host sync). The
+            keep-mask of element (b, h, i, j) is a pure function of (rng_seed, b, h, i, j), h the
+            head index within these tensors (module docstring; :func:`dropout_keep_mask`).
+            None draws a seed from torch's default generator for q's device.
 
     Returns:
         ``[batch, heads, seq, head_dim]`` in q's dtype (and, when possible, q's memory layout).
@@ -600,9 +891,30 @@ def flash_alibi_attention(
             f"flash_alibi_attention: head_dim {head_dim} is larger than the supported "
             f"{_MAX_HEAD_DIM}"
         )
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"flash_alibi_attention: dropout_p must be in [0, 1), got {dropout_p}")
+    if rng_seed is not None and (
+        rng_seed.dim() != 0 or rng_seed.dtype != torch.int64 or rng_seed.device != q.device
+    ):
+        raise ValueError(
+            "flash_alibi_attention: rng_seed must be a 0-d int64 tensor on q's device "
+            f"({q.device}), got shape {tuple(rng_seed.shape)} {rng_seed.dtype} on "
+            f"{rng_seed.device}"
+        )
+    if dropout_p > 0 and q.shape[2] > _DROPOUT_MAX_SEQ:
+        raise ValueError(
+            f"flash_alibi_attention: dropout supports sequences up to {_DROPOUT_MAX_SEQ} tokens "
+            f"(its random stream is indexed by i * 2^14 + j // 4), got {q.shape[2]}"
+        )
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    if dropout_p == 0.0:
+        rng_seed = None
+    elif rng_seed is None:
+        rng_seed = _draw_seed(q.device)
     if not use_triton(q) or q.numel() == 0:
-        return flash_alibi_attention_reference(q, k, v, slopes, causal, scale)
+        return flash_alibi_attention_reference(
+            q, k, v, slopes, causal, scale, dropout_p=dropout_p, rng_seed=rng_seed
+        )
     slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous()
-    out, _ = _flash_alibi_fwd(q, k, v, slopes, causal, float(scale))
+    out, _ = _flash_alibi_fwd(q, k, v, slopes, causal, float(scale), float(dropout_p), rng_seed)
     return out

@@ -13,10 +13,14 @@ dtype, which is also returned as the new residual stream: BLOOM's pre-LN block p
     dh   = rstd * (wdy - xhat * mean(wdy * xhat) - mean(wdy))  (+ the gradient of the returned h)
     dweight = sum over rows of dy * xhat,   dbias = sum over rows of dy
 
-The backward launches a fixed number of persistent programs; each walks a strided set of rows,
-accumulates its dweight/dbias contributions in fp32 registers and writes them to one row of a
-partial buffer that torch then sums. All statistics and arithmetic are fp32; x, residual and the
-outputs are fp32, bf16 or fp16, weight and bias may be any of those (they are read as fp32).
+Forward: one program per tile of rows (several rows when they are short, so each program has
+about 4096 elements in flight). Backward, for rows up to 8192 features: a fixed number of
+persistent programs (eight per SM) walk row tiles, write dx and keep their dweight/dbias sums in
+fp32 registers, one row of a partial buffer each, which torch then sums. Wider rows (BLOOM-176B's
+14336) would spill four row-sized vectors, so they take two kernels: one computes each row's
+``mean(wdy * xhat)`` and ``mean(wdy)`` chunk by chunk, the other runs over (2048-column chunks,
+row groups) and keeps only chunk-wide sums. All statistics and arithmetic are fp32; x, residual
+and the outputs are fp32, bf16 or fp16, weight and bias may be any of those (read as fp32).
 """
 
 from __future__ import annotations
@@ -37,70 +41,148 @@ from ._dispatch import (
 
 # One row lives in registers; 64K fp32 values is where that stops being reasonable.
 _MAX_FUSED_SIZE = 65536
+# Rows wider than this take the two-kernel backward (module docstring): the one-pass backward
+# keeps four row-sized fp32 vectors per program, which BLOOM-176B's 14336 features would spill.
+_MAX_ONE_PASS_BWD = 8192
+_TILE_ELEMENTS = 4096  # elements of a [rows, BLOCK_N] tile a program handles at once
+_WIDE_CHUNK = 2048  # columns a program of the wide backward owns
 
 
 @triton.jit
 def _layer_norm_fwd_kernel(
-    X, RESIDUAL, H_OUT, Y, W, B, MEAN, RSTD, N, eps,
+    X, RESIDUAL, H_OUT, Y, W, B, MEAN, RSTD, M, N, eps,
     stride_x, stride_res, stride_h, stride_y,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    col_ok = cols < N
+    mask = (rows < M)[:, None] & col_ok[None, :]
+    rows = rows.to(tl.int64)
+    h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        res = tl.load(RESIDUAL + row * stride_res + cols, mask=mask, other=0.0)
+        res = tl.load(RESIDUAL + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
         # Round the sum to the storage dtype first: the statistics then describe exactly the
         # residual stream that is returned, as in the unfused `h = x + residual; LN(h)`.
         h = (h.to(tl.float32) + res.to(tl.float32)).to(H_OUT.dtype.element_ty)
-        tl.store(H_OUT + row * stride_h + cols, h, mask=mask)
+        tl.store(H_OUT + rows[:, None] * stride_h + cols[None, :], h, mask=mask)
     h = h.to(tl.float32)
-    mean = tl.sum(h, axis=0) / N
-    centered = tl.where(mask, h - mean, 0.0)
-    var = tl.sum(centered * centered, axis=0) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    y = centered * rstd * w + b
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
+    mean = tl.sum(h, axis=1) / N
+    centered = tl.where(mask, h - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = centered * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=rows < M)
+    tl.store(RSTD + rows, rstd, mask=rows < M)
 
 
 @triton.jit
 def _layer_norm_bwd_kernel(
     DY, H, W, MEAN, RSTD, DH_OUT, DX, DW_PARTIAL, DB_PARTIAL, M, N,
     stride_dy, stride_h, stride_dh_out, stride_dx,
-    HAS_DH_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DH_OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    # One pass: each persistent program walks [BLOCK_R, BLOCK_N] row tiles with a stride of the
+    # program count, writes dx and keeps its dw/db column sums in fp32 registers.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
+    col_ok = cols < N
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for row in range(pid, M, tl.num_programs(0)):
-        # Ordered so that at most four row-sized fp32 values are live (dw, db, xhat, w * dy):
-        # BLOOM-176B's 14336 features then fit the registers of 16 warps.
-        row64 = tl.cast(row, tl.int64)
-        h = tl.load(H + row64 * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(MEAN + row)
-        rstd = tl.load(RSTD + row)
-        xhat = tl.where(mask, (h - mean) * rstd, 0.0)
-        dw += dy * xhat
-        db += dy
-        # weight is re-read (from L1/L2) every row rather than held next to dw and db.
-        wdy = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) * dy
-        c1 = tl.sum(xhat * wdy, axis=0) / N
-        c2 = tl.sum(wdy, axis=0) / N
-        dx = (wdy - (xhat * c1 + c2)) * rstd
+    for row0 in range(pid * BLOCK_R, M, tl.num_programs(0) * BLOCK_R):
+        rows = row0 + tl.arange(0, BLOCK_R)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        h = tl.load(H + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+        dy = dy.to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (h.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+        dw += tl.sum(dy * xhat, axis=0)
+        db += tl.sum(dy, axis=0)
+        wdy = w[None, :] * dy
+        c1 = tl.sum(xhat * wdy, axis=1) / N
+        c2 = tl.sum(wdy, axis=1) / N
+        dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         if HAS_DH_OUT:
-            dh_out = tl.load(DH_OUT + row64 * stride_dh_out + cols, mask=mask, other=0.0)
+            dh_out = tl.load(
+                DH_OUT + rows64[:, None] * stride_dh_out + cols[None, :], mask=mask, other=0.0
+            )
             dx += dh_out.to(tl.float32)
-        tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DW_PARTIAL + pid * N + cols, dw, mask=mask)
-    tl.store(DB_PARTIAL + pid * N + cols, db, mask=mask)
+        tl.store(
+            DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask
+        )
+    tl.store(DW_PARTIAL + pid * N + cols, dw, mask=col_ok)
+    tl.store(DB_PARTIAL + pid * N + cols, db, mask=col_ok)
+
+
+@triton.jit
+def _layer_norm_bwd_row_sums_kernel(
+    DY, H, W, MEAN, RSTD, ROW_SUMS, N, stride_dy, stride_h, CHUNK: tl.constexpr,
+):  # fmt: skip
+    # Wide rows, step 1: c1 = mean(xhat * w dy) and c2 = mean(w dy) of one row, chunk by chunk.
+    row = tl.program_id(0).to(tl.int64)
+    mean = tl.load(MEAN + row)
+    rstd = tl.load(RSTD + row)
+    c1 = tl.zeros([CHUNK], dtype=tl.float32)
+    c2 = tl.zeros([CHUNK], dtype=tl.float32)
+    for col0 in range(0, N, CHUNK):
+        cols = col0 + tl.arange(0, CHUNK)
+        col_ok = cols < N
+        h = tl.load(H + row * stride_h + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=col_ok, other=0.0).to(tl.float32)
+        wdy = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) * dy
+        c1 += tl.where(col_ok, (h - mean) * rstd, 0.0) * wdy
+        c2 += wdy
+    tl.store(ROW_SUMS + 2 * row, tl.sum(c1, axis=0) / N)
+    tl.store(ROW_SUMS + 2 * row + 1, tl.sum(c2, axis=0) / N)
+
+
+@triton.jit
+def _layer_norm_bwd_wide_kernel(
+    DY, H, W, MEAN, RSTD, ROW_SUMS, DH_OUT, DX, DW_PARTIAL, DB_PARTIAL, M, N,
+    stride_dy, stride_h, stride_dh_out, stride_dx,
+    HAS_DH_OUT: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    # Wide rows, step 2: grid (column chunks, row groups); a program owns CHUNK columns of every
+    # BLOCK_R-row tile of its group, writes their dx and keeps only CHUNK-wide dw/db sums.
+    cols = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    group = tl.program_id(1)
+    col_ok = cols < N
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([CHUNK], dtype=tl.float32)
+    db = tl.zeros([CHUNK], dtype=tl.float32)
+    for row0 in range(group * BLOCK_R, M, tl.num_programs(1) * BLOCK_R):
+        rows = row0 + tl.arange(0, BLOCK_R)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        h = tl.load(H + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+        dy = dy.to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        c1 = tl.load(ROW_SUMS + 2 * rows, mask=row_ok, other=0.0)
+        c2 = tl.load(ROW_SUMS + 2 * rows + 1, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (h.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
+        dw += tl.sum(dy * xhat, axis=0)
+        db += tl.sum(dy, axis=0)
+        dx = (w[None, :] * dy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if HAS_DH_OUT:
+            dh_out = tl.load(
+                DH_OUT + rows64[:, None] * stride_dh_out + cols[None, :], mask=mask, other=0.0
+            )
+            dx += dh_out.to(tl.float32)
+        tl.store(
+            DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask
+        )
+    tl.store(DW_PARTIAL + group * N + cols, dw, mask=col_ok)
+    tl.store(DB_PARTIAL + group * N + cols, db, mask=col_ok)
 
 
 def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -118,15 +200,13 @@ def _block_n(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
-def _num_warps(block_n: int, values_per_thread: int) -> int:
-    """Warps for one row of ``block_n`` lanes at about ``values_per_thread`` lanes a thread.
-
-    The backward keeps four row-sized fp32 values live (dw, db, xhat, w * dy), so it asks for
-    16 lanes a thread, the forward for 32; ptxas (sm_90) then reports no spills up to 8192
-    features, and ~300 bytes at BLOOM-176B's 14336 in the backward (16 warps, the most that
-    still leaves 128 registers a thread).
-    """
-    return min(16, max(4, block_n // (32 * values_per_thread)))
+def _tile(block_n: int, values_per_thread: int) -> tuple[int, int]:
+    """(rows per tile, warps) for [rows, block_n] tiles of about _TILE_ELEMENTS elements (one row
+    when a row alone is bigger) at about ``values_per_thread`` elements a thread: several short
+    rows per program keep enough loads in flight; ptxas reports no spills for either kernel."""
+    rows = max(1, _TILE_ELEMENTS // block_n)
+    warps = min(16, max(4, rows * block_n // (32 * values_per_thread)))
+    return rows, warps
 
 
 @kernel_op("bloomnative::layer_norm_fwd")
@@ -151,10 +231,11 @@ def _layer_norm_fwd(
         res2 = x2  # not read
         h = x2.new_empty((0,))
     block_n = _block_n(n)
+    rows, warps = _tile(block_n, 16)
     launch(
-        _layer_norm_fwd_kernel, (m,), x2, res2, h, y, weight, bias, mean, rstd, n, eps,
-        x2.stride(0), res2.stride(0), n, y.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n, 32),
+        _layer_norm_fwd_kernel, (triton.cdiv(m, rows),), x2, res2, h, y, weight, bias, mean, rstd,
+        m, n, eps, x2.stride(0), res2.stride(0), n, y.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK_R=rows, BLOCK_N=block_n, num_warps=warps,
     )  # fmt: skip
     h = h.view(x.shape) if residual is not None else h
     return y.view(x.shape), h, mean, rstd
@@ -184,15 +265,35 @@ def _layer_norm_bwd(
     dh_out2 = _as_rows(dh_out, n) if dh_out is not None else dy2
     m = h2.shape[0]
     dx = empty(h2.shape, h.dtype, h.device)
-    programs = max(1, min(m, num_programs_for_device(h.device)))
-    dw_partial = empty((programs, n), torch.float32, h.device)
-    db_partial = empty((programs, n), torch.float32, h.device)
+    has_dh_out = dh_out is not None
     block_n = _block_n(n)
-    launch(
-        _layer_norm_bwd_kernel, (programs,), dy2, h2, weight, mean, rstd, dh_out2, dx,
-        dw_partial, db_partial, m, n, dy2.stride(0), h2.stride(0), dh_out2.stride(0), n,
-        HAS_DH_OUT=dh_out is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n, 16),
-    )  # fmt: skip
+    if block_n <= _MAX_ONE_PASS_BWD:
+        rows, warps = _tile(block_n, 16)
+        programs = max(1, min(triton.cdiv(m, rows), num_programs_for_device(h.device, per_sm=8)))
+        dw_partial = empty((programs, n), torch.float32, h.device)
+        db_partial = empty((programs, n), torch.float32, h.device)
+        launch(
+            _layer_norm_bwd_kernel, (programs,), dy2, h2, weight, mean, rstd, dh_out2, dx,
+            dw_partial, db_partial, m, n, dy2.stride(0), h2.stride(0), dh_out2.stride(0), n,
+            HAS_DH_OUT=has_dh_out, BLOCK_R=rows, BLOCK_N=block_n, num_warps=warps,
+        )  # fmt: skip
+    else:
+        row_sums = empty((m, 2), torch.float32, h.device)
+        launch(
+            _layer_norm_bwd_row_sums_kernel, (m,), dy2, h2, weight, mean, rstd, row_sums, n,
+            dy2.stride(0), h2.stride(0), CHUNK=_WIDE_CHUNK, num_warps=8,
+        )  # fmt: skip
+        rows = _TILE_ELEMENTS // _WIDE_CHUNK
+        chunks = triton.cdiv(n, _WIDE_CHUNK)
+        groups = max(1, min(triton.cdiv(m, rows), num_programs_for_device(h.device, 8) // chunks))
+        dw_partial = empty((groups, n), torch.float32, h.device)
+        db_partial = empty((groups, n), torch.float32, h.device)
+        launch(
+            _layer_norm_bwd_wide_kernel, (chunks, groups), dy2, h2, weight, mean, rstd, row_sums,
+            dh_out2, dx, dw_partial, db_partial, m, n,
+            dy2.stride(0), h2.stride(0), dh_out2.stride(0), n,
+            HAS_DH_OUT=has_dh_out, BLOCK_R=rows, CHUNK=_WIDE_CHUNK, num_warps=8,
+        )  # fmt: skip
     return dx.view(h.shape), dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(weight.dtype)
 
 

@@ -5,11 +5,17 @@
     python tools/bench_kernels.py --smoke --out /tmp/smoke.json     # tiny shapes on CPU
 
 Each row is the median of ``--iters`` timed runs after ``--warmup`` runs: CUDA events around each
-run (with ``torch.cuda.synchronize``) on a GPU, ``time.perf_counter`` in ``--smoke`` mode.
+run (with ``torch.cuda.synchronize``) on a GPU, ``time.perf_counter`` in ``--smoke`` mode. That is
+the wall time an eager caller sees, CPU launch overhead included; on a GPU each row also has
+``gpu_ms``, the CUDA kernel time per run from torch.profiler (what remains once a compiled or
+CUDA-graphed step hides the launches).
 
-* attention (seq 2048, causal, ALiBi): flash_alibi_attention vs SDPA with a materialized ALiBi
-  bias, vs FlexAttention with the ALiBi score_mod (compiled), vs SDPA's flash backend with plain
-  causal masking and no bias (the speed of light for this shape); TFLOP/s counts the causal half.
+* attention (causal, ALiBi, bf16, 16 heads, 8192 tokens: seq 2048 x batch 4 and 4096 x 2, head_dim
+  64, 80, 96, 128; ``--seqs`` / ``--head-dims`` to narrow): flash_alibi_attention vs SDPA with a
+  materialized ALiBi bias, vs FlexAttention with the ALiBi score_mod (compiled), vs SDPA's flash
+  backend with plain causal masking and no bias (the speed of light for the shape). Forward,
+  backward and forward+backward are timed separately; TFLOP/s counts the causal half (forward
+  2 matmuls, backward 5).
 * layer_norm and bias_gelu: vs eager torch and torch.compile; GB/s is the minimal fwd+bwd
   traffic over time, next to the device copy bandwidth measured on a large tensor copy.
 * linear_cross_entropy (16k tokens x 250,880 vocab x hidden 1024): vs the unfused loss
@@ -66,11 +72,12 @@ class Row:
     benchmark: str
     shape: str
     impl: str
-    ms: float | None  # median fwd+bwd milliseconds; None when skipped
+    ms: float | None  # median milliseconds (wall, launches included); None when skipped
     metric: float | None = None  # TFLOP/s (attention) or GB/s (layer_norm, bias_gelu)
     metric_unit: str = ""
     extra_peak_mib: float | None = None  # linear_cross_entropy only
     note: str = ""
+    gpu_ms: float | None = None  # CUDA kernel time per run (GPU only)
 
 
 @dataclass
@@ -111,6 +118,40 @@ def time_ms(fn: Callable[[], object], s: Settings) -> float:
     return statistics.median(times)
 
 
+def gpu_time_ms(fn: Callable[[], object], runs: int = 5) -> float:
+    """CUDA kernel time per run of ``fn`` (already warmed up), summed from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / runs / 1e3
+
+
+def forward_only(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[[], None]:
+    """A closure running the training forward (autograd recording, no backward)."""
+
+    def step() -> None:
+        fn(*inputs)
+
+    return step
+
+
+def backward_only(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[[], None]:
+    """A closure running only the backward of one recorded forward (graph retained)."""
+    leaves = [t for t in inputs if t.requires_grad]
+    out = fn(*inputs)
+    grad_out = torch.randn_like(out)
+
+    def step() -> None:
+        torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+
+    return step
+
+
 def fwd_bwd(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[[], None]:
     """A closure running fn(*inputs) and a backward with a fixed upstream gradient."""
     leaves = [t for t in inputs if t.requires_grad]
@@ -128,8 +169,9 @@ def fwd_bwd(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[
 def run_row(benchmark: str, shape: str, impl: str, make_step: Callable[[], Callable], s: Settings):
     """Time one implementation; an error (OOM, unsupported backend) becomes a skipped row."""
     try:
-        ms = time_ms(make_step(), s)
-        return Row(benchmark, shape, impl, ms)
+        step = make_step()
+        ms = time_ms(step, s)
+        return Row(benchmark, shape, impl, ms, gpu_ms=gpu_time_ms(step) if s.cuda else None)
     except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
         if s.cuda:
             torch.cuda.empty_cache()
@@ -145,8 +187,8 @@ def alibi_slopes(heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def bench_attention(name: str, batch: int, seq: int, heads: int, head_dim: int, s: Settings):
-    shape = f"{name} b{batch} s{seq} h{heads} d{head_dim}"
+def bench_attention(batch: int, seq: int, heads: int, head_dim: int, s: Settings) -> list[Row]:
+    shape = f"b{batch} s{seq} h{heads} d{head_dim}"
     slopes = alibi_slopes(heads).to(s.device)
 
     def qkv():
@@ -157,49 +199,46 @@ def bench_attention(name: str, batch: int, seq: int, heads: int, head_dim: int, 
             for _ in range(3)
         ]
 
-    def sdpa_alibi_bias():
-        pos = torch.arange(seq, device=s.device, dtype=torch.float32)
-        bias = slopes[:, None, None] * (pos[None, None, :] - pos[None, :, None])
-        bias = bias.masked_fill(
-            torch.ones(seq, seq, dtype=torch.bool, device=s.device).triu(1), -math.inf
-        )
-        mask = bias[None].to(s.dtype)
-        return fwd_bwd(
-            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), *qkv()
-        )
+    pos = torch.arange(seq, device=s.device, dtype=torch.float32)
+    bias = slopes[:, None, None] * (pos[None, None, :] - pos[None, :, None])
+    bias = bias.masked_fill(
+        torch.ones(seq, seq, dtype=torch.bool, device=s.device).triu(1), -math.inf
+    )[None].to(s.dtype)
 
-    def flex():
+    def sdpa_alibi_bias(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    def flex(q, k, v):
         if not s.cuda:
             raise RuntimeError("FlexAttention has no CPU backward")
-        return fwd_bwd(lambda q, k, v: flex_alibi_attention(q, k, v, slopes), *qkv())
+        return flex_alibi_attention(q, k, v, slopes)
 
-    def sdpa_flash_causal():
+    def sdpa_flash_causal(q, k, v):
         if not s.cuda:
             raise RuntimeError("the SDPA flash backend needs CUDA")
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        def attn(q, k, v):
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-        return fwd_bwd(attn, *qkv())
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     impls = {
-        "flash_alibi_attention": lambda: fwd_bwd(
-            lambda q, k, v: flash_alibi_attention(q, k, v, slopes), *qkv()
-        ),
+        "flash_alibi_attention": lambda q, k, v: flash_alibi_attention(q, k, v, slopes),
         "sdpa + materialized alibi bias": sdpa_alibi_bias,
         "flex_attention + alibi score_mod": flex,
         "sdpa flash, causal, no bias": sdpa_flash_causal,
     }
-    # fwd 2 matmuls (4 * s^2 * d flops per head), bwd 2.5x that; causal computes half.
-    flops = 3.5 * 4 * batch * heads * seq * seq * head_dim * 0.5
+    # Per head, causal half: forward 2 matmuls of 2 s^2 d flops, backward 5.
+    fwd_flops = 2 * 2 * batch * heads * seq * seq * head_dim * 0.5
+    modes = {"fwd": (forward_only, 1.0), "bwd": (backward_only, 2.5), "fwd+bwd": (fwd_bwd, 3.5)}
     rows = []
-    for impl, make in impls.items():
-        row = run_row("attention fwd+bwd", shape, impl, make, s)
-        if row.ms:
-            row.metric, row.metric_unit = flops / (row.ms * 1e-3) / 1e12, "TFLOP/s"
-        rows.append(row)
+    for impl, fn in impls.items():
+        for mode, (make, factor) in modes.items():
+            row = run_row(
+                f"attention {mode}", shape, impl, lambda make=make, fn=fn: make(fn, *qkv()), s
+            )
+            if row.ms:
+                row.metric, row.metric_unit = fwd_flops * factor / (row.ms * 1e-3) / 1e12, "TFLOP/s"
+            rows.append(row)
     return rows
 
 
@@ -299,21 +338,26 @@ def extra_peak_memory_mib(step: Callable[[], None]) -> float:
 OURS = {"flash_alibi_attention", "layer_norm", "bias_gelu", "linear_cross_entropy (chunked)"}
 
 
-def run(s: Settings) -> list[Row]:
+def run(s: Settings, suites: set[str], seqs: list[int], head_dims: list[int]) -> list[Row]:
     rows = [copy_bandwidth_gbs(s)]
     if s.smoke:
         models = {"tiny": (64, 2)}
-        batch, seq, tokens = 1, 48, 64
+        tokens, heads, seqs, head_dims = 64, 2, [48], [32, 48]
         lce = (64, 256, 32)
     else:
         models = MODELS
-        batch, seq, tokens = 4, 2048, 4 * 2048
+        tokens, heads = 4 * 2048, 16
         lce = (16384, 250880, 1024)
-    for name, (hidden, heads) in models.items():
-        rows += bench_attention(name, batch, seq, heads, hidden // heads, s)
-        rows += bench_layer_norm(name, tokens, hidden, s)
-        rows += bench_bias_gelu(name, tokens, 4 * hidden, s)
-    rows += bench_linear_cross_entropy(*lce, s)
+    if "attention" in suites:
+        for seq in seqs:
+            for head_dim in head_dims:
+                rows += bench_attention(max(1, tokens // seq), seq, heads, head_dim, s)
+    if "norms" in suites:
+        for name, (hidden, _) in models.items():
+            rows += bench_layer_norm(name, tokens, hidden, s)
+            rows += bench_bias_gelu(name, tokens, 4 * hidden, s)
+    if "loss" in suites:
+        rows += bench_linear_cross_entropy(*lce, s)
     probe = torch.empty(0, device=s.device)
     path = "triton" if use_triton(probe) else "torch reference (no GPU, no TRITON_INTERPRET)"
     if INTERPRET and not s.cuda:
@@ -327,14 +371,17 @@ def run(s: Settings) -> list[Row]:
 def format_table(rows: list[Row]) -> str:
     header = (
         f"{'benchmark':<30} {'shape':<40} {'implementation':<40} "
-        f"{'ms':>9} {'metric':>16} {'extra peak':>12}"
+        f"{'ms':>9} {'gpu ms':>9} {'metric':>16} {'extra peak':>12}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         ms = f"{r.ms:9.3f}" if r.ms is not None else f"{'-':>9}"
         metric = f"{r.metric:9.1f} {r.metric_unit:<6}" if r.metric is not None else f"{'':>16}"
         peak = f"{r.extra_peak_mib:8.0f} MiB" if r.extra_peak_mib is not None else ""
-        lines.append(f"{r.benchmark:<30} {r.shape:<40} {r.impl:<40} {ms} {metric:>16} {peak:>12}")
+        gpu = f"{r.gpu_ms:9.3f}" if r.gpu_ms is not None else f"{'-':>9}"
+        lines.append(
+            f"{r.benchmark:<30} {r.shape:<40} {r.impl:<40} {ms} {gpu} {metric:>16} {peak:>12}"
+        )
         if r.note:
             lines.append(f"{'':<30} {r.note}")
     return "\n".join(lines)
@@ -371,6 +418,13 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup", type=int, default=None, help="untimed runs first (default 10, smoke 1)"
     )
     parser.add_argument("--iters", type=int, default=None, help="timed runs (default 50, smoke 2)")
+    parser.add_argument(
+        "--suites",
+        default="attention,norms,loss",
+        help="comma-separated subset of attention, norms (layer_norm, bias_gelu), loss",
+    )
+    parser.add_argument("--seqs", default="2048,4096", help="attention sequence lengths")
+    parser.add_argument("--head-dims", default="64,80,96,128", help="attention head dims")
     args = parser.parse_args(argv)
 
     if not args.smoke and not torch.cuda.is_available():
@@ -382,8 +436,13 @@ def main(argv: list[str] | None = None) -> int:
         iters=args.iters if args.iters is not None else (2 if args.smoke else 50),
         smoke=args.smoke,
     )
+    suites = set(args.suites.split(","))
+    unknown = suites - {"attention", "norms", "loss"}
+    if unknown:
+        parser.error(f"--suites: unknown {sorted(unknown)}; valid: attention, norms, loss")
     torch.manual_seed(0)
-    rows = run(s)
+    seqs = [int(x) for x in args.seqs.split(",")]
+    rows = run(s, suites, seqs, [int(x) for x in args.head_dims.split(",")])
     print(format_table(rows))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -174,12 +174,28 @@ def generate(
     """Continues `prompt` (token ids [batch, tokens], at least one token) by up to
     `max_new_tokens` tokens: one forward over the prompt fills the KV cache, then each step
     feeds only the newest token. Stops early once every row has produced `stop_token`.
+    Runs the model in eval mode (no dropout), restoring its mode afterwards.
     Returns the new tokens [batch, n] (rows that stopped are padded with `stop_token`)."""
     if prompt.ndim != 2 or prompt.shape[1] == 0:
         raise ValueError(
             f"prompt must be token ids [batch, tokens >= 1], got {tuple(prompt.shape)}"
         )
-    sampling = sampling or Sampling()
+    was_training = model.training
+    model.eval()
+    try:
+        return _decode(model, prompt, max_new_tokens, sampling or Sampling(), generator, stop_token)
+    finally:
+        model.train(was_training)
+
+
+def _decode(
+    model: Bloom,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    sampling: Sampling,
+    generator: torch.Generator | None,
+    stop_token: int | None,
+) -> torch.Tensor:
     device = next(model.parameters()).device
     cache = model.new_kv_cache()
     logits = model(prompt.to(device), cache=cache)[:, -1]

@@ -1,14 +1,25 @@
-"""Compile every Triton kernel for an H100 (sm_90) on a machine without a GPU, and report spills.
+"""Compile every Triton kernel for an H100 (sm_90) on a machine without a GPU, and report what the
+compiled code holds: registers, spills, shared memory, warpgroup MMAs, TMA copies, MMAs per loop.
 
     python tests/kernels/sm90_compile_check.py [--all-configs] [--json]
 
 The interpreter runs the kernels' Python but not Triton's compiler, so a kernel can pass every
-interpreter test and still fail to compile (a non-constexpr global, an unsupported construct) or
-spill registers on the real target. This script drives the public ops on CPU tensors with
-Triton's driver replaced by one that reports an sm_90 target and with launches turned into
-compile-only ``warmup`` calls, so each kernel is specialized exactly as a real call would
-specialize it (unit strides as constexprs, 16-byte alignment) and compiled down to PTX; the
-bundled ``ptxas`` then reports registers and spills. Must run without ``TRITON_INTERPRET``.
+interpreter test and still fail to compile (a non-constexpr global, an unsupported construct),
+spill registers on the real target, or silently fall back to slow instructions. This script drives
+the public ops on CPU tensors with Triton's driver replaced by one that reports an sm_90 target and
+with launches turned into compile-only ``warmup`` calls, so each kernel is specialized exactly as
+a real call would specialize it (unit strides as constexprs, 16-byte alignment, the TMA path) and
+compiled down to PTX. Per compiled kernel it reports:
+
+* ``registers`` and ``spill_bytes``: ptxas (the bundled one) on the PTX;
+* ``shared_bytes``: Triton's shared-memory allocation;
+* ``wgmma``: ``wgmma.mma_async`` (Hopper warpgroup MMA) instructions in the PTX;
+* ``tma``: ``cp.async.bulk.tensor`` (TMA) copies, and ``tma_reduce``: ``cp.reduce.async.bulk``;
+* ``loop_dots``: ``tt.dot`` ops per iteration of each innermost ``scf.for`` loop of the Triton
+  IR (the attention forward does 2 matmuls per key block, the backward 5 per query block; each is
+  two dots when head_dim is split, e.g. 80 = 64 + 16).
+
+Must run without ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
@@ -32,6 +43,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+
+ATTENTION_HEAD_DIMS = (64, 80, 96, 128)
+LAYER_NORM_SIZES = (1024, 4096, 8192, 14336)
 
 
 class _Sm90CompileOnlyDriver:
@@ -68,6 +82,49 @@ def _ptxas_usage(ptx: str) -> tuple[int, int]:
     return registers, spills
 
 
+def innermost_loop_dots(ttir: str) -> list[int]:
+    """``tt.dot`` count of each innermost ``scf.for`` body in Triton IR text, in program order.
+
+    Loops are found by brace matching from each ``scf.for`` line; a loop containing another
+    loop is not innermost and is skipped."""
+    lines = ttir.splitlines()
+    counts = []
+    for start, line in enumerate(lines):
+        if "scf.for" not in line or not line.rstrip().endswith("{"):
+            continue
+        depth, body = 0, []
+        for inner in lines[start:]:
+            depth += inner.count("{") - inner.count("}")
+            body.append(inner)
+            if depth == 0:
+                break
+        if any("scf.for" in b for b in body[1:]):
+            continue
+        counts.append(sum(len(re.findall(r"\btt\.dot\b", b)) for b in body))
+    return counts
+
+
+def _record(kernel, fn_name: str, kwargs: dict) -> dict:
+    ptx = kernel.asm["ptx"]
+    registers, spills = _ptxas_usage(ptx)
+    constexprs = {
+        k: v for k, v in kwargs.items() if isinstance(v, (bool, int, str)) and k.isupper()
+    }
+    return {
+        "kernel": fn_name,
+        "constexprs": constexprs,
+        "num_warps": kernel.metadata.num_warps,
+        "num_stages": kernel.metadata.num_stages,
+        "shared_bytes": kernel.metadata.shared,
+        "registers": registers,
+        "spill_bytes": spills,
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        "tma_reduce": len(re.findall(r"cp\.reduce\.async\.bulk", ptx)),
+        "loop_dots": innermost_loop_dots(kernel.asm["ttir"]),
+    }
+
+
 def compile_all(all_configs: bool) -> list[dict]:
     """Run every public op fwd+bwd on CPU with launches replaced by sm_90 compilation."""
     compiled: list[dict] = []
@@ -75,21 +132,7 @@ def compile_all(all_configs: bool) -> list[dict]:
 
     def compile_only_run(self, *args, grid, warmup, **kwargs):
         kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
-        registers, spills = _ptxas_usage(kernel.asm["ptx"])
-        constexprs = {
-            k: v for k, v in kwargs.items() if isinstance(v, (bool, int, str)) and k.isupper()
-        }
-        compiled.append(
-            {
-                "kernel": self.fn.__name__,
-                "constexprs": constexprs,
-                "num_warps": kernel.metadata.num_warps,
-                "num_stages": kernel.metadata.num_stages,
-                "shared_bytes": kernel.metadata.shared,
-                "registers": registers,
-                "spill_bytes": spills,
-            }
-        )
+        compiled.append(_record(kernel, self.fn.__name__, kwargs))
         return kernel
 
     def compile_configs_run(self, *args, **kwargs):
@@ -102,6 +145,10 @@ def compile_all(all_configs: bool) -> list[dict]:
 
     dispatch = importlib.import_module("bloomnative.kernels._dispatch")
     dispatch.INTERPRET = True  # route CPU tensors to the (compile-only) Triton path
+    attention = importlib.import_module("bloomnative.kernels.flash_alibi_attention")
+    attention._use_tma = lambda head_dim, *tensors: (
+        attention.head_dim_split(head_dim)[0] <= head_dim and attention._tma_compatible(*tensors)
+    )  # as on an H100
     from bloomnative.kernels import (
         bias_gelu,
         flash_alibi_attention,
@@ -113,13 +160,18 @@ def compile_all(all_configs: bool) -> list[dict]:
         torch.autograd.grad(out, leaves, torch.zeros_like(out), allow_unused=True)
 
     dtype = torch.bfloat16
-    for head_dim in (64, 128, 80):
+    for head_dim in ATTENTION_HEAD_DIMS:
         q, k, v = (
             torch.zeros(1, 2, 256, head_dim, dtype=dtype, requires_grad=True) for _ in range(3)
         )
         out = flash_alibi_attention(q, k, v, torch.ones(2), causal=True)
         backward(out, q, k, v)
-    for hidden in (1024, 4096, 8192, 14336):
+    # Dropout (Philox in both kernels), once, at BLOOM-176B's head_dim.
+    q, k, v = (torch.zeros(1, 2, 256, 128, dtype=dtype, requires_grad=True) for _ in range(3))
+    seed = torch.zeros((), dtype=torch.int64)
+    out = flash_alibi_attention(q, k, v, torch.ones(2), dropout_p=0.1, rng_seed=seed)
+    backward(out, q, k, v)
+    for hidden in LAYER_NORM_SIZES:
         x = torch.zeros(8, hidden, dtype=dtype, requires_grad=True)
         w = torch.ones(hidden, dtype=dtype, requires_grad=True)
         b = torch.zeros(hidden, dtype=dtype, requires_grad=True)
@@ -134,6 +186,19 @@ def compile_all(all_configs: bool) -> list[dict]:
     return compiled
 
 
+def format_row(r: dict) -> str:
+    c = r["constexprs"]
+    tiles = f"{c.get('BLOCK_M', '')}x{c.get('BLOCK_N', '')}" if "BLOCK_M" in c else ""
+    shape = f"d{c['HEAD_DIM']}" if "HEAD_DIM" in c else f"N{c.get('BLOCK_N', '')}"
+    extras = " dropout" if c.get("DROPOUT") else ""
+    return (
+        f"{r['kernel']:<36} {shape:>5}{extras:<8} {tiles:>8} w{r['num_warps']:>2} "
+        f"s{r['num_stages']} regs {r['registers']:>3} spill {r['spill_bytes']:>4} "
+        f"smem {r['shared_bytes']:>6} wgmma {r['wgmma']:>3} tma {r['tma']:>2}/{r['tma_reduce']} "
+        f"loop dots {r['loop_dots']}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all-configs", action="store_true", help="every autotune config")
@@ -143,12 +208,9 @@ def main() -> int:
     if args.json:
         print(json.dumps(results))
     else:
+        print(f"triton {triton.__version__}, torch {torch.__version__}, target sm_90a")
         for r in results:
-            print(
-                f"{r['kernel']:<40} warps {r['num_warps']:>2} stages {r['num_stages']} "
-                f"smem {r['shared_bytes']:>6} regs {r['registers']:>3} spill {r['spill_bytes']:>5} "
-                f"{r['constexprs']}"
-            )
+            print(format_row(r))
     return 0
 
 

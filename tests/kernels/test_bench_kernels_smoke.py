@@ -14,7 +14,7 @@ def test_bench_kernels_smoke_mode_writes_a_row_per_implementation(tmp_path):
         [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     payload = json.loads(out.read_text())
@@ -25,6 +25,8 @@ def test_bench_kernels_smoke_mode_writes_a_row_per_implementation(tmp_path):
         by_benchmark.setdefault(row["benchmark"], []).append(row)
     assert set(by_benchmark) == {
         "device copy",
+        "attention fwd",
+        "attention bwd",
         "attention fwd+bwd",
         "layer_norm fwd+bwd",
         "bias_gelu fwd+bwd",
@@ -34,4 +36,12 @@ def test_bench_kernels_smoke_mode_writes_a_row_per_implementation(tmp_path):
     skipped = {row["impl"] for row in rows if row["ms"] is None}
     assert skipped == {"flex_attention + alibi score_mod", "sdpa flash, causal, no bias"}
     assert all(row["ms"] > 0 for row in rows if row["ms"] is not None)
+    # Every attention mode for each head_dim (a power of two and a split one).
+    attention_shapes = {
+        (r["benchmark"], r["shape"]) for r in rows if r["benchmark"] != "device copy"
+    }
+    assert {
+        ("attention bwd", "b1 s48 h2 d32"),
+        ("attention fwd", "b1 s48 h2 d48"),
+    } <= attention_shapes
     assert "linear_cross_entropy" in proc.stdout  # the table is printed too

@@ -1,6 +1,7 @@
 """flash_alibi_attention (Triton, via the interpreter) against a float64 reference."""
 
 import importlib
+import math
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ from kernel_test_utils import (
 )
 
 from bloomnative.kernels import (
+    _dispatch,
     flash_alibi_attention,
     flash_alibi_attention_reference,
     flex_alibi_attention,
@@ -22,7 +24,8 @@ fa_module = importlib.import_module("bloomnative.kernels.flash_alibi_attention")
 
 # (batch, heads, seq, head_dim, dtype, causal): ragged sequence lengths (1, 37, 130 are not
 # multiples of the 16/32 interpreter tiles), head counts that are not powers of two, head_dim
-# 64/128 and non-powers of two (80, 96 pad to 128 with masks), every dtype, both mask modes.
+# 64/128, split ones (80 = 64 + 16, 96 = 64 + 32) and a padded one (24 -> 32), every dtype, both
+# mask modes, bf16 non-causal and bf16 80/96 causal.
 CASES = [
     (1, 3, 37, 64, torch.float32, True),
     (1, 5, 130, 64, torch.bfloat16, True),
@@ -30,7 +33,10 @@ CASES = [
     (1, 3, 1, 64, torch.float32, True),
     (1, 5, 50, 80, torch.float32, False),
     (1, 3, 45, 96, torch.bfloat16, True),
+    (1, 2, 40, 80, torch.bfloat16, True),
+    (1, 3, 50, 64, torch.bfloat16, False),
     (2, 2, 130, 32, torch.float32, False),
+    (1, 2, 33, 24, torch.float32, True),
 ]
 
 
@@ -61,11 +67,16 @@ def test_forward_and_gradients_match_float64_reference(triton_kernels, case):
         assert_close_to_reference(got, want, tol, name)
 
 
-def test_logsumexp_is_stored_in_natural_log_for_the_backward(triton_kernels):
+def test_logsumexp_of_the_relative_scores_is_stored_in_log2_units(triton_kernels):
+    # The kernels add ALiBi as a column term relative to each block; the stored lse must still be
+    # that of the documented relative-form scores, whatever the block.
     q, k, v = (torch.randn(2, 3, 37, 64) for _ in range(3))
     slopes = bloom_alibi_slopes(3)
     scale = 0.125
-    out, lse = torch.ops.bloomnative.flash_alibi_attention_fwd(q, k, v, slopes, True, scale)
+    out, lse2 = torch.ops.bloomnative.flash_alibi_attention_fwd(
+        q, k, v, slopes, True, scale, 0.0, None
+    )
+    lse = lse2 * math.log(2.0)
     pos = torch.arange(37, dtype=torch.float64)
     scores = (q.double() @ k.double().transpose(-1, -2)) * scale
     scores = scores + slopes.double()[:, None, None] * (pos[None, :] - pos[:, None])
@@ -115,10 +126,104 @@ def test_alibi_relative_form_equals_blooms_absolute_key_position_bias(triton_ker
         assert_close_to_reference(out, bloom, 1e-5, f"causal={causal}")
 
 
-def test_fake_autograd_and_schema_registrations_pass_opcheck(triton_kernels):
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_fake_autograd_and_schema_registrations_pass_opcheck(triton_kernels, dropout_p):
     q, k, v = (torch.randn(1, 2, 19, 64, requires_grad=True) for _ in range(3))
     slopes = bloom_alibi_slopes(2)
-    torch.library.opcheck(fa_module._flash_alibi_fwd, (q, k, v, slopes, True, 0.125))
+    seed = torch.tensor(7, dtype=torch.int64) if dropout_p else None
+    torch.library.opcheck(
+        fa_module._flash_alibi_fwd, (q, k, v, slopes, True, 0.125, dropout_p, seed)
+    )
+
+
+def _fwd_bwd_against_reference(shape, dtype, causal, dropout_p=0.0, seed=None):
+    batch, heads, seq, head_dim = shape
+    q, k, v = (torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3))
+    slopes = bloom_alibi_slopes(heads)
+    out = flash_alibi_attention(q, k, v, slopes, causal, dropout_p=dropout_p, rng_seed=seed)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    q64, k64, v64 = float64_leaves(q, k, v)
+    ref = flash_alibi_attention_reference(
+        q64, k64, v64, slopes.double(), causal, dropout_p=dropout_p, rng_seed=seed
+    )
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad_out.double())
+    tol = TOLERANCE[dtype]
+    assert_close_to_reference(out, ref, tol, "out")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        assert_close_to_reference(got, want, tol, name)
+
+
+# The GPU search spaces run through the interpreter too (their tiles, not only the interpreter's
+# 32x16 / 16x32), on lengths that leave every tile ragged. Each forward tile is paired with a
+# backward tile; head_dim 80 exercises the split path, 64 the plain one.
+GPU_TILE_CASES = [
+    ((128, 128), (64, 128), 80, 0.0),
+    ((128, 64), (32, 128), 64, 0.0),
+    ((64, 64), (16, 128), 96, 0.0),
+    ((128, 64), (32, 64), 64, 0.2),
+]
+
+
+@pytest.mark.parametrize(
+    "fwd_tile, bwd_tile, head_dim, dropout_p",
+    GPU_TILE_CASES,
+    ids=[f"fwd{f[0]}x{f[1]}-bwd{b[0]}x{b[1]}-d{d}-p{p}" for f, b, d, p in GPU_TILE_CASES],
+)
+def test_gpu_tile_shapes_match_reference(
+    triton_kernels, monkeypatch, fwd_tile, bwd_tile, head_dim, dropout_p
+):
+    if not _dispatch.INTERPRET:
+        pytest.skip("on a GPU the autotuner runs these configs itself")
+
+    def config(tile):
+        return [fa_module.triton.Config({"BLOCK_M": tile[0], "BLOCK_N": tile[1]})]
+
+    for tuner in fa_module._fwd_kernels.values():
+        monkeypatch.setattr(tuner, "configs", config(fwd_tile))
+    for tuner in fa_module._bwd_kernels.values():
+        monkeypatch.setattr(tuner, "configs", config(bwd_tile))
+    seed = torch.tensor(2024, dtype=torch.int64) if dropout_p else None
+    _fwd_bwd_against_reference((1, 2, 150, head_dim), torch.float32, True, dropout_p, seed)
+
+
+@pytest.mark.parametrize(
+    "head_dim, causal, tma", [(64, True, True), (80, False, True), (80, True, False)]
+)
+def test_dropout_matches_reference_drawing_the_same_stream(
+    triton_kernels, monkeypatch, head_dim, causal, tma
+):
+    # The reference materialises the keep-mask from the documented Philox stream; the kernels
+    # regenerate it per tile in the forward and again in the backward.
+    if not tma:
+        monkeypatch.setattr(fa_module, "_use_tma", lambda *args: False)
+    seed = torch.tensor(-(2**40) + 12345, dtype=torch.int64)
+    _fwd_bwd_against_reference((2, 3, 37, head_dim), torch.float32, causal, 0.3, seed)
+
+
+def test_dropout_mask_is_a_pure_function_of_seed_batch_head_query_key():
+    seed = torch.tensor(99, dtype=torch.int64)
+    big = fa_module.dropout_keep_mask(seed, (2, 5, 40, 40), 0.1)
+    small = fa_module.dropout_keep_mask(seed, (2, 3, 21, 21), 0.1)
+    assert torch.equal(big[:2, :3, :21, :21], small)  # batch, heads and length do not matter
+    other = fa_module.dropout_keep_mask(torch.tensor(100, dtype=torch.int64), (2, 5, 40, 40), 0.1)
+    assert not torch.equal(big, other)
+    assert not torch.equal(big[0, 0], big[0, 1]) and not torch.equal(big[0, 0], big[1, 0])
+    keep = fa_module.dropout_keep_mask(seed, (4, 4, 256, 256), 0.1).float().mean().item()
+    assert abs(keep - 0.9) < 0.005, keep  # 2^20 draws: the standard error is 3e-4
+
+
+def test_dropout_is_reproducible_from_the_seed_and_varies_without_one(triton_kernels):
+    q, k, v = (torch.randn(1, 2, 24, 32) for _ in range(3))
+    slopes = bloom_alibi_slopes(2)
+    seed = torch.tensor(5, dtype=torch.int64)
+    first = flash_alibi_attention(q, k, v, slopes, dropout_p=0.5, rng_seed=seed)
+    again = flash_alibi_attention(q, k, v, slopes, dropout_p=0.5, rng_seed=seed.clone())
+    assert torch.equal(first, again)
+    drawn = [flash_alibi_attention(q, k, v, slopes, dropout_p=0.5) for _ in range(2)]
+    assert not torch.equal(drawn[0], drawn[1])
+    no_dropout = flash_alibi_attention(q, k, v, slopes)
+    assert torch.equal(flash_alibi_attention(q, k, v, slopes, dropout_p=0.0), no_dropout)
 
 
 def test_cpu_without_interpreter_dispatches_to_the_reference(monkeypatch):
@@ -143,6 +248,10 @@ def test_invalid_shapes_are_reported_with_the_offending_values():
     with pytest.raises(ValueError, match="head_dim 320"):
         big = torch.randn(1, 1, 4, 320)
         flash_alibi_attention(big, big, big, torch.ones(1))
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\), got 1.0"):
+        flash_alibi_attention(q, q, q, torch.ones(3), dropout_p=1.0)
+    with pytest.raises(ValueError, match="rng_seed must be a 0-d int64 tensor"):
+        flash_alibi_attention(q, q, q, torch.ones(3), dropout_p=0.1, rng_seed=torch.tensor(1.0))
 
 
 @pytest.mark.parametrize("causal", [True, False])

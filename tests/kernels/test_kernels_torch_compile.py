@@ -70,3 +70,25 @@ def test_one_training_step_compiles_without_graph_breaks(monkeypatch, path, back
     assert_close_to_reference(loss, eager_loss, 1e-5, "loss")
     for i, (got, want) in enumerate(zip(grads, eager_grads, strict=True)):
         assert_close_to_reference(got, want, 1e-5, f"grad {i}")
+
+
+@NEEDS_TRITON
+def test_attention_dropout_compiles_without_graph_breaks_with_and_without_a_seed():
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 2, 24, 32, requires_grad=True) for _ in range(3))
+    slopes = bloom_alibi_slopes(2)
+    seed = torch.tensor(11, dtype=torch.int64)
+
+    def step(q, k, v, seed):
+        return flash_alibi_attention(q, k, v, slopes, dropout_p=0.2, rng_seed=seed)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    eager_out = step(q, k, v, seed)
+    out = compiled(q, k, v, seed)
+    assert_close_to_reference(out, eager_out, 1e-6, "out")
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    eager_grads = torch.autograd.grad(eager_out, (q, k, v), torch.ones_like(out))
+    for got, want in zip(grads, eager_grads, strict=True):
+        assert_close_to_reference(got, want, 1e-6, "grad")
+    drawn = torch.compile(lambda q, k, v: step(q, k, v, None), fullgraph=True, backend="aot_eager")
+    assert drawn(q, k, v).shape == q.shape  # the seed drawn inside the graph

@@ -11,8 +11,9 @@ from bloomnative.kernels import layer_norm, layer_norm_reference
 ln_module = importlib.import_module("bloomnative.kernels.layer_norm")
 
 # Rows fewer than the persistent backward programs (1 row), ragged hidden sizes (100 and 257 pad
-# to 128/512 lanes), and 1024 (BLOOM-560m).
-SHAPES = [(1, 1, 64), (2, 37, 100), (5, 257), (3, 1024)]
+# to 128/512 lanes, several rows per tile), 1024 (BLOOM-560m), and a row wider than the one-pass
+# backward takes (8200 features: the two-kernel backward, ragged in its 2048-column chunks).
+SHAPES = [(1, 1, 64), (2, 37, 100), (5, 257), (3, 1024), (3, 8200)]
 
 
 def _inputs(shape, dtype, with_residual):

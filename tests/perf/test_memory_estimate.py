@@ -30,7 +30,7 @@ def workload(**overrides) -> me.Workload:
 
 
 def bf16_params_layout(**overrides) -> me.Layout:
-    """Data parallel (FSDP), so bf16 comes from bf16 parameters, not autocast: 2-byte residual."""
+    """Data parallel over two ranks (FSDP2 shards the states; activations do not depend on it)."""
     return me.Layout(**({"dp_shard": 2} | overrides))
 
 
@@ -106,13 +106,21 @@ def test_zero1_shards_only_master_weights_and_moments():
     assert states == (2 + 2 + 4) * p + 12 * p // 8
 
 
-def test_no_data_parallelism_keeps_fp32_weights_and_autocast_copies():
+def test_bf16_without_data_parallelism_is_fsdp_on_one_rank():
+    """bf16 is FSDP2's mixed precision on every layout: with dp = 1 the "shards" are whole."""
     rank = me.estimate_rank(TINY, me.Layout(), workload(microbatches=2))
+    p = 4 * BLOCK + EMBEDDING + 2 * NORM
+    assert rank.component("fp32 master weights (sharded)").bytes == 4 * p
+    assert rank.component("fp32 gradients (sharded, reduce dtype)").phase == "resident"
+    root = EMBEDDING + 2 * NORM  # zero_stage 3 keeps only the root unit gathered
+    assert rank.component("gathered weights (FSDP all-gather outputs)").bytes == 2 * root
+
+
+def test_fp32_without_data_parallelism_keeps_plain_weights():
+    rank = me.estimate_rank(TINY, me.Layout(), workload(microbatches=2, precision="fp32"))
     p = 4 * BLOCK + EMBEDDING + 2 * NORM
     assert rank.component("fp32 weights").bytes == 4 * p
     assert rank.component("fp32 gradients").phase == "resident"  # accumulation: 2 micro batches
-    matrices = 4 * (12 * 64) + EMBEDDING  # linear weights + the tied head
-    assert rank.component("autocast bf16 weight copies (saved for backward)").bytes == 2 * matrices
 
 
 # ----------------------------------------------------------------------------- activations
@@ -146,13 +154,10 @@ def test_sequence_parallel_divides_all_but_the_gathered_linear_inputs():
     assert block_bytes(layout, workload(attention="flash")) == expected
 
 
-def test_autocast_keeps_layernorm_inputs_in_fp32():
+def test_bf16_activations_do_not_depend_on_the_data_parallel_degree():
     wl = workload(attention="flash")
-    autocast = me.Precision.of(me.Layout(), wl)
-    assert (autocast.residual, autocast.compute) == (4, 2)
-    sbh = S * B * 8
-    # The two LayerNorm inputs go from 2 to 4 bytes per element.
-    assert block_bytes(me.Layout(), wl) - block_bytes(bf16_params_layout(), wl) == 2 * 2 * sbh
+    assert me.Precision.of(me.Layout(), wl) == me.Precision(compute=2, fsdp=True)
+    assert block_bytes(me.Layout(), wl) == block_bytes(bf16_params_layout(), wl)
 
 
 def test_more_recompute_means_less_activation_memory():

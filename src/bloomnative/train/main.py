@@ -4,35 +4,50 @@ run_train.sh launches under torchrun)."""
 from __future__ import annotations
 
 import sys
+import traceback
 
 from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.data import IndexedDatasetError
 from bloomnative.parallel import LayoutError
 from bloomnative.parallel.memory_estimate import PlanError
 from bloomnative.train.distributed import exit_process
+from bloomnative.train.faults import catch_stop_signals
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 trained (or stopped on request, with a checkpoint), 2 configuration or data
-    error (reported before any model is built); other failures raise."""
+    error (reported before any model is built) or a checkpoint.load_step that is missing or fails
+    verification, 1 any other failure (its traceback printed)."""
+    catch_stop_signals()
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from bloomnative.train.checkpoint import BadCheckpointError
     from bloomnative.train.trainer import Trainer
 
     try:
         trainer = Trainer(config)
-    except (ConfigError, LayoutError, PlanError) as e:
+        trainer.run()
+        if trainer.rank == 0 and config.validation.sample_tokens:
+            print_sample(config)
+    except (ConfigError, LayoutError, PlanError) as e:  # found before any model is built
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except IndexedDatasetError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
-    trainer.run()
-    if trainer.rank == 0 and config.validation.sample_tokens:
-        print_sample(config)
+    except BadCheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 2
+    except Exception:
+        # A failed rank leaves at once, so that torchrun sees it and stops (or restarts) the
+        # job: the peers it was exchanging with fail in turn instead of waiting for it until
+        # job.collective_timeout_s, and nothing here waits on them (process-group teardown,
+        # interpreter finalization with gloo's threads: see exit_process).
+        traceback.print_exc()
+        return 1
     return 0
 
 

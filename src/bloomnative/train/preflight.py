@@ -10,20 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from bloomnative.config import Config, ConfigError, ModelConfig, parse_args
+from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
 from bloomnative.data import IndexedDatasetError
 from bloomnative.model import BloomArgs
 from bloomnative.parallel import LayoutError, ParallelDims
-from bloomnative.parallel.parallelize import validate_layout
-
-
-def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
-    """The preset's shape with the non-zero overrides of the [model] section applied."""
-    overrides = {k: getattr(cfg, k) for k in ("n_layer", "hidden_size", "n_head", "vocab_size")}
-    overrides = {k: v for k, v in overrides.items() if v}
-    return BloomArgs.from_preset(
-        cfg.preset, attention=cfg.attention, fused_kernels=cfg.fused_kernels, **overrides
-    )
+from bloomnative.parallel.layout_check import check_layout
 
 
 def check_data_files(config: Config) -> None:
@@ -69,16 +60,10 @@ def check_data(config: Config, args: BloomArgs) -> str:
 
 def check_run(config: Config, world_size: int) -> tuple[ParallelDims, BloomArgs]:
     """Resolves and checks the layout for `world_size`; returns it with the model shape."""
-    par, t = config.parallelism, config.training
+    par = config.parallelism
     dims = ParallelDims.resolve(par.dp_replicate, par.dp_shard, par.tp, par.pp, world_size)
     args = model_args_from_config(config.model)
-    batch_sizes = [t.global_batch_size, *t.rampup_batch_size[:2]]
-    validate_layout(dims, args, par, batch_sizes, t.micro_batch_size)
-    if config.model.fused_loss and dims.tp > 1:
-        raise LayoutError(
-            "model.fused_loss is for tp = 1; with tensor parallelism use parallelism.loss_parallel "
-            "(the logits stay sharded over the vocabulary)"
-        )
+    check_layout(dims, args, par, config.training, config.model.fused_loss)
     check_data_files(config)
     return dims, args
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from bloomnative.data import IndexedDatasetBuilder
 
@@ -32,6 +33,8 @@ TINY_RUN = [
     "--data.split=1000,0,0",
     "--data.prefetch=false",
     "--validation.freq=0",
+    "--validation.sample_tokens=0",
+    "--data.tokenizer=",  # the synthetic corpora have none (preflight would check debug.toml's)
 ]
 
 
@@ -58,7 +61,7 @@ def build_eod_heavy_corpus(prefix: str, documents: int = 200, vocab: int = 128) 
     """Like `build_synthetic_corpus` with an EOD (`EOD_ID`, never otherwise a token) after every
     document, and EODs very unevenly spread: one document in three is 90% EODs, so
     with `data.eod_mask_loss` some samples lose most of their positions to the mask and others
-    almost none. Writes `<prefix>_tokenizer.json` (a word-level vocabulary whose EOD has that
+    almost none. Writes `<prefix>_tokenizer.json` (`write_word_tokenizer`, whose EOD has that
     id) beside it; returns the prefix."""
     rng = np.random.default_rng(1)
     with IndexedDatasetBuilder(prefix, vocab_size=vocab) as builder:
@@ -72,17 +75,22 @@ def build_eod_heavy_corpus(prefix: str, documents: int = 200, vocab: int = 128) 
             if i % 3 == 0:
                 doc[rng.random(length) < 0.9] = EOD_ID
             builder.add_document(np.append(doc, EOD_ID))
-    write_word_level_tokenizer(prefix + "_tokenizer.json", vocab)
+    write_word_tokenizer(Path(prefix + "_tokenizer.json"), vocab)
     return prefix
 
 
-def write_word_level_tokenizer(path: str, vocab: int) -> None:
-    """A tokenizer.json mapping "<|endoftext|>" to `EOD_ID` and "t<i>" to every other id."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
+def write_word_tokenizer(path: Path, vocab: int = 128) -> Path:
+    """A word-level tokenizer.json for the synthetic corpus: token id i is the word "w<i>", and id
+    `EOD_ID` (0) is the end of document."""
+    words = {"<|endoftext|>": EOD_ID, **{f"w{i}": i for i in range(1, vocab)}}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path))
+    return path
 
-    words = {"<|endoftext|>": EOD_ID} | {f"t{i}": i for i in range(vocab) if i != EOD_ID}
-    Tokenizer(WordLevel(words, unk_token="t1")).save(path)
+
+SAMPLE_PROMPT = "w1 w2 w3"
+"""The end-of-training sample's prompt in the conftest's 2-process run."""
 
 
 # Set by torchrun for its workers; a launched run must not inherit them from the test process.

@@ -9,8 +9,8 @@ Takes the trainer's own config (--config FILE and any --section.key=value), so w
 is what runs. Prints, for the pipeline rank that needs the most memory, every component
 (weights, gradients, AdamW moments, gathered weights, activations, loss buffers, pipeline
 buffers, framework overhead) with its formula, the total, and the largest micro batch that fits
---device-memory-gib. The formulas are in bloomnative/parallel/memory_estimate.py and
-docs/performance.md.
+--device-memory-gib. The formulas are in the bloomnative/parallel/memory_estimate/ package (a
+module per component) and docs/performance.md.
 """
 
 from __future__ import annotations

@@ -286,6 +286,23 @@ class ValidationConfig:
     """Batches of the validation split per evaluation."""
     seq_len: int = 0
     """If > 0, also evaluate at this (longer) sequence length: ALiBi's extrapolation."""
+    sample_tokens: int = 0
+    """If > 0, rank 0 prints a sample of up to this many tokens from the final checkpoint when
+    training ends (as tools/generate.py would, temperature 0.8, top-k 40, seeded by job.seed)."""
+    sample_prompt: str = ""
+    """The text the end-of-training sample continues (empty: a new document)."""
+
+
+@dataclass
+class ProfilingConfig:
+    enable: bool = False
+    """Record a torch.profiler trace per rank of the steps below, written as Chrome trace JSON
+    under <dump_folder>/profile/ (Perfetto, TensorBoard). On CUDA the run also records the
+    allocator's history and dumps a memory snapshot after those steps and on out-of-memory."""
+    start_step: int = 5
+    """First profiled step (1-based); the step before it warms the profiler up."""
+    steps: int = 3
+    """Number of profiled steps."""
 
 
 @dataclass
@@ -305,6 +322,7 @@ class Config:
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -572,6 +590,18 @@ def validate(config: Config) -> None:
     _check(
         config.validation.freq >= 0 and config.validation.steps > 0,
         "validation.freq must be >= 0 and validation.steps positive",
+    )
+    _check(config.validation.sample_tokens >= 0, "validation.sample_tokens must be >= 0")
+    prof = config.profiling
+    _check(
+        prof.start_step >= 1 and prof.steps >= 1,
+        f"profiling.start_step (1-based) and profiling.steps must be positive, got "
+        f"{prof.start_step} and {prof.steps}",
+    )
+    _check(
+        not prof.enable or prof.start_step <= t.steps,
+        f"profiling.start_step = {prof.start_step} is after the last step (training.steps = "
+        f"{t.steps}): nothing would be profiled",
     )
 
 

@@ -104,7 +104,9 @@ def test_missing_dataset_is_named_before_start(tmp_path):
 
 
 def test_valid_layouts_resolve_dp_shard_from_the_world_size():
-    dims, args = check(8, "--parallelism.tp=2", "--parallelism.pp=2")
+    dims, args = check(
+        8, "--parallelism.tp=2", "--parallelism.pp=2", "--training.global_batch_size=16"
+    )
     assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 1, 2, 2)
     assert args.n_layer == 4
 

@@ -7,7 +7,7 @@ import pytest
 from bloomnative.config import Config, ConfigError, load_toml, parse_args, validate
 from bloomnative.model import BloomArgs
 from bloomnative.train.preflight import eod_mask_id, main
-from training_helpers import EOD_ID, write_word_level_tokenizer
+from training_helpers import EOD_ID, write_word_tokenizer
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 
@@ -86,6 +86,7 @@ def test_cli_overrides_convert_to_the_field_type():
             "--optimizer.lr",
             "2e-3",
             "--metrics.tensorboard=false",
+            "--training.global_batch_size=16",
             "--training.rampup_batch_size=8,8,64",
             "--data.blend=0.3,a,0.7,b",
             "--model.preset=debug",
@@ -193,17 +194,16 @@ def test_missing_config_file_is_named():
 
 def test_eod_mask_loss_resolves_the_tokenizers_eod_or_names_what_is_wrong(tmp_path):
     assert eod_mask_id(parse_args([])) is None  # masking off: the tokenizer is not read
-    tokenizer = str(tmp_path / "tokenizer.json")
-    write_word_level_tokenizer(tokenizer, vocab=128)
+    tokenizer = str(write_word_tokenizer(tmp_path / "tokenizer.json", vocab=128))
     masked = ["--data.eod_mask_loss=true", f"--data.tokenizer={tokenizer}"]
     assert eod_mask_id(parse_args([*masked, "--model.vocab_size=128"])) == EOD_ID
-    assert eod_mask_id(parse_args([*masked, "--data.eod_token=t7"])) == 7
-    with pytest.raises(ConfigError, match="data.eod_mask_loss.*t999.*not in the vocabulary"):
-        eod_mask_id(parse_args([*masked, "--data.eod_token=t999"]))
+    assert eod_mask_id(parse_args([*masked, "--data.eod_token=w7"])) == 7
+    with pytest.raises(ConfigError, match="data.eod_mask_loss.*w999.*not in the vocabulary"):
+        eod_mask_id(parse_args([*masked, "--data.eod_token=w999"]))
     with pytest.raises(ConfigError, match="data.eod_mask_loss.*does not exist"):
         eod_mask_id(parse_args(["--data.eod_mask_loss=true", "--data.tokenizer=nope.json"]))
     with pytest.raises(ConfigError, match="EOD id 100 is outside.*vocabulary of 64"):
-        eod_mask_id(parse_args([*masked, "--data.eod_token=t100", "--model.vocab_size=64"]))
+        eod_mask_id(parse_args([*masked, "--data.eod_token=w100", "--model.vocab_size=64"]))
 
 
 def test_preflight_refuses_eod_mask_loss_without_an_eod_naming_the_keys(tmp_path, capsys):

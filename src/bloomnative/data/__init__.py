@@ -21,12 +21,16 @@ from bloomnative.data.blended_dataset import BlendedDataset
 from bloomnative.data.build_datasets import build_gpt_datasets
 from bloomnative.data.gpt_dataset import GPTDataset
 from bloomnative.data.indexed_builder import IndexedDatasetBuilder
-from bloomnative.data.indexed_dataset import IndexedDataset, IndexedDatasetError
+from bloomnative.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetError,
+    check_indexed_dataset,
+)
 from bloomnative.data.indexed_format import optimal_token_dtype
 from bloomnative.data.rampup import rampup_batch_size
 from bloomnative.data.sample_index import SampleIndex, build_sample_index
 from bloomnative.data.splits import parse_split, split_boundaries
-from bloomnative.data.tokenizer import TextTokenizer, load_tokenizer
+from bloomnative.data.tokenizer import TextTokenizer, load_tokenizer, tokenizer_vocab_size
 
 
 def __getattr__(name: str):
@@ -52,10 +56,12 @@ __all__ = [
     "build_blending_indices",
     "build_gpt_datasets",
     "build_sample_index",
+    "check_indexed_dataset",
     "load_tokenizer",
     "optimal_token_dtype",
     "parse_blend",
     "parse_split",
     "rampup_batch_size",
     "split_boundaries",
+    "tokenizer_vocab_size",
 ]

@@ -18,7 +18,6 @@ depend on the parallel layout that wrote it and loads under any other.
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +40,7 @@ from bloomnative.checkpoint_integrity import (
     ChecksummingWriter,
     FileSum,
     IntegrityError,
+    complete_steps,
     read_record,
     share_of_files,
     uncheckable,
@@ -50,7 +50,6 @@ from bloomnative.checkpoint_integrity import (
 )
 from bloomnative.model.state import canonical_key, owns_head_copy
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -60,19 +59,6 @@ class CheckpointError(RuntimeError):
 
 class BadCheckpointError(CheckpointError):
     """The checkpoint asked for (checkpoint.load_step) is missing or fails verification."""
-
-
-def complete_steps(folder: Path) -> list[int]:
-    """Steps of the complete checkpoints (folders named step-<N>) in `folder`, ascending."""
-    if not folder.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)))
-
-
-def latest_step(folder: Path) -> int | None:
-    """The newest complete checkpoint's step in `folder`, or None."""
-    steps = complete_steps(folder)
-    return steps[-1] if steps else None
 
 
 def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:

@@ -1,5 +1,5 @@
 """Checks a run can start, before anything expensive: the config, the parallel layout for the
-world size, the data files and, with `data.eod_mask_loss`, the tokenizer's EOD. `run_train.sh`
+world size, the data files, the tokenizer and, with `data.eod_mask_loss`, its EOD. `run_train.sh`
 calls it before launching torchrun:
 
     python -m bloomnative.train.preflight --world-size 8 --config configs/X.toml --k=v ...
@@ -8,9 +8,11 @@ calls it before launching torchrun:
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
+from bloomnative.data import IndexedDatasetError
 from bloomnative.model import BloomArgs
 from bloomnative.parallel import LayoutError, ParallelDims
 from bloomnative.parallel.layout_check import check_layout
@@ -53,6 +55,33 @@ def eod_mask_id(config: Config) -> int | None:
             f"vocabulary of {vocab} (model.vocab_size); use the tokenizer the data was made with"
         )
     return eod
+
+
+def check_data(config: Config, args: BloomArgs) -> str:
+    """Opens the tokenizer and every dataset of the blend as training will, reading the whole
+    index and token stream (`check_indexed_dataset`; its cost is in docs/data.md): a corrupt or
+    mismatched file is reported here, naming it, instead of failing inside a rank. Returns what
+    was checked, for the log."""
+    from bloomnative.data import check_indexed_dataset, parse_blend, tokenizer_vocab_size
+
+    start = time.perf_counter()
+    if config.data.tokenizer:
+        try:
+            tokenizer_ids = tokenizer_vocab_size(config.data.tokenizer)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"data.tokenizer: {e}") from None
+        if tokenizer_ids > args.vocab_size:
+            raise ConfigError(
+                f"data.tokenizer: {config.data.tokenizer} has {tokenizer_ids} token ids but the "
+                f"model's vocabulary has {args.vocab_size}; set model.vocab_size >= "
+                f"{tokenizer_ids} or use the tokenizer the data was made with"
+            )
+    entries = parse_blend(config.data.blend)
+    tokens = sum(check_indexed_dataset(e.prefix, args.vocab_size).num_tokens for e in entries)
+    return (
+        f"{len(entries)} dataset(s), {tokens:,} tokens checked in "
+        f"{time.perf_counter() - start:.2f} s"
+    )
 
 
 def check_run(config: Config, world_size: int) -> tuple[ParallelDims, BloomArgs]:
@@ -100,12 +129,16 @@ def main(argv: list[str]) -> int:
         dims, args = check_run(config, world_size)
         eod_mask_id(config)
         recompute = check_auto_recompute(config, args, world_size)
+        data = check_data(config, args)
+    except IndexedDatasetError as e:
+        print(f"data error: {e}", file=sys.stderr)
+        return 2
     except (ConfigError, LayoutError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(
         f"[bloomnative] preflight ok: {config.model.preset} ({args.num_params() / 1e6:.1f}M "
-        f"parameters), layout {dims.summary}",
+        f"parameters), layout {dims.summary}, data: {data}",
         file=sys.stderr,
     )
     if recompute:

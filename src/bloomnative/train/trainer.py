@@ -52,6 +52,7 @@ from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tfl
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
 from bloomnative.train.preflight import check_run, eod_mask_id
+from bloomnative.train.profiling import StepProfiler
 from bloomnative.train.spikes import SpikeRecovery, data_reserve
 
 
@@ -523,9 +524,12 @@ class Trainer:
         ckpt_cfg = self.config.checkpoint
         stop = StopRequest(self.dump / "STOP")
         self.throughput.read_and_reset()
+        profiler = StepProfiler(self.config.profiling, self.dump, self.rank, self.device)
         try:
+            profiler.start(self.step, t.steps)
             while self.step < t.steps:
                 loss, grad_norm, lr, gbs = self.train_step()
+                profiler.after_step(self.step)
                 self.interval_losses.append(loss)
                 self.throughput.add_tokens(gbs * t.seq_len)
                 if self.spikes.detector and self.spikes.rolled_back(
@@ -547,6 +551,7 @@ class Trainer:
                     break
             self.checkpointer.wait()
         finally:
+            profiler.close()
             stop.restore()
             self.metrics.close()
 

@@ -221,7 +221,6 @@ def test_preflight_refuses_eod_mask_loss_without_an_eod_naming_the_keys(tmp_path
     assert err.count("\n") == 0 and err.startswith("config error: data.eod_mask_loss"), err
     assert "data.eod_token" in err and "none of the usual end-of-document tokens" in err, err
     assert main(["--world-size=1", *args, "--data.eod_token=t5"]) == 0
-    assert main(["--world-size=1", "--data.tokenizer=nope.json"]) == 0  # masking off: not read
 
 
 def test_spike_recovery_is_on_in_the_bloom_configs_only():

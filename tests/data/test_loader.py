@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from data_helpers import random_documents, write_documents
 
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size

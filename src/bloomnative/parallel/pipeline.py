@@ -150,7 +150,9 @@ def split_for_pipeline(
     if pp == 1:
         return PipelineStages([model], [0], 1, schedule, group)
     num_stages = pp * stages_per_rank
-    counts = stage_layer_counts(model.args.n_layer, num_stages, embedding_as_layer, layers_per_stage)
+    counts = stage_layer_counts(
+        model.args.n_layer, num_stages, embedding_as_layer, layers_per_stage
+    )
     ids = stage_ids_of_rank(pp_mesh.get_local_rank(), pp, stages_per_rank, schedule)
     parts = [split_model(model, sid, counts) for sid in ids]
     return PipelineStages(parts, ids, num_stages, schedule, group)

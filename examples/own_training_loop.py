@@ -1,7 +1,7 @@
 """Train BLOOM in your own loop with bloomnative's parts: the model built on the meta device, a
 2-D (dp x tp) mesh, tensor parallelism and FSDP2 from `bloomnative.parallel`, the blended
 datasets and stateful loader of `bloomnative.data`, AdamW and the project's gradient clipping.
-With matching settings it computes the losses `./run_train.sh` logs (tests/examples checks it).
+With matching settings it computes the losses `./run_train.sh` logs (tests/test_examples.py checks).
 
     torchrun --nproc-per-node=4 examples/own_training_loop.py --tp 2 --steps 20 \\
         --data 0.7 assets/pydocs/pydocs_text_document 0.3 my/corpus_text_document

@@ -14,14 +14,10 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
+from bloomnative.interop import save_native_checkpoint
 from bloomnative.model import Bloom
 from bloomnative.parallel import apply_fsdp
 from bloomnative.train import exit_process
@@ -37,6 +33,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", dist.get_node_local_rank()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # the device of NCCL's object collectives
     rank = dist.get_rank()
 
     # Rank 0 reads the weights (fp32); the other ranks only need the shape.
@@ -53,16 +51,11 @@ def main() -> None:
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full.state_dict() if rank == 0 else {}, options=options)
 
-    # The trainer's format: the model's tensors under "model", the tied head stored once (as
-    # the embedding); each rank writes its own shards. A step-<N> folder is only ever complete.
-    state = get_model_state_dict(model)
-    state.pop("lm_head.weight")
-    partial = f"{args.out}.partial"
-    dcp.save({"model": state}, checkpoint_id=partial)
-    dist.barrier()
+    # The trainer's format: each rank writes its own shards; the folder gets its name only
+    # once complete, with the checksum record the trainer verifies before it loads.
+    save_native_checkpoint(model, args.out)
     if rank == 0:
-        os.rename(partial, args.out)
-        print(f"saved {args.out}: {len(state)} tensors, sharded over {mesh.size()} ranks")
+        print(f"saved {args.out}, sharded over {mesh.size()} ranks")
     dist.destroy_process_group()
 
 

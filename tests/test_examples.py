@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from bloomnative.checkpoint_integrity import read_record, unrecorded_files, verify_files
 from bloomnative.interop import load_native_model
 from bloomnative.model import Bloom
 from training_helpers import REPO, TINY_RUN, metric_rows, train_env
@@ -24,7 +25,7 @@ TINY_MODEL = "debug,n_layer=4,hidden_size=32,n_head=4,vocab_size=128"
 
 
 def run(command: list[str], extra_env: dict[str, str] | None = None) -> str:
-    """Runs from the repo root with the package on PYTHONPATH; returns stdout."""
+    """Runs from the repo root with the package on PYTHONPATH; returns stdout and stderr."""
     env = {**train_env(), "BLOOMNATIVE_PYTHON": sys.executable, **(extra_env or {})}
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
@@ -32,7 +33,7 @@ def run(command: list[str], extra_env: dict[str, str] | None = None) -> str:
             f"{' '.join(command)} failed ({proc.returncode})\n"
             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
-    return proc.stdout
+    return proc.stdout + proc.stderr
 
 
 def torchrun(nproc: int, script: Path, args: list[str]) -> str:
@@ -73,8 +74,9 @@ def test_own_training_loop_gives_the_losses_of_run_train_sh(tmp_path, synthetic_
 
 
 def test_hf_example_writes_a_checkpoint_run_train_sh_starts_from(tmp_path, synthetic_corpus):
-    """Sharded over 2 processes, loaded by a 1-process run: the weights it holds after a step
-    at learning rate 0 (the first of the warm-up) are the Hugging Face folder's, bit for bit."""
+    """Sharded over 2 processes, each writing its shards, with one checksum record for both;
+    loaded (verified) by a 1-process run: the weights it holds after a step at learning rate 0
+    (the first of the warm-up) are the Hugging Face folder's, bit for bit."""
     torch.manual_seed(0)
     config = transformers.BloomConfig(vocab_size=128, hidden_size=32, n_layer=4, n_head=4)
     transformers.BloomForCausalLM(config).save_pretrained(tmp_path / "hf")
@@ -84,12 +86,16 @@ def test_hf_example_writes_a_checkpoint_run_train_sh_starts_from(tmp_path, synth
         2, EXAMPLES / "load_hf_and_shard.py", ["--hf-dir", str(tmp_path / "hf"), "--out", str(out)]
     )
     assert f"saved {out}" in stdout
+    record = read_record(out)
+    assert {"__0_0.distcp", "__1_0.distcp", "bloom_args.json"} <= set(record)
+    assert not unrecorded_files(out, record) and not verify_files(out, record, record)
     stdout = run_train_sh(
         1,
         [*TINY_RUN, f"--data.blend={synthetic_corpus}", "--training.steps=1",
          f"--job.dump_folder={dump}", "--checkpoint.load_step=0"],
     )  # fmt: skip
     assert f"initial weights from model-only checkpoint {out}" in stdout
+    assert "WARNING" not in stdout  # e.g. "cannot verify": it has no record
     assert metric_rows(dump)[0]["lr"] == 0.0
     started = load_native_model(dump / "checkpoints" / "step-1").state_dict()
     expected = Bloom.from_pretrained_hf(str(tmp_path / "hf")).state_dict()

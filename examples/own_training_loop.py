@@ -74,21 +74,20 @@ def main() -> None:
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args))
 
+    tokens = args.global_batch_size * args.seq_len  # of the global batch, over all dp ranks
     for step in range(1, args.steps + 1):
-        micro_batches = loader.next_batch(args.global_batch_size)
-        tokens = sum(labels.numel() for _, labels in micro_batches)
         step_loss = torch.zeros((), device=device)
         with loss_parallel():  # the logits stay sharded over the vocabulary
-            for inputs, labels in micro_batches:
+            for inputs, labels in loader.next_batch(args.global_batch_size):
                 logits = model(inputs).flatten(0, 1).float()
                 loss = F.cross_entropy(logits, labels.flatten(), reduction="sum") / tokens
-                loss.backward()  # FSDP averages the gradients over the dp ranks
+                loss.backward()  # FSDP sums the gradients over the dp ranks: the global mean's
                 step_loss += loss.detach().full_tensor()
         grad_norm = clip_grad_norm_(params, max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
         schedule.step()
-        dist.all_reduce(step_loss, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+        dist.all_reduce(step_loss, group=mesh["dp"].get_group())  # sum of the ranks' shares
         if dist.get_rank() == 0:
             print(f"step {step} | loss {step_loss.item():.8f} | grad_norm {grad_norm.item():.8f}")
     dist.destroy_process_group()

@@ -50,6 +50,41 @@ def build_synthetic_corpus(prefix: str, documents: int = 200, vocab: int = 128) 
     return prefix
 
 
+EOD_ID = 0
+"""The end-of-document token of `build_eod_heavy_corpus`'s tokenizer."""
+
+
+def build_eod_heavy_corpus(prefix: str, documents: int = 200, vocab: int = 128) -> str:
+    """Like `build_synthetic_corpus` with an EOD (`EOD_ID`, never otherwise a token) after every
+    document, and EODs very unevenly spread: one document in three is 90% EODs, so
+    with `data.eod_mask_loss` some samples lose most of their positions to the mask and others
+    almost none. Writes `<prefix>_tokenizer.json` (a word-level vocabulary whose EOD has that
+    id) beside it; returns the prefix."""
+    rng = np.random.default_rng(1)
+    with IndexedDatasetBuilder(prefix, vocab_size=vocab) as builder:
+        for i in range(documents):
+            length = int(rng.integers(20, 120))
+            doc = 1 + (
+                int(rng.integers(0, vocab - 1)) + np.arange(length) * int(rng.integers(1, 5))
+            ) % (vocab - 1)
+            noise = rng.random(length) < 0.2
+            doc[noise] = rng.integers(1, vocab, noise.sum())
+            if i % 3 == 0:
+                doc[rng.random(length) < 0.9] = EOD_ID
+            builder.add_document(np.append(doc, EOD_ID))
+    write_word_level_tokenizer(prefix + "_tokenizer.json", vocab)
+    return prefix
+
+
+def write_word_level_tokenizer(path: str, vocab: int) -> None:
+    """A tokenizer.json mapping "<|endoftext|>" to `EOD_ID` and "t<i>" to every other id."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    words = {"<|endoftext|>": EOD_ID} | {f"t{i}": i for i in range(vocab) if i != EOD_ID}
+    Tokenizer(WordLevel(words, unk_token="t1")).save(path)
+
+
 # Set by torchrun for its workers; a launched run must not inherit them from the test process.
 _LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"}
 

@@ -172,3 +172,41 @@ def test_a_rampup_run_consumes_the_ramped_sizes_step_by_step():
 def test_an_impossible_rampup_is_refused(start, increment, gbs):
     with pytest.raises(ValueError, match="rampup"):
         rampup_batch_size(0, start, increment, 1000, gbs)
+
+
+class TokenDataset:
+    """Fixed samples of seq_len + 1 tokens."""
+
+    def __init__(self, samples: np.ndarray) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.samples[i]
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 4])
+def test_eod_mask_loss_ignores_the_positions_megatron_masks(micro_batch_size):
+    """Megatron's --eod-mask-loss masks the positions whose input token is the EOD (the
+    prediction of the next document's first token); the loader gives those labels -100 and
+    leaves the inputs as they were (with one sample per micro batch the two share storage)."""
+    gpt_dataset = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    eod = 3
+    samples = np.random.default_rng(0).integers(0, 6, size=(8, 17))  # many EODs, some adjacent
+    loader = PretrainingLoader(
+        TokenDataset(samples), micro_batch_size, 0, 1, prefetch=False, eod_mask_id=eod
+    )
+    batch = loader.next_batch(8)
+    inputs = torch.cat([x for x, _ in batch])
+    labels = torch.cat([y for _, y in batch])
+    tokens = torch.from_numpy(samples)
+    assert torch.equal(inputs, tokens[:, :-1])
+    for row, (x, y) in enumerate(zip(tokens[:, :-1], labels, strict=True)):
+        _, loss_mask, _ = gpt_dataset._get_ltor_masks_and_position_ids(
+            x, eod, False, False, True, False
+        )
+        assert torch.equal(y == -100, loss_mask == 0), row
+        assert torch.equal(y[loss_mask == 1], tokens[row, 1:][loss_mask == 1])
+    assert 0 < (labels == -100).sum() < labels.numel()

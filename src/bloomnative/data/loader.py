@@ -19,6 +19,9 @@ import torch
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 
+IGNORE_INDEX = -100
+"""The label of a position that counts in no loss (torch's cross-entropy default)."""
+
 
 class PretrainingLoader:
     """Serves this rank's micro batches of each global batch.
@@ -32,6 +35,9 @@ class PretrainingLoader:
             without blocking.
         prefetch: prepare the next step's batch (assuming the same global batch size) in a
             background thread while the current step runs.
+        eod_mask_id: with a token id (the EOD), the label of every position whose input is that
+            token becomes ``IGNORE_INDEX``: no loss on predicting what follows the end of a
+            document (Megatron's ``--eod-mask-loss`` masks the same positions).
     """
 
     def __init__(
@@ -42,6 +48,7 @@ class PretrainingLoader:
         dp_size: int,
         device: torch.device | str = "cpu",
         prefetch: bool = True,
+        eod_mask_id: int | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
@@ -52,6 +59,7 @@ class PretrainingLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.device = torch.device(device)
+        self.eod_mask_id = eod_mask_id
         self._pin = self.device.type == "cuda"
         self.consumed_samples = 0
         self.skipped: list[tuple[int, int]] = []
@@ -151,6 +159,10 @@ class PretrainingLoader:
         batch = []
         for micro in tokens:
             inputs, labels = micro[:, :-1].contiguous(), micro[:, 1:].contiguous()
+            if self.eod_mask_id is not None:
+                # Not in place: with one sample per micro batch, labels and inputs are views
+                # of the same tokens.
+                labels = labels.masked_fill(inputs == self.eod_mask_id, IGNORE_INDEX)
             if self._pin:
                 inputs, labels = inputs.pin_memory(), labels.pin_memory()
             batch.append((inputs, labels))

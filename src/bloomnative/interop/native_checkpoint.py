@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from bloomnative.checkpoint_integrity import ChecksummingWriter, write_record
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.model.args import PRESETS
-from bloomnative.train.checkpoint import EMBEDDING, TIED_HEAD, model_state
+from bloomnative.model.state import EMBEDDING, TIED_HEAD, model_state
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 
 
 def uses_fsdp(dp: int, bf16: bool) -> bool:
@@ -38,10 +43,12 @@ def apply_fsdp(
     `dp_mesh` is 1-D (FSDP, ZeRO), or 2-D (replicate, shard: HSDP, the outer dim replicating).
     Parameters are gathered in `param_dtype` (bf16 for mixed precision) while the sharded fp32
     copy is the master weight; gradients are reduce-scattered in `reduce_dtype` and accumulated
-    in fp32, averaged over the data-parallel ranks. zero_stage 3 frees the gathered parameters
-    after each unit's forward (re-gathering them for backward); zero_stage 2 keeps them until
-    backward, trading memory for one all-gather per unit. `cpu_offload` keeps the shards,
-    gradients and optimizer step in host memory (ZeRO-Offload).
+    in fp32. They are summed over the data-parallel ranks, not averaged (`sum_gradients`): divide
+    each rank's loss by the token count of the whole global batch, over every data-parallel
+    rank, and the sum is the gradient of the global token mean. zero_stage 3 frees the gathered
+    parameters after each unit's forward (re-gathering them for backward); zero_stage 2 keeps
+    them until backward, trading memory for one all-gather per unit. `cpu_offload` keeps the
+    shards, gradients and optimizer step in host memory (ZeRO-Offload).
     """
     if zero_stage not in (2, 3):
         raise ValueError(f"apply_fsdp: zero_stage must be 2 or 3, got {zero_stage}")
@@ -60,3 +67,15 @@ def apply_fsdp(
     # The root's parameters are used at both ends of forward (embedding, then head) and first
     # in backward, so they stay gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    if dp_mesh.size() > 1:
+        sum_gradients(model)
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Makes FSDP sum gradients over data-parallel ranks instead of averaging them: each
+    rank's loss is already divided by the global token count (train/loss.py), so the sum is
+    the gradient of the global token mean. Plain sums (no PREMUL_SUM, which gloo lacks)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

@@ -9,6 +9,7 @@ parameter name) and `sync_tied_weights` sums their gradients, so they stay equal
 from __future__ import annotations
 
 import copy
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,9 +24,10 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from bloomnative.config import PipelineSchedule
 from bloomnative.model import Bloom
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 
 
 def is_multi_stage(schedule: str) -> bool:
@@ -158,6 +160,18 @@ def split_for_pipeline(
     return PipelineStages(parts, ids, num_stages, schedule, group)
 
 
+class _StepLoss:
+    """The loss function a schedule is built with. torch fixes it at construction, but the
+    trainer's changes every step (it divides by the step's token count): `Pipeline.step` hands
+    in the step's closure for the length of the step."""
+
+    def __init__(self) -> None:
+        self.current: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.current(output, labels)
+
+
 @dataclass
 class Pipeline:
     """A schedule built for one micro-batch count, and the torch stages it runs."""
@@ -165,26 +179,51 @@ class Pipeline:
     schedule: _PipelineSchedule
     stages: list[PipelineStage]
     n_microbatches: int
+    placement: PipelineStages
+    loss: _StepLoss
+
+    def step(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Forward and backward of one batch (all ranks pass the same `inputs` and `labels`;
+        only the first and last stages use them), each micro batch's loss given by `loss_fn`
+        (already normalised: the schedule does not rescale gradients). Returns the micro-batch
+        losses on the rank holding the last stage, [] elsewhere."""
+        losses: list[torch.Tensor] = []
+        placement = self.placement
+        self.loss.current = loss_fn
+        try:
+            # return_outputs=False: the last stage keeps no micro batch's logits.
+            self.schedule.step(
+                *((inputs,) if placement.has_first else ()),
+                target=labels if placement.has_last else None,
+                losses=losses if placement.has_last else None,
+                return_outputs=False,
+            )
+        finally:
+            self.loss.current = None
+        return losses
 
 
 def build_pipeline(
-    placement: PipelineStages,
-    n_microbatches: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    device: torch.device,
+    placement: PipelineStages, n_microbatches: int, device: torch.device
 ) -> Pipeline:
     """The schedule that trains `placement` (from `split_for_pipeline`) on `n_microbatches`
-    micro batches per step: `pipeline.schedule.step(inputs, target=labels, losses=[])` on
-    every pipeline rank (inputs on the rank of the first stage, labels on the last).
+    micro batches per step: call `pipeline.step(inputs, labels, loss_fn)` on every pipeline
+    rank (all pass the same batch; the first stage reads the inputs, the last the labels).
 
     Order: last, once every stage module is parallelised, materialised and initialised: the
     torch stages run the modules as they are then. Build another for another micro-batch
     count (batch-size rampup); each holds receive buffers sized for its count.
 
-    `loss_fn(output, labels)` is called per micro batch and its value is backpropagated as it
-    is (the schedule does not divide by the micro-batch count): return that micro batch's share
-    of the step's loss. With the tied embedding on two stages, call `TiedWeightSync` after the
-    step. (`check_pipeline_microbatches` says which counts a schedule can run.)
+    Each step's `loss_fn(output, labels)` is called per micro batch and its value is
+    backpropagated as it is (the schedule does not divide by the micro-batch count): return
+    that micro batch's share of the step's loss. With the tied embedding on two stages, call
+    `TiedWeightSync` after the step. (`check_pipeline_microbatches` says which counts a
+    schedule can run.)
     """
     stages = [
         PipelineStage(part, sid, placement.num_stages, device, group=placement.group)
@@ -192,8 +231,9 @@ def build_pipeline(
     ]
     cls = get_schedule_class(placement.schedule)
     first = stages if issubclass(cls, PipelineScheduleMulti) else stages[0]
-    schedule = cls(first, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(schedule=schedule, stages=stages, n_microbatches=n_microbatches)
+    loss = _StepLoss()
+    schedule = cls(first, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
+    return Pipeline(schedule, stages, n_microbatches, placement, loss)
 
 
 @torch.no_grad()

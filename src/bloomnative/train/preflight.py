@@ -1,5 +1,6 @@
 """Checks a run can start, before anything expensive: the config, the parallel layout for the
-world size, and the data files. `run_train.sh` calls it before launching torchrun:
+world size, the data files and, with `data.eod_mask_loss`, the tokenizer's EOD. `run_train.sh`
+calls it before launching torchrun:
 
     python -m bloomnative.train.preflight --world-size 8 --config configs/X.toml --k=v ...
 """
@@ -27,6 +28,31 @@ def check_data_files(config: Config) -> None:
                     f"data.blend: {path} does not exist (prefix {entry.prefix!r}); make it with "
                     f"tools/preprocess_data.py or fix the path"
                 )
+
+
+def eod_mask_id(config: Config) -> int | None:
+    """The token whose positions carry no loss: with `data.eod_mask_loss`, the EOD of
+    `data.tokenizer` (named by `data.eod_token`, else found as preprocessing finds it); else
+    None."""
+    data = config.data
+    if not data.eod_mask_loss:
+        return None
+    from bloomnative.data import load_tokenizer
+
+    try:
+        eod = load_tokenizer(data.tokenizer, data.eod_token or None).eod_id
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"data.eod_mask_loss needs the EOD token of data.tokenizer (data.eod_token names "
+            f"it; empty: found as preprocessing finds it): {e}"
+        ) from e
+    vocab = model_args_from_config(config.model).vocab_size
+    if eod >= vocab:
+        raise ConfigError(
+            f"data.tokenizer {data.tokenizer}: its EOD id {eod} is outside the model's "
+            f"vocabulary of {vocab} (model.vocab_size); use the tokenizer the data was made with"
+        )
+    return eod
 
 
 def check_run(config: Config, world_size: int) -> tuple[ParallelDims, BloomArgs]:
@@ -73,6 +99,7 @@ def main(argv: list[str]) -> int:
     try:
         config = parse_args(argv)
         dims, args = check_run(config, world_size)
+        eod_mask_id(config)
         recompute = check_auto_recompute(config, args, world_size)
     except (ConfigError, LayoutError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -4,7 +4,6 @@ step: forward/backward over micro batches, clip, AdamW, log, evaluate, checkpoin
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from bloomnative.config import Config, model_args_from_config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.model import Bloom
+from bloomnative.model.state import load_model_state, model_state
 from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
 from bloomnative.parallel.layout_check import pipeline_microbatches
@@ -35,12 +35,20 @@ from bloomnative.train import checkpoint as ckpt
 from bloomnative.train.attention_choice import AttentionShape, resolve_auto_attention
 from bloomnative.train.distributed import init_distributed, pick_device
 from bloomnative.train.faults import StopRequest
-from bloomnative.train.loss import cross_entropy_sum, fused_head_cross_entropy_sum
+from bloomnative.train.loss import (
+    LossFn,
+    counted_tokens,
+    cross_entropy_sum,
+    fused_head_cross_entropy_sum,
+    global_token_count,
+    sum_over_ranks,
+    token_mean,
+)
 from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tflops, peak_memory_gib
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
-from bloomnative.train.preflight import check_run
+from bloomnative.train.preflight import check_run, eod_mask_id
 from bloomnative.train.spikes import SpikeRecovery, data_reserve
 
 
@@ -54,10 +62,14 @@ class Trainer:
         if config.model.attention == "auto":
             config.model.attention = self._resolve_auto_attention()
         self.dims, self.model_args = check_run(config, self.world_size)
+        self.eod_mask_id = eod_mask_id(config)
         self.recompute_choice = self._resolve_auto_recompute()
         self.dump = Path(job.dump_folder)
         self.mesh, self.dp_mesh = self.dims.build_mesh(self.device.type)
         self.pp_mesh = self.mesh["pp"]  # sliced once: slicing a mesh is host work on every call
+        # The ranks holding different tokens of a batch: the loss's token count and the loss
+        # itself are summed over these groups (train/loss.py).
+        self.batch_groups = [self.dp_mesh.get_group()] if self.dims.dp > 1 else []
 
         seed_dropout_rng(job.seed, self.mesh, self.dp_mesh, par.sequence_parallel)
         self.bf16 = train_cfg.dtype == "bf16"
@@ -212,14 +224,8 @@ class Trainer:
         batch, so keeping one per count would grow through the whole rampup."""
         if self._pipeline is None or self._pipeline.n_microbatches != n_microbatches:
             self._pipeline = None  # freed before the next one is allocated
-            self._pipeline = build_pipeline(
-                self.pipeline_stages, n_microbatches, self._micro_batch_loss, self.device
-            )
+            self._pipeline = build_pipeline(self.pipeline_stages, n_microbatches, self.device)
         return self._pipeline
-
-    def _micro_batch_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """A micro batch's share of this rank's mean token loss."""
-        return self._loss_sum(output, labels) / self._loss_denominator
 
     def _loss_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Token-summed cross-entropy of the last stage's output: logits, or with
@@ -247,7 +253,13 @@ class Trainer:
         )
         dp_rank, dp_size = self.dp_mesh.get_local_rank(), self.dims.dp
         loader = lambda ds: PretrainingLoader(
-            ds, t.micro_batch_size, dp_rank, dp_size, self.device, prefetch=cfg.prefetch
+            ds,
+            t.micro_batch_size,
+            dp_rank,
+            dp_size,
+            self.device,
+            prefetch=cfg.prefetch,
+            eod_mask_id=self.eod_mask_id,
         )
         self.train_loader = loader(train_ds)
         self.make_valid_loader = (lambda: loader(valid_ds)) if valid_ds is not None else None
@@ -265,12 +277,7 @@ class Trainer:
 
     def _write_resolved_config(self) -> None:
         self.dump.mkdir(parents=True, exist_ok=True)
-        lines = []
-        for section, values in self.config.to_dict().items():
-            lines.append(f"[{section}]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-            lines.append("")
-        (self.dump / "config.toml").write_text("\n".join(lines))
+        (self.dump / "config.toml").write_text(self.config.to_toml())
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -279,7 +286,7 @@ class Trainer:
         sample order does not depend on the layout) and the windows of it that loss-spike
         rollbacks skipped."""
         state = {
-            "model": ckpt.model_state(self.model_parts),
+            "model": model_state(self.model_parts),
             "optimizer": ckpt.optimizer_state(self.model_parts, self.optimizers),
             "train": {
                 "step": torch.tensor(self.step),
@@ -312,9 +319,9 @@ class Trainer:
             return
         path = self.checkpointer.path(step)
         if ckpt.is_model_only(path):
-            state = {"model": ckpt.model_state(self.model_parts)}
+            state = {"model": model_state(self.model_parts)}
             ckpt.load(path, state)
-            ckpt.load_model_state(self.model_parts, state["model"])
+            load_model_state(self.model_parts, state["model"])
             self._say(f"initial weights from model-only checkpoint {path}")
             return
         self.load_training_state(path)
@@ -341,7 +348,7 @@ class Trainer:
         if detector and all(saved.get(f"spikes.{k}") == v.shape for k, v in detector.items()):
             state["spikes"] = detector
         ckpt.load(path, state)
-        ckpt.load_model_state(self.model_parts, state["model"])
+        load_model_state(self.model_parts, state["model"])
         ckpt.load_optimizer_state(self.model_parts, self.optimizers, state["optimizer"])
         if "rng" in state:
             ckpt.restore_rng_state(state["rng"])
@@ -374,7 +381,7 @@ class Trainer:
                     f"the configured model has {getattr(mine, key)}; set model.preset / "
                     f"model.{key} to match"
                 )
-        ckpt.load_model_state(self.model_parts, ckpt.model_state([source]), full=True)
+        load_model_state(self.model_parts, model_state([source]), full=True)
         self._say(f"initial weights from Hugging Face folder {hf_dir}")
 
     def _say(self, message: str) -> None:
@@ -402,50 +409,44 @@ class Trainer:
         )
 
     def forward_backward(self, micro_batches) -> torch.Tensor:
-        """Accumulates gradients of the mean token loss over this rank's micro batches and
-        returns that mean (a 0-d tensor, no host sync; 0 on pipeline ranks without the last
-        stage). FSDP averages gradients over data-parallel ranks, which makes it the mean over
-        the global batch."""
-        return self._run_micro_batches(micro_batches, train=True)
+        """Accumulates the gradients of the global batch's mean token loss over this rank's
+        micro batches and returns this rank's share of that mean (a 0-d tensor, no host sync;
+        0 on pipeline ranks without the last stage): the shares of all ranks sum to the mean,
+        as FSDP sums their gradients."""
+        count = global_token_count(micro_batches, self.batch_groups)
+        return self._run_micro_batches(micro_batches, token_mean(self._loss_sum, count), True)
 
-    def _run_micro_batches(self, micro_batches, train: bool) -> torch.Tensor:
-        """The one micro-batch loop of training and evaluation: the mean token loss of this
+    def _run_micro_batches(self, micro_batches, loss_fn: LossFn, train: bool) -> torch.Tensor:
+        """The one micro-batch loop of training and evaluation: the sum of `loss_fn` over this
         rank's micro batches, with gradients accumulated when `train`. Under pipeline
         parallelism training runs the schedule and evaluation a forward-only pass through the
         stages (`pipeline_forward_loss`), which works for every schedule and sequence length."""
-        self._loss_denominator = sum(labels.numel() for _, labels in micro_batches)
         with self.loss_context():
             if self.dims.pp > 1 and train:
-                return self._pipeline_forward_backward(micro_batches)
+                return self._pipeline_forward_backward(micro_batches, loss_fn)
             if self.dims.pp > 1:
                 return pipeline_forward_loss(
-                    self.pipeline_stages, micro_batches, self._micro_batch_loss, self.device
+                    self.pipeline_stages, micro_batches, loss_fn, self.device
                 )
             model = self.model_parts[0]
             total = torch.zeros((), device=self.device)
             for inputs, labels in micro_batches:
                 # The output is not kept in a variable, so the [b, s, vocab] logits are freed
                 # as soon as the loss (and its backward) has used them.
-                loss = self._micro_batch_loss(model(inputs), labels)
+                loss = loss_fn(model(inputs), labels)
                 if train:
                     loss.backward()
                 total += _local(loss.detach())
             return total
 
-    def _pipeline_forward_backward(self, micro_batches) -> torch.Tensor:
+    def _pipeline_forward_backward(self, micro_batches, loss_fn: LossFn) -> torch.Tensor:
         samples = sum(len(inputs) for inputs, _ in micro_batches)
         n = pipeline_microbatches(
             self.config.parallelism.pp_microbatches, samples, self.config.training.micro_batch_size
         )
-        pipe, stages = self.pipeline(n), self.pipeline_stages
         inputs = torch.cat([x for x, _ in micro_batches])
         labels = torch.cat([y for _, y in micro_batches])
-        losses: list[torch.Tensor] = []
-        args = (inputs,) if stages.has_first else ()
-        target = labels if stages.has_last else None
-        kept = losses if stages.has_last else None
-        # return_outputs=False: the last stage keeps no micro batch's logits.
-        pipe.schedule.step(*args, target=target, losses=kept, return_outputs=False)
+        losses = self.pipeline(n).step(inputs, labels, loss_fn)
         if self.tied_sync is not None:
             self.tied_sync()
         total = torch.zeros((), device=self.device)
@@ -479,14 +480,11 @@ class Trainer:
         return self._global_loss(value).tolist()
 
     def _global_loss(self, value: torch.Tensor) -> torch.Tensor:
-        """The loss (or a tensor of losses) every rank agrees on, left on the device: summed over
-        pipeline ranks (only the last stage holds it), averaged over data-parallel ranks."""
-        value = value.detach().clone()
-        if self.dims.pp > 1:
-            dist.all_reduce(value, group=self.pp_mesh.get_group())
-        if self.dims.dp > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
-        return value
+        """The loss (or a tensor of losses) every rank agrees on, left on the device: this
+        rank's shares summed over the pipeline ranks (only the last stage holds one) and the
+        ranks of `batch_groups` (each share is already divided by the global token count)."""
+        pp_group = [self.pp_mesh.get_group()] if self.dims.pp > 1 else []
+        return sum_over_ranks(value.detach().clone(), pp_group + self.batch_groups)
 
     def _max_over_ranks(self, value: float) -> float:
         """The largest value any rank has (memory: the rank that limits the layout)."""
@@ -498,17 +496,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, make_loader) -> float:
-        """Mean token loss over `validation.steps` global batches of a validation loader."""
+        """Mean token loss over `validation.steps` global batches of a validation loader: their
+        summed token losses over their counted tokens."""
         loader = make_loader()
         for part in self.model_parts:
             part.eval()
-        total = torch.zeros((), device=self.device)
+        loss_sum = torch.zeros((), device=self.device)
+        count = torch.zeros((), dtype=torch.int64, device=self.device)
         for _ in range(self.config.validation.steps):
             batch = loader.next_batch(self.config.training.global_batch_size)
-            total += self._run_micro_batches(batch, train=False)
+            loss_sum += self._run_micro_batches(batch, self._loss_sum, train=False)
+            count += counted_tokens(batch)
         for part in self.model_parts:
             part.train()
-        return self._reduce_loss(total / self.config.validation.steps)
+        count = sum_over_ranks(count, self.batch_groups).clamp_(min=1)
+        return self._reduce_loss(loss_sum / count)
 
     # ------------------------------------------------------------------ the loop
 

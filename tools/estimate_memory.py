@@ -23,6 +23,7 @@ import sys
 from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
 from bloomnative.parallel import memory_estimate as me
 from bloomnative.parallel.dims import LayoutError
+from bloomnative.parallel.memory_estimate.auto_recompute import with_recompute
 
 
 def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
@@ -182,11 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         layout = me.layout_from_config(config.parallelism, known.world_size)
         layout = dataclasses.replace(layout, pp_keeps_outputs=known.pp_return_outputs == "true")
         auto = config.activation_checkpoint.mode == "auto"
-        if auto:  # planned as the trainer resolves it: the least recompute that fits
-            config.activation_checkpoint.mode = "none"
         workload = me.workload_from_config(
-            config, layout, known.device_type, known.attention_memory, known.dropout
-        )
+            with_recompute(config, None),
+            layout,
+            known.device_type,
+            known.attention_memory,
+            known.dropout,
+        )  # "auto" is planned as the trainer resolves it (below): the least recompute that fits
         overhead = overhead_from_args(known)
         device_bytes = int(known.device_memory_gib * me.GiB)
         if auto:

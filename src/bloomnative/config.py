@@ -504,7 +504,7 @@ def _check(ok: bool, message: str) -> None:
 
 
 def _one_of(key: str, value: str, valid: tuple[str, ...]) -> None:
-    _check(value in valid, f"{key} = {value!r}; valid: {', '.join(valid)}")
+    _check(value in valid, f"{key} = {value!r} is not valid; choose one of {', '.join(valid)}")
 
 
 def _check_choices(config: Config) -> None:

@@ -163,7 +163,7 @@ def _choice_keys() -> list[str]:
 
 @pytest.mark.parametrize("key", _choice_keys())
 def test_every_choice_is_checked_against_its_type(key):
-    with pytest.raises(ConfigError, match=rf"{key} = 'bogus'; valid: "):
+    with pytest.raises(ConfigError, match=rf"{key} = 'bogus' is not valid; choose one of "):
         parse_args([f"--{key}=bogus"])
     section, name = key.split(".")
     config = Config()

@@ -71,21 +71,20 @@ def check_auto_recompute(config: Config, args: BloomArgs, world_size: int) -> st
     reported before launch. The trainer makes the choice again over the job's devices."""
     import torch
 
-    from bloomnative.parallel.memory_estimate import GiB, choose_recompute
+    from bloomnative.parallel.memory_estimate.auto_recompute import auto_recompute
 
-    ac = config.activation_checkpoint
-    if ac.mode != "auto":
-        return None
     on_cuda = config.job.device != "cpu" and torch.cuda.is_available()
-    device_type = "cuda" if on_cuda else "cpu"
-    if ac.memory_budget_gib:
-        capacity = int(ac.memory_budget_gib * GiB)
-    elif on_cuda:
-        count = torch.cuda.device_count()
-        capacity = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
-    else:
-        return None
-    return choose_recompute(config, args, world_size, device_type, capacity).describe()
+    choice = auto_recompute(
+        config,
+        args,
+        world_size,
+        "cuda" if on_cuda else "cpu",
+        lambda: min(
+            torch.cuda.get_device_properties(i).total_memory
+            for i in range(torch.cuda.device_count())
+        ),
+    )
+    return choice.describe() if choice else None
 
 
 def main(argv: list[str]) -> int:

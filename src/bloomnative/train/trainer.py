@@ -20,8 +20,12 @@ from bloomnative.model.state import load_model_state, model_state
 from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
 from bloomnative.parallel.layout_check import pipeline_microbatches
-from bloomnative.parallel.memory_estimate import GiB, compiles_the_loss
-from bloomnative.parallel.memory_estimate.auto_recompute import RecomputeChoice, choose_recompute
+from bloomnative.parallel.memory_estimate import compiles_the_loss
+from bloomnative.parallel.memory_estimate.auto_recompute import (
+    RecomputeChoice,
+    auto_recompute,
+    with_recompute,
+)
 from bloomnative.parallel.parallelize import parallelize_part
 from bloomnative.parallel.pipeline import (
     Pipeline,
@@ -122,27 +126,23 @@ class Trainer:
     # ------------------------------------------------------------------ set-up helpers
 
     def _resolve_auto_recompute(self) -> RecomputeChoice | None:
-        """activation_checkpoint.mode = "auto": replaces mode and every with the planner's least
-        recomputation that fits the smallest device of the job (or memory_budget_gib)."""
-        ac = self.config.activation_checkpoint
-        if ac.mode != "auto":
-            return None
-        if ac.memory_budget_gib:
-            capacity = int(ac.memory_budget_gib * GiB)
-        elif self.device.type == "cuda":
-            capacity = _smallest_device_memory(self.device)
-        else:
-            ac.mode = "none"
+        """activation_checkpoint.mode = "auto": the planner's least recomputation that fits the
+        smallest device of the job (or memory_budget_gib); self.config becomes a resolved copy."""
+        choice = auto_recompute(
+            self.config,
+            self.model_args,
+            self.world_size,
+            self.device.type,
+            lambda: _smallest_device_memory(self.device),
+        )
+        if self.config.activation_checkpoint.mode == "auto":
             self._say(
-                'activation_checkpoint.mode = "auto" on CPU without memory_budget_gib: '
+                choice.describe()
+                if choice
+                else 'activation_checkpoint.mode = "auto" on CPU without memory_budget_gib: '
                 "no recomputation"
             )
-            return None
-        choice = choose_recompute(
-            self.config, self.model_args, self.world_size, self.device.type, capacity
-        )
-        ac.mode, ac.every = choice.mode, choice.every
-        self._say(choice.describe())
+        self.config = with_recompute(self.config, choice)
         return choice
 
     def _resolve_auto_attention(self) -> str:

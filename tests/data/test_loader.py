@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from data_helpers import random_documents, write_documents
 
-from bloomnative.data import PretrainingLoader, rampup_batch_size
+from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 
 
 class CountingDataset:
@@ -77,6 +78,38 @@ def test_resuming_from_the_saved_state_gives_the_batches_of_an_uninterrupted_run
     second = PretrainingLoader(dataset, 2, 1, 2, prefetch=prefetch)
     second.load_state_dict(state)
     assert head + run(second, schedule[3:]) == uninterrupted
+
+
+def test_a_blend_built_from_plain_arguments_resumes_exactly_under_another_dp_size(tmp_path):
+    """What a training loop outside the Trainer does: build the blended datasets from paths and
+    weights, train, save the loader's state; after a restart (datasets built again, now on
+    two data-parallel ranks) the loader continues with exactly the uninterrupted run's samples."""
+    prefixes = [
+        write_documents(tmp_path / name, random_documents(80, seed=seed, max_len=40))
+        for name, seed in (("a", 1), ("b", 2))
+    ]
+
+    def build():
+        train, _, _ = build_gpt_datasets(
+            prefixes, "1,0,0", seq_len=8, seed=5, num_samples=(96, 0, 0), weights=[0.25, 0.75],
+            cache_dir=str(tmp_path / "cache"),
+        )  # fmt: skip
+        return train
+
+    def tokens(batches) -> list[list[int]]:
+        return [row.tolist() for batch in batches for inputs, _ in batch for row in inputs]
+
+    uninterrupted = PretrainingLoader(build(), 2, 0, 1, prefetch=False)
+    expected = tokens(uninterrupted.next_batch(16) for _ in range(6))
+    first = PretrainingLoader(build(), 2, 0, 1, prefetch=True)
+    head = tokens(first.next_batch(16) for _ in range(2))
+    state = first.state_dict()
+    first.close()
+    resumed = [PretrainingLoader(build(), 2, rank, 2, prefetch=True) for rank in (0, 1)]
+    for loader in resumed:
+        loader.load_state_dict(state)
+    tail = [tokens([loader.next_batch(16) for loader in resumed]) for _ in range(4)]
+    assert head + [row for step in tail for row in step] == expected
 
 
 def test_load_state_dict_drops_a_prefetched_batch_for_another_position():

@@ -5,12 +5,16 @@ From raw text to batches::
     tools/preprocess_data.py --input docs.jsonl --tokenizer tokenizer.json \\
         --output-prefix data/docs --append-eod          # -> data/docs_text_document.{bin,idx}
 
-    train, valid, test = build_gpt_datasets("data/docs_text_document", "969,30,1", seq_len=2048,
-                                            seed=1234, num_samples=(n_train, n_valid, 0),
+    train, valid, test = build_gpt_datasets(["data/docs_text_document", "data/code_text_document"],
+                                            "969,30,1", seq_len=2048, seed=1234,
+                                            num_samples=(n_train, n_valid, 0), weights=[0.7, 0.3],
                                             cache_dir="cache")
-    loader = PretrainingLoader(train, micro_batch_size=2, dp_rank=rank, dp_size=world)
+    loader = PretrainingLoader(train, micro_batch_size=2, dp_rank=dp_rank, dp_size=dp_size)
     for input_ids, labels in loader.next_batch(global_batch_size):
         ...
+    state = loader.state_dict()   # {"consumed_samples": n}; load_state_dict(state) resumes
+
+(The same blend as one string: ``"0.7 data/docs_text_document 0.3 data/code_text_document"``.)
 
 See docs/data.md for the formats and rules.
 """

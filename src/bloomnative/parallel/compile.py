@@ -7,5 +7,12 @@ from bloomnative.model import Bloom
 
 
 def apply_compile(model: Bloom) -> None:
+    """Compiles each block of `model` (a `Bloom` or a pipeline stage of it) on its own with
+    `torch.compile(fullgraph=True)`, in place; parameter names do not change.
+
+    Order: after `apply_tensor_parallel` and `apply_activation_checkpointing` (the graphs trace
+    the tensor-parallel block and its recomputation), before `apply_fsdp`, whose per-block
+    all-gathers and reduce-scatters then run between the compiled regions, not inside them.
+    """
     for block in model.layers.values():
         block.compile(fullgraph=True)

@@ -26,13 +26,14 @@ from bloomnative.parallel.memory_estimate.auto_recompute import (
     auto_recompute,
     with_recompute,
 )
-from bloomnative.parallel.parallelize import parallelize_part, split_for_pipeline
+from bloomnative.parallel.parallelize import parallelize_part
 from bloomnative.parallel.pipeline import (
     Pipeline,
     PipelineStages,
     TiedWeightSync,
     build_pipeline,
     pipeline_forward_loss,
+    split_for_pipeline,
 )
 from bloomnative.train import checkpoint as ckpt
 from bloomnative.train.attention_choice import AttentionShape, resolve_auto_attention
@@ -167,9 +168,15 @@ class Trainer:
         with torch.device("meta"):
             model = Bloom(self.model_args)
         self.pp_rank = self.pp_mesh.get_local_rank()
-        parts, self.stage_ids, self.num_stages = split_for_pipeline(
-            model, self.dims, par, self.pp_rank
+        placement = split_for_pipeline(
+            model,
+            self.pp_mesh,
+            schedule=par.pp_schedule,
+            stages_per_rank=par.pp_stages_per_rank,
+            layers_per_stage=par.pp_layers_per_stage or None,
+            embedding_as_layer=par.pp_embedding_as_layer,
         )
+        parts = placement.parts
         param_dtype = torch.bfloat16 if self.bf16 else torch.float32
         for part in parts:
             parallelize_part(
@@ -204,9 +211,7 @@ class Trainer:
         self.tied_sync = None
         self.untied_copies: list = []
         if self.dims.pp > 1:
-            self.pipeline_stages = PipelineStages(
-                parts, self.stage_ids, self.num_stages, par.pp_schedule, self.pp_mesh.get_group()
-            )
+            self.pipeline_stages = placement
             self.tied_sync = TiedWeightSync(self.pipeline_stages, self.mesh)
             self.untied_copies = [
                 p.lm_head.weight

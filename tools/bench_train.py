@@ -39,7 +39,6 @@ import json
 import math
 import os
 import platform
-import resource
 import statistics
 import sys
 import tempfile
@@ -57,7 +56,7 @@ from bloomnative.parallel.dims import LayoutError
 from bloomnative.parallel.memory_estimate import PlanError
 from bloomnative.train.distributed import exit_process
 from bloomnative.train.lr_schedule import LRSchedule
-from bloomnative.train.metrics import device_peak_tflops
+from bloomnative.train.metrics import PeakMemory, device_peak_tflops
 from train_baselines import BASELINES, build_baseline
 
 # Applied before the user's overrides (which win): a benchmark writes no checkpoints, no
@@ -166,49 +165,6 @@ def parse_bench_args(argv: list[str], scratch: str) -> tuple[BenchOptions, Confi
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class PeakMemory:
-    """Peak allocated/reserved bytes on CUDA; peak resident set size of the process on CPU
-    (VmHWM, reset through /proc/self/clear_refs where Linux allows it)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.rss_resettable = False
-
-    def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-            self.rss_resettable = True
-        except OSError:
-            self.rss_resettable = False
-
-    def read(self) -> dict[str, float | None]:
-        if self.device.type == "cuda":
-            return {
-                "peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
-                "peak_reserved_gib": torch.cuda.max_memory_reserved(self.device) / 2**30,
-                "peak_rss_gib": None,
-            }
-        return {
-            "peak_allocated_gib": None,
-            "peak_reserved_gib": None,
-            "peak_rss_gib": _peak_rss_bytes() / 2**30,
-            "peak_rss_since_reset": self.rss_resettable,
-        }
-
-
-def _peak_rss_bytes() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
 
 def matmul_ceiling_tflops(device: torch.device, size: int, repeats: int) -> dict:
@@ -338,8 +294,9 @@ class RecordingLoader:
         return getattr(self.loader, name)
 
 
-def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list]:
-    """Times Trainer.train_step(); returns the summary and the batches it consumed."""
+def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list, Config]:
+    """Times Trainer.train_step(); returns the summary, the batches it consumed and the config
+    as the trainer resolved it ("auto" settings replaced by their choice)."""
     from bloomnative.train.trainer import Trainer
 
     start = time.perf_counter()
@@ -381,7 +338,7 @@ def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list
     result["layout"] = trainer.dims.summary
     choice = trainer.recompute_choice  # activation_checkpoint.mode = "auto"
     result["recompute_chosen_by_planner"] = asdict(choice) if choice else None
-    return result, recorder.batches
+    return result, recorder.batches, trainer.config
 
 
 def reference_optimizer(model, config: Config, device: torch.device) -> torch.optim.AdamW:
@@ -590,7 +547,7 @@ def planned_memory(config: Config, args: BloomArgs, device: torch.device) -> dic
         layout = me.layout_from_config(config.parallelism, world)
         workload = me.workload_from_config(config, layout, device.type)
         overhead = me.Overhead() if device.type == "cuda" else me.Overhead.none()
-        rank0 = me.estimate_rank(args, layout, workload, 0, overhead, device.type)
+        rank0 = me.estimate(args, layout, workload, overhead, device.type).ranks[0]
     except me.PlanError as e:
         return {"error": str(e)}
     return {
@@ -621,7 +578,7 @@ def run_benchmark(
         )
         return 2
     ceiling_before = matmul_ceiling_tflops(device, options.matmul_size, options.matmul_repeats)
-    ours, batches = bench_bloomnative(config, options)
+    ours, batches, config = bench_bloomnative(config, options)
     report = {
         "tool": "bench_train",
         "command": "python tools/bench_train.py " + " ".join(argv),

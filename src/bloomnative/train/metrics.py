@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -43,13 +44,52 @@ def device_peak_tflops(device: torch.device, override: float = 0.0) -> float | N
     return None
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak allocated device memory (CUDA), or this process's peak resident memory (CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
+class PeakMemory:
+    """Peak allocated/reserved bytes on CUDA; peak resident set size of the process on CPU
+    (VmHWM, reset through /proc/self/clear_refs where Linux allows it)."""
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.rss_resettable = False
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.rss_resettable = True
+        except OSError:
+            self.rss_resettable = False
+
+    def peak_gib(self) -> float:
+        """The training log's `mem_peak_gib`: peak allocated bytes (CUDA) or peak RSS (CPU)."""
+        read = self.read()
+        return read["peak_allocated_gib" if self.device.type == "cuda" else "peak_rss_gib"]
+
+    def read(self) -> dict[str, float | None]:
+        if self.device.type == "cuda":
+            return {
+                "peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved(self.device) / 2**30,
+                "peak_rss_gib": None,
+            }
+        return {
+            "peak_allocated_gib": None,
+            "peak_reserved_gib": None,
+            "peak_rss_gib": _peak_rss_bytes() / 2**30,
+            "peak_rss_since_reset": self.rss_resettable,
+        }
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
 
 class Throughput:

@@ -49,7 +49,7 @@ from bloomnative.train.loss import (
     token_mean,
 )
 from bloomnative.train.lr_schedule import LRSchedule
-from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tflops, peak_memory_gib
+from bloomnative.train.metrics import MetricsLogger, PeakMemory, Throughput, device_peak_tflops
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
 from bloomnative.train.preflight import check_run, eod_mask_id
@@ -110,6 +110,7 @@ class Trainer:
         self._maybe_resume()
 
         self.metrics = MetricsLogger(self.dump, config.metrics.tensorboard, self.rank == 0)
+        self.peak_memory = PeakMemory(self.device)
         peak = device_peak_tflops(self.device, config.metrics.peak_tflops)
         self.throughput = Throughput(
             self.model_args.flops_per_token(train_cfg.seq_len), peak, self.world_size
@@ -578,7 +579,7 @@ class Trainer:
             "global_batch_size": gbs,
             "consumed_samples": self.consumed_samples,
             **self.throughput.read_and_reset(),
-            "mem_peak_gib": self._max_over_ranks(peak_memory_gib(self.device)),
+            "mem_peak_gib": self._max_over_ranks(self.peak_memory.peak_gib()),
             "nonfinite_skipped": self.nonfinite.skipped,
         }
         self.metrics.log(row)

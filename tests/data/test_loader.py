@@ -37,6 +37,25 @@ def test_batches_are_int64_inputs_and_labels_shifted_by_one():
     assert sample_ids(batch) == [0, 1, 2, 3]
 
 
+def test_context_parallel_ranks_get_their_load_balanced_chunks_of_inputs_and_labels():
+    from functools import partial
+
+    from bloomnative.parallel.context_parallel import shard_sequence
+
+    dataset, cp = CountingDataset(16, seq_len=8), 2
+    whole = PretrainingLoader(dataset, 2, 0, 1, prefetch=False).next_batch(4)
+    for rank, (first, second) in enumerate([(0, 3), (1, 2)]):
+        shard = partial(shard_sequence, cp_rank=rank, cp=cp)
+        loader = PretrainingLoader(dataset, 2, 0, 1, prefetch=False, sequence_shard=shard)
+        for (inputs, labels), (all_inputs, all_labels) in zip(
+            loader.next_batch(4), whole, strict=True
+        ):
+            # Chunks of 2 tokens: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+            columns = [2 * first, 2 * first + 1, 2 * second, 2 * second + 1]
+            assert torch.equal(inputs, all_inputs[:, columns]) and inputs.is_contiguous()
+            assert torch.equal(labels, all_labels[:, columns])
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_the_global_batch_is_the_same_under_dp_1_2_and_4(prefetch):
     dataset = CountingDataset(400, seq_len=4)

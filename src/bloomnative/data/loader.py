@@ -9,6 +9,7 @@ continues with exactly the batches the uninterrupted run would have seen.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -29,6 +30,9 @@ class PretrainingLoader:
             without blocking.
         prefetch: prepare the next step's batch (assuming the same global batch size) in a
             background thread while the current step runs.
+        sequence_shard: applied to the inputs and the labels of every micro batch (``[micro
+            batch, seq_len]``) on the host: the part of each sequence this rank holds under
+            context parallelism (``parallel.context_parallel.shard_sequence``). None: all of it.
     """
 
     def __init__(
@@ -39,6 +43,7 @@ class PretrainingLoader:
         dp_size: int,
         device: torch.device | str = "cpu",
         prefetch: bool = True,
+        sequence_shard: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
@@ -49,6 +54,7 @@ class PretrainingLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.device = torch.device(device)
+        self.sequence_shard = sequence_shard
         self._pin = self.device.type == "cuda"
         self.consumed_samples = 0
         self._executor = ThreadPoolExecutor(1, "bloomnative-prefetch") if prefetch else None
@@ -56,7 +62,8 @@ class PretrainingLoader:
 
     def next_batch(self, global_batch_size: int) -> Batch:
         """This rank's micro batches of the next step: ``(input_ids, labels)`` pairs of int64
-        ``[micro_batch_size, seq_len]`` tensors on the loader's device."""
+        ``[micro_batch_size, seq_len]`` tensors (this rank's part of the sequence with a
+        ``sequence_shard``) on the loader's device."""
         self._check_batch_size(global_batch_size)
         key = (self.consumed_samples, global_batch_size)
         if self._pending is not None and self._pending[0] == key:
@@ -111,7 +118,10 @@ class PretrainingLoader:
         )
         batch = []
         for micro in tokens:
-            inputs, labels = micro[:, :-1].contiguous(), micro[:, 1:].contiguous()
+            inputs, labels = micro[:, :-1], micro[:, 1:]
+            if self.sequence_shard is not None:
+                inputs, labels = self.sequence_shard(inputs), self.sequence_shard(labels)
+            inputs, labels = inputs.contiguous(), labels.contiguous()
             if self._pin:
                 inputs, labels = inputs.pin_memory(), labels.pin_memory()
             batch.append((inputs, labels))

@@ -38,7 +38,10 @@ def main() -> None:
         trainer = Trainer(config)
         trainer.train()
         params = gathered_params(trainer)
-        if trainer.dp_mesh.get_local_rank() == 0 and trainer.mesh["tp"].get_local_rank() == 0:
+        mesh = trainer.mesh
+        if trainer.dp_mesh.get_local_rank() == 0 and all(
+            mesh[dim].get_local_rank() == 0 for dim in ("cp", "tp")
+        ):
             torch.save(params, out / name / f"params_pp{trainer.pp_rank}.pt")
         dist.barrier()
     dist.destroy_process_group()

@@ -6,6 +6,8 @@ from __future__ import annotations
 from bloomnative.model import Bloom
 
 
-def apply_compile(model: Bloom) -> None:
+def apply_compile(model: Bloom, fullgraph: bool = True) -> None:
+    """Compiles each block; `fullgraph` False lets a block hold a call the compiler cannot
+    trace (context parallelism's ring attention), compiled around it."""
     for block in model.layers.values():
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=fullgraph)

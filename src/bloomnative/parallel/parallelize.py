@@ -1,5 +1,6 @@
 """Applies the configured parallelism to a meta-device `Bloom`, in torchtitan's order:
-pipeline split -> tensor parallel -> activation checkpointing -> compile -> FSDP."""
+pipeline split -> tensor parallel -> context parallel -> activation checkpointing -> compile ->
+FSDP."""
 
 from __future__ import annotations
 
@@ -56,6 +57,27 @@ def validate_layout(
         _validate_pipeline(dims, args, par, min(batch_sizes) // dims.dp, micro_batch)
 
 
+def validate_context_parallel(dims: ParallelDims, attention: str, seq_lens: dict[str, int]) -> None:
+    """Context parallelism needs an attention backend with a ring form and sequences that cut
+    into 2 * cp equal chunks. `seq_lens`: every sequence length the run uses, by config key."""
+    if dims.cp == 1:
+        return
+    if attention not in ("triton", "sdpa", "auto"):
+        raise LayoutError(
+            f"model.attention = {attention!r} has no context-parallel form (FlexAttention's "
+            f"score_mod is not split over ranks); use triton or sdpa with parallelism.cp = "
+            f"{dims.cp}"
+        )
+    for key, length in seq_lens.items():
+        if length % (2 * dims.cp):
+            raise LayoutError(
+                f"{key} = {length} is not a multiple of 2 * parallelism.cp = {2 * dims.cp}: "
+                f"context parallelism cuts every sequence into 2 * cp equal chunks (rank i "
+                f"holds chunks i and 2 cp - 1 - i); choose a length divisible by {2 * dims.cp} "
+                f"or another cp"
+            )
+
+
 def _validate_pipeline(
     dims: ParallelDims, args: BloomArgs, par: ParallelismConfig, local_batch: int, micro_batch: int
 ) -> None:
@@ -109,17 +131,22 @@ def parallelize_part(
     compile_blocks: bool,
     param_dtype: torch.dtype,
 ) -> None:
-    """TP -> activation checkpointing -> compile -> FSDP on one model part, in place."""
+    """TP -> CP -> activation checkpointing -> compile -> FSDP on one model part, in place.
+    FSDP shards over dp_shard x cp (`ParallelDims.fsdp_mesh`)."""
     if dims.tp > 1:
         from bloomnative.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(part, mesh["tp"], par.sequence_parallel, par.loss_parallel)
+    if dims.cp > 1:
+        from bloomnative.parallel.context_parallel import apply_context_parallel
+
+        apply_context_parallel(part, mesh["cp"])
     apply_activation_checkpointing(part, ac.mode, ac.every)
     if compile_blocks:
-        apply_compile(part)
-    if dims.dp > 1:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(part, dp_mesh, param_dtype, par.zero_stage, par.cpu_offload)
+        # The ring's point-to-point communication is a graph break inside each block.
+        apply_compile(part, fullgraph=dims.cp == 1)
+    if dims.dp > 1 or dims.cp > 1:
+        apply_fsdp(part, dims.fsdp_mesh(mesh), param_dtype, par.zero_stage, par.cpu_offload)
 
 
 def split_for_pipeline(

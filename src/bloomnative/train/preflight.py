@@ -12,7 +12,7 @@ from pathlib import Path
 from bloomnative.config import Config, ConfigError, ModelConfig, parse_args
 from bloomnative.model import BloomArgs
 from bloomnative.parallel import LayoutError, ParallelDims
-from bloomnative.parallel.parallelize import validate_layout
+from bloomnative.parallel.parallelize import validate_context_parallel, validate_layout
 
 
 def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
@@ -26,6 +26,14 @@ def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
     return BloomArgs.from_preset(
         cfg.preset, attention=attention, fused_kernels=cfg.fused_kernels, **overrides
     )
+
+
+def run_seq_lens(config: Config) -> dict[str, int]:
+    """Every sequence length the run trains or evaluates at, by config key."""
+    lengths = {"training.seq_len": config.training.seq_len}
+    if config.validation.freq and config.validation.seq_len:
+        lengths["validation.seq_len"] = config.validation.seq_len
+    return lengths
 
 
 def check_data_files(config: Config) -> None:
@@ -45,10 +53,11 @@ def check_data_files(config: Config) -> None:
 def check_run(config: Config, world_size: int) -> tuple[ParallelDims, BloomArgs]:
     """Resolves and checks the layout for `world_size`; returns it with the model shape."""
     par, t = config.parallelism, config.training
-    dims = ParallelDims.resolve(par.dp_replicate, par.dp_shard, par.tp, par.pp, world_size)
+    dims = ParallelDims.resolve(par.dp_replicate, par.dp_shard, par.tp, par.pp, world_size, par.cp)
     args = model_args_from_config(config.model)
     batch_sizes = [t.global_batch_size, *t.rampup_batch_size[:2]]
     validate_layout(dims, args, par, batch_sizes, t.micro_batch_size)
+    validate_context_parallel(dims, config.model.attention, run_seq_lens(config))
     if config.model.fused_loss and dims.tp > 1:
         raise LayoutError(
             "model.fused_loss is for tp = 1; with tensor parallelism use parallelism.loss_parallel "

@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,12 +19,17 @@ from bloomnative.config import Config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.model import Bloom
 from bloomnative.parallel import clip_grad_norm_, init_weights
+from bloomnative.parallel.context_parallel import shard_sequence
 from bloomnative.parallel.memory_estimate import GiB, compiles_the_loss
 from bloomnative.parallel.memory_estimate.auto_recompute import RecomputeChoice, choose_recompute
 from bloomnative.parallel.parallelize import parallelize_part, split_for_pipeline
 from bloomnative.parallel.pipeline import Pipeline, TiedWeightSync, build_pipeline, stage_owner
 from bloomnative.train import checkpoint as ckpt
-from bloomnative.train.attention_choice import AttentionShape, resolve_auto_attention
+from bloomnative.train.attention_choice import (
+    AttentionShape,
+    context_parallel_attention,
+    resolve_auto_attention,
+)
 from bloomnative.train.distributed import init_distributed, pick_device
 from bloomnative.train.faults import StopRequest
 from bloomnative.train.loss import cross_entropy_sum, fused_head_cross_entropy_sum
@@ -48,12 +54,14 @@ class Trainer:
         self.dump = Path(job.dump_folder)
         self.mesh, self.dp_mesh = self.dims.build_mesh(self.device.type)
         self.pp_mesh = self.mesh["pp"]  # sliced once: slicing a mesh is host work on every call
+        self.loss_mesh = self.dims.loss_mesh(self.mesh)
 
         torch.manual_seed(job.seed)
         self.bf16 = train_cfg.dtype == "bf16"
         self._build_model()
-        # Without data parallelism there is no FSDP policy to cast with: use autocast instead.
-        use_autocast = self.bf16 and self.dims.dp == 1
+        # Without FSDP (no data or context parallelism) there is no policy to cast with: use
+        # autocast instead.
+        use_autocast = self.bf16 and self.dims.dp == 1 and self.dims.cp == 1
         self.autocast = (
             (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16))
             if use_autocast
@@ -128,6 +136,8 @@ class Trainer:
     def _resolve_auto_attention(self) -> str:
         """What `model.attention = "auto"` stands for on this run (train.attention_choice)."""
         cfg = self.config
+        if cfg.parallelism.cp > 1:
+            return context_parallel_attention(self.device, self._say)
         args = model_args_from_config(cfg.model)
         shape = AttentionShape(
             batch=cfg.training.micro_batch_size,
@@ -230,8 +240,18 @@ class Trainer:
             cache_dir,
         )
         dp_rank, dp_size = self.dp_mesh.get_local_rank(), self.dims.dp
+        shard = None
+        if self.dims.cp > 1:  # this rank's load-balanced chunks of every sequence
+            cp_rank = self.mesh["cp"].get_local_rank()
+            shard = partial(shard_sequence, cp_rank=cp_rank, cp=self.dims.cp)
         loader = lambda ds: PretrainingLoader(
-            ds, t.micro_batch_size, dp_rank, dp_size, self.device, prefetch=cfg.prefetch
+            ds,
+            t.micro_batch_size,
+            dp_rank,
+            dp_size,
+            self.device,
+            prefetch=cfg.prefetch,
+            sequence_shard=shard,
         )
         self.train_loader = loader(train_ds)
         self.make_valid_loader = (lambda: loader(valid_ds)) if valid_ds is not None else None
@@ -416,12 +436,13 @@ class Trainer:
 
     def _reduce_loss(self, value: torch.Tensor) -> float:
         """The loss every rank agrees on: summed over pipeline ranks (only the last stage holds
-        it), averaged over data-parallel ranks."""
+        it), averaged over data-parallel and context-parallel ranks (each holds the mean over
+        the same number of tokens)."""
         value = value.detach().clone()
         if self.dims.pp > 1:
             dist.all_reduce(value, group=self.pp_mesh.get_group())
-        if self.dims.dp > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.dp_mesh.get_group())
+        if self.dims.dp * self.dims.cp > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.loss_mesh.get_group())
         return value.item()
 
     def _max_over_ranks(self, value: float) -> float:

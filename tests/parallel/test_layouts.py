@@ -1,5 +1,7 @@
 """Every parallel layout trains exactly like the single-process run: same loss at every step
-(relative difference < 1e-4) and the same final parameters, on CPU with gloo in fp32."""
+(relative difference < 1e-4) and the same final parameters, on CPU with gloo in fp32. Layouts
+that also evaluate (context parallelism: at the training length and at twice it) match the
+single-process eval_loss and eval_loss_long as well."""
 
 from __future__ import annotations
 
@@ -11,13 +13,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from training_helpers import TINY_RUN, losses_by_step, train_env
+from training_helpers import TINY_RUN, losses_by_step, metric_rows, train_env
 
 RUNNER = Path(__file__).with_name("layout_runner.py")
 BASE = [*TINY_RUN, "--training.steps=5", "--checkpoint.enable=false", "--parallelism.dp_shard=-1"]
+# Evaluation after the last step on one batch of the validation split, at the training length
+# and at twice it (TINY_RUN's seq_len is 32).
+VALIDATION = [
+    "--data.split=800,200,0",
+    "--validation.freq=5",
+    "--validation.steps=1",
+    "--validation.seq_len=64",
+]
+CP2 = [*VALIDATION, "--parallelism.cp=2"]
 
 LAYOUTS = {
-    1: {"single": [], "single_fused_loss": ["--model.fused_loss=true"]},
+    1: {
+        "single": [],
+        "single_fused_loss": ["--model.fused_loss=true"],
+        "single_validation": VALIDATION,
+    },
     2: {
         "fsdp2_zero3": ["--parallelism.zero_stage=3"],
         "fsdp2_zero2": ["--parallelism.zero_stage=2"],
@@ -54,8 +69,21 @@ LAYOUTS = {
             "--activation_checkpoint.mode=selective",
             "--activation_checkpoint.every=2",
         ],
+        "cp2": CP2,
+        "cp2_ac_full_compile": [*CP2, "--activation_checkpoint.mode=full", "--compile.enable=true"],
+        "cp2_ac_selective_fused_loss": [
+            *CP2,
+            "--activation_checkpoint.mode=selective",
+            "--model.fused_loss=true",
+        ],
     },
-    4: {"hsdp_2x2": ["--parallelism.dp_replicate=2", "--parallelism.dp_shard=2"]},
+    4: {
+        "hsdp_2x2": ["--parallelism.dp_replicate=2", "--parallelism.dp_shard=2"],
+        "dp2_cp2": CP2,
+        "tp2_cp2": [*CP2, "--parallelism.tp=2"],
+        # The pipeline schedule is built for one sequence length: no eval_loss_long under PP.
+        "pp2_cp2": [*CP2, "--parallelism.pp=2", "--validation.seq_len=0"],
+    },
     8: {"dp2_tp2_pp2": ["--parallelism.tp=2", "--parallelism.pp=2"]},
 }
 
@@ -95,18 +123,36 @@ def params(folder: Path) -> dict[str, torch.Tensor]:
     return merged
 
 
-ALL = [name for world in LAYOUTS.values() for name in world if name != "single"]
+def evaluations(folder: Path) -> dict[str, float]:
+    (row,) = [row for row in metric_rows(folder) if "eval_loss" in row]
+    return {key: row[key] for key in ("eval_loss", "eval_loss_long") if key in row}
+
+
+REFERENCES = {"single", "single_validation"}
+ALL = [name for world in LAYOUTS.values() for name in world if name not in REFERENCES]
+
+
+def reference_of(layout: str) -> str:
+    """The single-process run with the same data split and evaluation."""
+    overrides = next(world[layout] for world in LAYOUTS.values() if layout in world)
+    return "single_validation" if "--validation.freq=5" in overrides else "single"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", ALL)
 def test_layout_matches_single_process(runs, layout):
-    reference, candidate = losses(runs / "single"), losses(runs / layout)
+    single = reference_of(layout)
+    reference, candidate = losses(runs / single), losses(runs / layout)
     assert len(reference) == len(candidate) == 5
     assert reference[-1] < reference[0] - 0.05, "the reference run should be learning"
     for step, (a, b) in enumerate(zip(reference, candidate, strict=True), start=1):
-        assert abs(a - b) / abs(a) < 1e-4, f"step {step}: {layout} loss {b} vs single {a}"
-    ref_params, got = params(runs / "single"), params(runs / layout)
+        assert abs(a - b) / abs(a) < 1e-4, f"step {step}: {layout} loss {b} vs {single} {a}"
+    if single == "single_validation":
+        expected = evaluations(runs / single)
+        for key, b in evaluations(runs / layout).items():
+            a = expected[key]
+            assert abs(a - b) / abs(a) < 1e-4, f"{key}: {layout} {b} vs {single} {a}"
+    ref_params, got = params(runs / single), params(runs / layout)
     assert set(got) == set(ref_params)
     for name, value in ref_params.items():
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)

@@ -24,6 +24,9 @@ class Layout:
 
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
+    """Context parallelism: every sequence split over cp ranks (ring attention); FSDP shards
+    over dp_shard x cp."""
     tp: int = 1
     pp: int = 1
     pp_schedule: str = "1F1B"
@@ -52,7 +55,12 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks each FSDP unit is sharded over: dp_shard x cp."""
+        return self.dp_shard * self.cp
 
     @property
     def num_stages(self) -> int:
@@ -65,8 +73,8 @@ class Layout:
 
     @property
     def uses_fsdp(self) -> bool:
-        """The trainer applies FSDP2 whenever there is data parallelism."""
-        return self.dp > 1 and self.zero_stage in (2, 3)
+        """The trainer applies FSDP2 whenever there is data or context parallelism."""
+        return self.dp * self.cp > 1 and self.zero_stage in (2, 3)
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,7 @@ class Workload:
 
     micro_batch: int
     seq_len: int
+    """Tokens per sample (the whole sequence: a context-parallel rank holds seq_len / cp)."""
     microbatches: int = 1
     """Micro batches per optimizer step on one data-parallel rank (gradient accumulation; the
     pipeline's micro batches when pp > 1)."""
@@ -137,5 +146,5 @@ class Precision:
     def of(cls, layout: Layout, workload: Workload) -> Precision:
         if workload.precision == "fp32":
             return cls(compute=FP32, residual=FP32, autocast=False)
-        autocast = layout.dp == 1 and layout.zero_stage != 1
+        autocast = layout.dp * layout.cp == 1 and layout.zero_stage != 1
         return cls(compute=BF16, residual=FP32 if autocast else BF16, autocast=autocast)

@@ -107,6 +107,13 @@ def validate_plan(args: BloomArgs, layout: Layout, workload: Workload) -> None:
         raise PlanError(f"optimizer = {workload.optimizer!r}; valid: {', '.join(OPTIMIZER_IMPLS)}")
     if workload.micro_batch < 1 or workload.seq_len < 1 or workload.microbatches < 1:
         raise PlanError("micro_batch, seq_len and microbatches must be positive")
+    if layout.cp > 1 and workload.seq_len % (2 * layout.cp):
+        raise PlanError(
+            f"seq_len {workload.seq_len} is not a multiple of 2 * cp = {2 * layout.cp} (context "
+            f"parallelism cuts every sequence into 2 * cp equal chunks)"
+        )
+    if layout.cp > 1 and layout.zero_stage == 1:
+        raise PlanError("zero_stage 1 (Megatron-DeepSpeed) is planned without context parallelism")
     if layout.pp > 1 and workload.microbatches < layout.pp:
         raise PlanError(
             f"{workload.microbatches} micro batches for pp = {layout.pp}: a pipeline needs at "

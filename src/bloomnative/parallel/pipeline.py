@@ -155,7 +155,7 @@ class TiedWeightSync:
     """Sums the gradients of the copies of the tied weight (first stage's embedding, last
     stage's head) so each copy gets the gradient the single model's shared weight gets.
 
-    One process group per (dp_replicate, dp_shard, tp) coordinate joins the pipeline rank of the
+    One process group per (dp_replicate, dp_shard, cp, tp) coordinate joins the pipeline rank of the
     first stage and that of the last; ranks holding both (V schedules) sum locally.
     """
 
@@ -164,7 +164,7 @@ class TiedWeightSync:
         self.group = None
         if first_pp_rank == last_pp_rank:
             return
-        ranks = mesh.mesh  # [pp, dp_replicate, dp_shard, tp]
+        ranks = mesh.mesh  # [pp, dp_replicate, dp_shard, cp, tp]
         me = dist.get_rank()
         for coord in torch.cartesian_prod(*(torch.arange(n) for n in ranks.shape[1:])).view(
             -1, ranks.dim() - 1

@@ -38,7 +38,7 @@ if importlib.util.find_spec("bloomnative.kernels") is None:  # kernels/ installs
 
 from bloomnative.kernels import flash_alibi_attention  # noqa: E402
 from bloomnative.model import alibi_slopes  # noqa: E402
-from bloomnative.parallel.context_parallel import Ring, _RingAttention  # noqa: E402
+from bloomnative.parallel.context_parallel import Ring, ring_attention  # noqa: E402
 
 
 class LoopbackRing(Ring):
@@ -51,7 +51,7 @@ class LoopbackRing(Ring):
 
 def ring_step(qkv, grad, slopes, ring, backend) -> None:
     """One rank's ring attention forward and backward."""
-    out = _RingAttention.apply(*qkv, slopes, ring, backend, 0.0, None)
+    out = ring_attention(*qkv, slopes, ring, backend)
     torch.autograd.grad(out, qkv, grad)
 
 

@@ -120,7 +120,7 @@ class Ring:
             if theirs[ki] <= mine[qi]
         ]
 
-    def positions(self, source: int, chunk: int, chunk_len: int) -> int:
+    def chunk_start(self, source: int, chunk: int, chunk_len: int) -> int:
         """The global position of the first token of local chunk `chunk` of rank `source`."""
         return load_balanced_chunks(source, self.size)[chunk] * chunk_len
 
@@ -153,8 +153,8 @@ class _RingAttention(torch.autograd.Function):
                 block_k, block_v = kv[:, :, :, ki * chunk_len : (ki + 1) * chunk_len].unbind(0)
                 out, lse2 = block_forward(
                     q_chunks[qi], block_k, block_v, slopes, causal=causal, softmax_scale=scale,
-                    q_offset=ring.positions(ring.rank, qi, chunk_len),
-                    k_offset=ring.positions(source, ki, chunk_len),
+                    q_offset=ring.chunk_start(ring.rank, qi, chunk_len),
+                    k_offset=ring.chunk_start(source, ki, chunk_len),
                     dropout_p=dropout_p, rng_seed=rng_seed,
                 )  # fmt: skip
                 if outs[qi] is None:
@@ -197,8 +197,8 @@ class _RingAttention(torch.autograd.Function):
                 block_dq, block_dk, block_dv = block_backward(
                     grad_chunks[qi], q_chunks[qi], block_k, block_v, out_chunks[qi],
                     lse_chunks[qi], slopes, causal=causal, softmax_scale=scale,
-                    q_offset=ring.positions(ring.rank, qi, chunk_len),
-                    k_offset=ring.positions(source, ki, chunk_len),
+                    q_offset=ring.chunk_start(ring.rank, qi, chunk_len),
+                    k_offset=ring.chunk_start(source, ki, chunk_len),
                     dropout_p=ctx.dropout_p, rng_seed=rng_seed,
                 )  # fmt: skip
                 dq_chunks[qi].add_(block_dq)

@@ -59,12 +59,32 @@ def train_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
 
 
-def train_command(args: list[str], nproc: int = 0) -> list[str]:
-    """`python -m bloomnative.train.main ARGS` (a world of one), or under torchrun."""
+def train_command(args: list[str], nproc: int = 0, max_restarts: int = 0) -> list[str]:
+    """`python -m bloomnative.train.main ARGS` (a world of one), or under torchrun (which
+    restarts a failed job up to `max_restarts` times)."""
     if nproc:
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        launcher = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
+        ]
         return [sys.executable, *launcher, "-m", "bloomnative.train.main", *args]
     return [sys.executable, "-m", "bloomnative.train.main", *args]
+
+
+def worker_pids(launcher_pid: int) -> list[int]:
+    """The live child processes of a torchrun launcher (its workers), by ascending pid."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(fields[1]) == launcher_pid and fields[0] != "Z":
+            children.append(int(stat.parent.name))
+    return sorted(children)
 
 
 def run_training(

@@ -415,15 +415,18 @@ def bench_baseline(
     optimizer = reference_optimizer(baseline.module, config, device)
     bf16 = config.training.dtype == "bf16"
     max_norm = config.training.max_norm
-    schedule = LRSchedule.from_config(config.lr_scheduler, config.optimizer, config.training.steps)
-    replay = enumerate(batches, start=1)
+    t = config.training
+    schedule = LRSchedule.from_config(
+        config.lr_scheduler, config.optimizer, t.steps, t.global_batch_size
+    )
+    replay = iter(batches)
     consumed = 0
     memory = PeakMemory(device)
 
     def step() -> float:
         nonlocal consumed
-        step_number, micro_batches = next(replay)
-        lr = schedule(step_number, consumed)
+        micro_batches = next(replay)
+        lr = float(schedule(consumed))  # a CPU tensor: no device sync
         for group in optimizer.param_groups:
             group["lr"] = lr
         consumed += config.training.global_batch_size
@@ -602,8 +605,8 @@ def run_benchmark(
     argv: list[str], options: BenchOptions, config: Config, overrides: list[str]
 ) -> int:
     """Our run, then the baselines; prints the summary and writes the JSON (rank 0)."""
+    from bloomnative.config import model_args_from_config
     from bloomnative.train.distributed import pick_device
-    from bloomnative.train.preflight import model_args_from_config
 
     device = pick_device(config.job.device)
     args = model_args_from_config(config.model)

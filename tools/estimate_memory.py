@@ -23,10 +23,9 @@ import dataclasses
 import json
 import sys
 
-from bloomnative.config import Config, ConfigError, parse_args
+from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
 from bloomnative.parallel import memory_estimate as me
 from bloomnative.parallel.dims import LayoutError
-from bloomnative.train.preflight import model_args_from_config
 
 
 def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
@@ -64,8 +63,8 @@ def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     parser.add_argument(
         "--dropout",
         action="store_true",
-        help="add Megatron's dropout buffers (bloomnative has no dropout; BLOOM-176B's "
-        "Megatron-DeepSpeed run kept the 0.1 defaults)",
+        help="count the dropout buffers even if the config's model.hidden_dropout and "
+        "attention_dropout are 0 (they are counted whenever either is above 0)",
     )
     parser.add_argument(
         "--overhead-gib",

@@ -50,7 +50,8 @@ bench_train() {  # name preset micro_batch global_batch
   local name="$1" preset="$2" micro="$3" global="$4"
   timeout 560 "$PYTHON" tools/bench_train.py --config "configs/$preset.toml" \
     --training.seq_len=2048 --training.micro_batch_size="$micro" \
-    --training.global_batch_size="$global" --model.attention=triton --compile.enable=true \
+    --training.global_batch_size="$global" --training.rampup_batch_size= \
+    --model.attention=triton --compile.enable=true \
     --activation_checkpoint.mode=auto --warmup 5 --steps 20 --cold-compile \
     --baseline "$(baselines)" --baseline-modes eager,compile \
     --json "$OUT/bench_train_$name.json" 2>&1 | tee "$OUT/bench_train_$name.log"
@@ -81,6 +82,7 @@ platform.python_version(), 'torch', torch.__version__, 'triton', triton.__versio
     host-syncs)
       timeout 560 "$PYTHON" tools/bench_train.py --config configs/bloom-560m.toml \
         --training.seq_len=1024 --training.micro_batch_size=4 --training.global_batch_size=8 \
+        --training.rampup_batch_size= \
         --model.attention=triton --compile.enable=true --activation_checkpoint.mode=auto \
         --warmup 2 --steps 3 --sync-debug --json "$OUT/host_syncs.json" 2>&1 \
         | tee "$OUT/host_syncs.log"

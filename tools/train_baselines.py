@@ -46,8 +46,9 @@ def build_baseline(
 def build_hf(
     args: BloomArgs, seq_len: int, device: torch.device, seed: int, compiled: bool
 ) -> BaselineModel:
-    """transformers' BloomForCausalLM with bloomnative's shape (random init, no dropout, no KV
-    cache); `compiled`: torch.compile of the whole model."""
+    """transformers' BloomForCausalLM with bloomnative's shape and dropout (random init, no KV
+    cache; its dropout sits where bloomnative's does except after the embedding, which it
+    lacks); `compiled`: torch.compile of the whole model."""
     from transformers import BloomConfig, BloomForCausalLM
 
     hf_config = BloomConfig(
@@ -57,8 +58,8 @@ def build_hf(
         n_head=args.n_head,
         layer_norm_epsilon=args.layer_norm_epsilon,
         initializer_range=args.init_std,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
         use_cache=False,
     )
     torch.manual_seed(seed)
@@ -79,7 +80,8 @@ def build_torchtitan(
 ) -> BaselineModel:
     """torchtitan's Llama 3 (its model code and initialisation) at BLOOM's width, depth and head
     count with Llama 3's vocabulary (BLOOM's if smaller): SwiGLU MLP, RMSNorm, RoPE, untied
-    output layer, multi-head attention through SDPA. At BLOOM-1b7's shape it has 1.7B parameters.
+    output layer, multi-head attention through SDPA, no dropout (Llama has none). At BLOOM-1b7's
+    shape it has 1.7B parameters.
     `compiled`: what torchtitan's trainer does with compile.enable, each TransformerBlock
     compiled (its own apply_compile) and the loss compiled. FLOPs per token are torchtitan's
     count (6 x non-embedding parameters + 12 x layers x hidden x seq)."""

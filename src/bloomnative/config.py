@@ -14,7 +14,10 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bloomnative.model.args import BloomArgs
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,7 +39,7 @@ class JobConfig:
     """Folder for metrics.jsonl, tb/ and checkpoints/ (relative paths are relative to the
     current directory)."""
     seed: int = 42
-    """Seed of the weight init, the data order and dropout-free RNG state; same seed, same run."""
+    """Seed of the weight init, the data order and the dropout masks; same seed, same run."""
     device: str = "auto"
     """"auto" (CUDA when present, else CPU), "cuda" or "cpu"."""
     collective_timeout_s: int = 600
@@ -64,6 +67,12 @@ class ModelConfig:
     fused_loss: bool = False
     """Compute the lm head and cross-entropy chunk by chunk (kernels.linear_cross_entropy), so the
     full fp32 logits are never in memory."""
+    hidden_dropout: float = 0.0
+    """Dropout probability on the embedding output and on the attention and MLP outputs before
+    each residual add (Megatron's --hidden-dropout; BLOOM trained with 0.1). Training only."""
+    attention_dropout: float = 0.0
+    """Dropout probability on the attention probabilities (Megatron's --attention-dropout; BLOOM
+    trained with 0.1). Training only; "sdpa" and "triton" backends."""
 
 
 @dataclass
@@ -109,17 +118,22 @@ class OptimizerConfig:
 
 @dataclass
 class LRSchedulerConfig:
-    warmup_steps: int = 20
+    """Megatron's schedule, counted in samples of applied (not skipped) steps. Give it in steps
+    (warmup_steps, decay_steps: converted at training.global_batch_size samples per step) or in
+    samples (warmup_samples, decay_samples), not both."""
+
+    warmup_steps: int = 0
     """Linear warm-up from 0 to lr over this many steps."""
     decay_steps: int = 0
     """Steps (counted from step 0) at which the decay reaches min_lr; 0 means training.steps."""
     decay_style: str = "cosine"
     """"cosine", "linear" or "constant" (stay at lr after warm-up)."""
     warmup_samples: int = 0
-    """If > 0, warm up over this many consumed samples instead of warmup_steps (Megatron's
-    sample-based schedule, the one to use with batch-size rampup)."""
+    """Warm up over this many samples (Megatron's --lr-warmup-samples): the sample-based
+    schedule, the one that follows a batch-size rampup exactly."""
     decay_samples: int = 0
-    """If > 0, decay over this many consumed samples instead of decay_steps."""
+    """Samples at which the decay reaches min_lr (Megatron's --lr-decay-samples); required by
+    the sample-based schedule."""
 
 
 @dataclass
@@ -252,6 +266,26 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+
+def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
+    """The preset's shape with the non-zero overrides of the [model] section applied.
+
+    ``attention = "auto"`` is resolved by the trainer (train.attention_choice) before it builds
+    the model; until then the shape is described with the portable "sdpa"."""
+    from bloomnative.model.args import BloomArgs
+
+    overrides = {k: getattr(cfg, k) for k in ("n_layer", "hidden_size", "n_head", "vocab_size")}
+    overrides = {k: v for k, v in overrides.items() if v}
+    attention = "sdpa" if cfg.attention == "auto" else cfg.attention
+    return BloomArgs.from_preset(
+        cfg.preset,
+        attention=attention,
+        fused_kernels=cfg.fused_kernels,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        **overrides,
+    )
 
 
 # ---------------------------------------------------------------- loading and overriding
@@ -432,6 +466,7 @@ def validate(config: Config) -> None:
     )
     for key in ("n_layer", "hidden_size", "n_head", "vocab_size"):
         _check(getattr(m, key) >= 0, f"model.{key} must be >= 0 (0 keeps the preset)")
+    _validate_dropout(config)
     for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
         _check(getattr(t, key) > 0, f"training.{key} must be positive, got {getattr(t, key)}")
     _check(
@@ -466,7 +501,7 @@ def validate(config: Config) -> None:
         f"optimizer: need 0 < lr and 0 <= min_lr <= lr (lr={o.lr}, min_lr={o.min_lr})",
     )
     _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and beta2 must be in [0, 1)")
-    _check(s.warmup_steps >= 0 and s.decay_steps >= 0, "lr_scheduler steps must be >= 0")
+    _validate_lr_schedule(s)
     _check(len(config.data.blend) > 0, "data.blend is empty: give at least one dataset prefix")
     _check(config.metrics.log_freq > 0, "metrics.log_freq must be positive")
     _check(
@@ -478,3 +513,58 @@ def validate(config: Config) -> None:
         config.validation.freq >= 0 and config.validation.steps > 0,
         "validation.freq must be >= 0 and validation.steps positive",
     )
+
+
+def _validate_dropout(config: Config) -> None:
+    from bloomnative.model.args import BloomArgs
+
+    m, par = config.model, config.parallelism
+    try:  # the model's own checks: probabilities in [0, 1), a backend that has dropout
+        BloomArgs(
+            attention="sdpa" if m.attention == "auto" else m.attention,  # auto: never flex
+            hidden_dropout=m.hidden_dropout,
+            attention_dropout=m.attention_dropout,
+        )
+    except ValueError as e:
+        raise ConfigError(f"model.{e}") from None
+    _check(
+        not (
+            m.attention_dropout
+            and par.tp > 1
+            and not par.sequence_parallel
+            and config.compile.enable
+        ),
+        "model.attention_dropout > 0 with parallelism.tp > 1 and sequence_parallel = false forks "
+        "a per-rank random stream around each attention call, which compile.enable (fullgraph) "
+        "cannot trace; set parallelism.sequence_parallel = true or compile.enable = false",
+    )
+
+
+def _validate_lr_schedule(s: LRSchedulerConfig) -> None:
+    for key in ("warmup_steps", "decay_steps", "warmup_samples", "decay_samples"):
+        _check(getattr(s, key) >= 0, f"lr_scheduler.{key} must be >= 0, got {getattr(s, key)}")
+    if s.warmup_samples or s.decay_samples:
+        _check(
+            not (s.warmup_steps or s.decay_steps),
+            f"lr_scheduler: warmup_steps = {s.warmup_steps} / decay_steps = {s.decay_steps} "
+            f"cannot be combined with warmup_samples = {s.warmup_samples} / decay_samples = "
+            f"{s.decay_samples}; give the schedule in steps or in samples (set the others to 0)",
+        )
+        _check(
+            s.decay_samples > 0,
+            "lr_scheduler.warmup_samples needs lr_scheduler.decay_samples (the sample at which "
+            "the decay reaches min_lr)",
+        )
+        _check(
+            s.warmup_samples < s.decay_samples,
+            f"lr_scheduler.warmup_samples = {s.warmup_samples} must be smaller than "
+            f"decay_samples = {s.decay_samples}",
+        )
+    elif s.decay_steps:
+        # decay_steps = 0 (decay over the run) is not checked: a run shortened below its
+        # warm-up (--training.steps=3) just ends during the warm-up.
+        _check(
+            s.warmup_steps < s.decay_steps,
+            f"lr_scheduler.warmup_steps = {s.warmup_steps} must be smaller than decay_steps = "
+            f"{s.decay_steps}",
+        )

@@ -2,6 +2,7 @@
 bias-GeLU, fused lm head + cross-entropy) trains like the torch reference path: same loss curve.
 Runs the kernels through Triton's interpreter on CPU."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -9,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from bloomnative.kernels import _dispatch  # noqa: E402
+from bloomnative.kernels import _dispatch, flash_alibi_attention  # noqa: E402
 from bloomnative.model import Bloom, BloomArgs  # noqa: E402
 from bloomnative.train.loss import cross_entropy_sum, fused_head_cross_entropy_sum  # noqa: E402
 
@@ -49,3 +50,27 @@ def test_all_kernels_on_give_the_reference_loss_curve():
     )
     assert reference[-1] < reference[0]
     torch.testing.assert_close(torch.tensor(kernels), torch.tensor(reference), rtol=1e-4, atol=0)
+
+
+def test_triton_backend_passes_attention_dropout_to_the_kernel():
+    """The model's attention with the triton backend in training mode is the kernel called with
+    dropout_p (its mask seeded from the default generator, which parallel/dropout_rng.py sets per
+    rank); in evaluation it is the kernel without dropout."""
+    args = BloomArgs(n_layer=1, hidden_size=64, n_head=2, vocab_size=96, attention="triton")
+    attention = Bloom(dataclasses.replace(args, attention_dropout=0.3)).layers["0"].self_attention
+    x = torch.randn(2, 24, 64)
+    b, s, _ = x.shape
+    q, k, v = (
+        t.transpose(1, 2) for t in attention.query_key_value(x).view(b, s, -1, 3, 32).unbind(3)
+    )
+
+    def expected(**dropout) -> torch.Tensor:
+        out = flash_alibi_attention(q, k, v, attention.alibi_slopes, causal=True, **dropout)
+        return attention.dense(out.transpose(1, 2).reshape(b, s, -1))
+
+    torch.manual_seed(5)
+    reference = expected(dropout_p=0.3)
+    torch.manual_seed(5)
+    torch.testing.assert_close(attention.train()(x), reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(attention.eval()(x), expected(), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(reference, expected(), atol=1e-3)

@@ -1,5 +1,6 @@
 """Runs several parallel layouts of one small training job in one torchrun world and saves, per
-layout, metrics.jsonl and the final (gathered) parameters. Driven by test_layouts.py:
+layout, metrics.jsonl, the final (gathered) parameters and what the pipeline stages hold.
+Driven by test_layouts.py:
 
     torchrun --nproc-per-node N tests/parallel/layout_runner.py OUT_DIR LAYOUTS_JSON BASE_ARGS...
 
@@ -8,12 +9,14 @@ LAYOUTS_JSON maps a layout name to its list of `--section.key=value` overrides.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor
 
 from bloomnative.config import parse_args
@@ -31,6 +34,25 @@ def gathered_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     }
 
 
+def live_stage_buffers() -> dict:
+    """Every pipeline stage object still alive in this process and the receive buffers it
+    holds (activations and gradients, per micro batch): count, bytes and dtypes."""
+    gc.collect()
+    stages = [o for o in gc.get_objects() if isinstance(o, _PipelineStageBase)]
+    buffers = {}
+    for stage in stages:
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            for info in infos:
+                if info.buffer is not None:
+                    buffers[info.buffer.untyped_storage().data_ptr()] = info.buffer
+    return {
+        "stages": len(stages),
+        "buffers": len(buffers),
+        "bytes": sum(b.untyped_storage().nbytes() for b in buffers.values()),
+        "dtypes": sorted({str(b.dtype) for b in buffers.values()}),
+    }
+
+
 def main() -> None:
     out, layouts, base = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:]
     for name, overrides in layouts.items():
@@ -43,6 +65,9 @@ def main() -> None:
             mesh[dim].get_local_rank() == 0 for dim in ("cp", "tp")
         ):
             torch.save(params, out / name / f"params_pp{trainer.pp_rank}.pt")
+        stages = live_stage_buffers()
+        (out / name / f"stages_rank{dist.get_rank()}.json").write_text(json.dumps(stages))
+        del trainer
         dist.barrier()
     dist.destroy_process_group()
 

@@ -1,11 +1,21 @@
-"""Every impossible layout is rejected before anything is allocated, saying what to change."""
+"""Every impossible layout is rejected before anything is allocated, saying what to change;
+every batch size of a rampup is checked; the shipped configs pass at their world size; the
+memory planner refuses what preflight refuses."""
+
+import re
+from pathlib import Path
 
 import pytest
 
 from bloomnative.config import ConfigError, parse_args
 from bloomnative.parallel import LayoutError
+from bloomnative.parallel import memory_estimate as me
+from bloomnative.parallel.layout_check import run_batch_sizes
 from bloomnative.parallel.pipeline import stage_layer_counts
 from bloomnative.train.preflight import check_run, main
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
+BLOOM_176B = next(p for p in CONFIGS if p.name == "bloom-176b.toml")
 
 
 def check(world_size: int, *overrides: str):
@@ -59,7 +69,7 @@ def check(world_size: int, *overrides: str):
                 "--training.global_batch_size=8",
                 "--training.micro_batch_size=4",
             ],
-            r"1 pipeline micro batches for pp = 2",
+            r"1 pipeline micro batches \(from batch size 8\) for pp = 2",
         ),
         (
             2,
@@ -78,7 +88,7 @@ def check(world_size: int, *overrides: str):
         (
             2,
             ["--parallelism.pp=2", "--parallelism.pp_layers_per_stage=1,2"],
-            r"pp_layers_per_stage = \[1, 2\] must have 2 entries summing to n_layer = 4",
+            r"pp_layers_per_stage = \[1, 2\] must have 2 entries >= 0 summing to n_layer = 4",
         ),
         (
             2,
@@ -139,3 +149,86 @@ def test_bloom_176b_stages_count_the_embedding_and_head_as_layers():
     assert stage_layer_counts(6, 3, embedding_as_layer=True) == [2, 3, 1]
     assert stage_layer_counts(6, 3, embedding_as_layer=False) == [2, 2, 2]
     assert stage_layer_counts(6, 3, True, explicit=[1, 1, 4]) == [1, 1, 4]
+
+
+# ----------------------------------------------------------------------------- batch-size rampup
+
+
+def test_rampup_batch_sizes_are_start_plus_increments_up_to_the_global_batch():
+    config = parse_args(["--training.global_batch_size=16", "--training.rampup_batch_size=4,4,64"])
+    assert run_batch_sizes(config.training) == [4, 8, 12, 16]
+    bloom = parse_args(["--config", str(BLOOM_176B)]).training
+    sizes = run_batch_sizes(bloom)
+    assert (sizes[0], sizes[1], sizes[-1], len(sizes)) == (192, 208, 2048, 117)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (  # pp_microbatches = 4 divides 4, 8 and 12 but not 6, a size of the ramp
+            [
+                "--parallelism.pp_microbatches=4",
+                "--training.micro_batch_size=2",
+                "--training.global_batch_size=12",
+                "--training.rampup_batch_size=4,2,100",
+            ],
+            r"rampup batch size 6: its 6 samples per data-parallel rank do not split into "
+            r"parallelism.pp_microbatches = 4",
+        ),
+        (  # 5 micro batches run in 2 rounds of pp = 2 under Interleaved1F1B: torch refuses
+            [
+                "--parallelism.pp_schedule=Interleaved1F1B",
+                "--parallelism.pp_stages_per_rank=2",
+                "--training.micro_batch_size=1",
+                "--training.global_batch_size=8",
+                "--training.rampup_batch_size=4,1,100",
+            ],
+            r"5 pipeline micro batches \(from rampup batch size 5\): Interleaved1F1B runs them in "
+            r"rounds of pp = 2 and needs a count divisible by the number of rounds \(2\)",
+        ),
+    ],
+)
+def test_every_batch_size_of_the_rampup_is_checked(overrides, message):
+    with pytest.raises(LayoutError, match=message):
+        check(2, "--parallelism.pp=2", *overrides)
+
+
+def test_a_rampup_is_not_refused_for_its_increment():
+    """The increment (2 samples: 1 pipeline micro batch) is not a batch size of the run; the
+    sizes 8, 10, ..., 16 all give at least pp = 2 micro batches."""
+    check(
+        2,
+        "--parallelism.pp=2",
+        "--training.micro_batch_size=2",
+        "--training.global_batch_size=16",
+        "--training.rampup_batch_size=8,2,100",
+    )
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_passes_preflight_at_the_world_size_its_header_names(path, capsys):
+    header = re.search(r"^# World size: (\d+)", path.read_text(), re.M)
+    assert header, f"{path.name}: the header must name its world size ('# World size: N')"
+    assert main(["--world-size", header.group(1), "--config", str(path)]) == 0, (
+        capsys.readouterr().err
+    )
+
+
+def test_the_planner_refuses_what_preflight_refuses():
+    """Planned from the config (tools/estimate_memory.py's path), a layout the trainer refuses
+    is refused with the trainer's message, not planned as "fits"."""
+    argv = [
+        "--parallelism.pp=2",
+        "--parallelism.dp_shard=1",
+        "--parallelism.pp_microbatches=4",
+        "--training.micro_batch_size=2",
+        "--training.global_batch_size=12",
+        "--training.rampup_batch_size=4,2,100",
+    ]
+    config = parse_args(argv)
+    with pytest.raises(LayoutError) as preflight:
+        check_run(config, 2)
+    layout = me.layout_from_config(config.parallelism, 2)
+    with pytest.raises(LayoutError) as planner:
+        me.workload_from_config(config, layout, "cpu")
+    assert str(planner.value) == str(preflight.value)

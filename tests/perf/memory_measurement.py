@@ -3,8 +3,8 @@
 - model states: the bytes of the live parameters, gradients and AdamW moments (exact);
 - saved activations: every tensor autograd saves for backward during one micro batch's forward
   and loss, collected with saved-tensor hooks and de-duplicated by storage, parameters excluded
-  (with bf16 autocast this includes the weight casts the linears save); the trainer keeps no
-  reference to the logits, so they count only if autograd saves them;
+  (with bf16 the gathered bf16 ones FSDP's units run with, which the planner counts as weights);
+  the trainer keeps no reference to the logits, so they count only if autograd saves them;
 - the step's peak: every allocation and free the c10 CPU allocator reports to the profiler
   (profile_memory=True) during one full `Trainer.train_step()`, replayed in time order on top of
   the bytes already live (weights and AdamW moments). On CPU this is the quantity
@@ -118,28 +118,28 @@ def allocation_peak(prof: profile) -> int:
 
 def saved_activation_bytes(trainer: Trainer) -> int:
     """Bytes of the distinct storages autograd saves in one micro batch's forward + loss (the
-    trainer computes the loss from the logits without keeping them, as done here)."""
+    trainer computes the loss from the logits without keeping them, as done here). Weights are
+    not activations: a tensor on the storage of a parameter the model has at that moment (under
+    FSDP the gathered one the running unit uses) is left out."""
     model = trainer.model_parts[0]
-    params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = local(t).untyped_storage()
-        if storage.data_ptr() not in params:
+        weights = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        if storage.data_ptr() not in weights:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
     inputs, labels = trainer.train_loader.next_batch(MICRO_BATCH * MICRO_BATCHES)[0]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with trainer.autocast():
-            cross_entropy_sum(model(inputs), labels)
+        cross_entropy_sum(model(inputs), labels)
     return sum(saved.values())
 
 
 def predicted_saved_bytes(estimate: me.RankEstimate) -> int:
-    """Stored activations, the loss's saved tensors and (bf16) autocast's weight casts, which
-    the linears save too."""
-    names = ("activations:", "loss:", "autocast bf16 weight copies")
+    """Stored activations and the loss's saved tensors."""
+    names = ("activations:", "loss:")
     return sum(c.bytes for c in estimate.components if c.name.startswith(names))
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bloomnative.model import Bloom, BloomArgs
+from bloomnative.parallel import LayoutError
 from bloomnative.parallel import memory_estimate as me
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def workload(**overrides) -> me.Workload:
 
 
 def bf16_params_layout(**overrides) -> me.Layout:
-    """Data parallel (FSDP), so bf16 comes from bf16 parameters, not autocast: 2-byte residual."""
+    """Data parallel over two ranks (FSDP2 shards the states; activations do not depend on it)."""
     return me.Layout(**({"dp_shard": 2} | overrides))
 
 
@@ -106,13 +107,21 @@ def test_zero1_shards_only_master_weights_and_moments():
     assert states == (2 + 2 + 4) * p + 12 * p // 8
 
 
-def test_no_data_parallelism_keeps_fp32_weights_and_autocast_copies():
+def test_bf16_without_data_parallelism_is_fsdp_on_one_rank():
+    """bf16 is FSDP2's mixed precision on every layout: with dp = 1 the "shards" are whole."""
     rank = me.estimate_rank(TINY, me.Layout(), workload(microbatches=2))
+    p = 4 * BLOCK + EMBEDDING + 2 * NORM
+    assert rank.component("fp32 master weights (sharded)").bytes == 4 * p
+    assert rank.component("fp32 gradients (sharded, reduce dtype)").phase == "resident"
+    root = EMBEDDING + 2 * NORM  # zero_stage 3 keeps only the root unit gathered
+    assert rank.component("gathered weights (FSDP all-gather outputs)").bytes == 2 * root
+
+
+def test_fp32_without_data_parallelism_keeps_plain_weights():
+    rank = me.estimate_rank(TINY, me.Layout(), workload(microbatches=2, precision="fp32"))
     p = 4 * BLOCK + EMBEDDING + 2 * NORM
     assert rank.component("fp32 weights").bytes == 4 * p
     assert rank.component("fp32 gradients").phase == "resident"  # accumulation: 2 micro batches
-    matrices = 4 * (12 * 64) + EMBEDDING  # linear weights + the tied head
-    assert rank.component("autocast bf16 weight copies (saved for backward)").bytes == 2 * matrices
 
 
 # ----------------------------------------------------------------------------- activations
@@ -163,8 +172,8 @@ def test_context_parallel_shards_model_states_over_dp_shard_times_cp():
     sharded = me.estimate_rank(TINY, me.Layout(dp_shard=4), wl, device_type="cpu")
     for name in ("fp32 master weights (sharded)", "AdamW moments (sharded)"):
         assert mixed.component(name).bytes == sharded.component(name).bytes
-    # cp alone still shards (FSDP over the cp ranks), and bf16 then needs no autocast.
-    assert me.Layout(cp=2).uses_fsdp and not me.Precision.of(me.Layout(cp=2), wl).autocast
+    # cp alone shards too (FSDP over the cp ranks), in fp32 as well.
+    assert me.Precision.of(me.Layout(cp=2), workload(precision="fp32")).fsdp
 
 
 def test_ring_attention_buffers_hand_computed():
@@ -176,17 +185,14 @@ def test_ring_attention_buffers_hand_computed():
     sdpa = me.ring_attention_buffers(TINY, cp2, workload(attention="sdpa_efficient"), prec)
     assert sdpa == 33 * 32 + 4 * (4 * B + 1) * 2 * 1
     assert me.ring_attention_buffers(TINY, bf16_params_layout(), workload(), prec) == 0
-    with pytest.raises(me.PlanError, match="seq_len 4 is not a multiple of 2 \\* cp = 8"):
+    with pytest.raises(LayoutError, match="seq_len = 4 is not a multiple of 2 \\* parallelism.cp"):
         me.estimate_rank(TINY, me.Layout(cp=4), workload())
 
 
-def test_autocast_keeps_layernorm_inputs_in_fp32():
+def test_bf16_activations_do_not_depend_on_the_data_parallel_degree():
     wl = workload(attention="flash")
-    autocast = me.Precision.of(me.Layout(), wl)
-    assert (autocast.residual, autocast.compute) == (4, 2)
-    sbh = S * B * 8
-    # The two LayerNorm inputs go from 2 to 4 bytes per element.
-    assert block_bytes(me.Layout(), wl) - block_bytes(bf16_params_layout(), wl) == 2 * 2 * sbh
+    assert me.Precision.of(me.Layout(), wl) == me.Precision(compute=2, fsdp=True)
+    assert block_bytes(me.Layout(), wl) == block_bytes(bf16_params_layout(), wl)
 
 
 def test_more_recompute_means_less_activation_memory():

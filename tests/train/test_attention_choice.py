@@ -5,13 +5,12 @@ import json
 
 import pytest
 
-from bloomnative.config import Config, ConfigError, validate
+from bloomnative.config import Config, ConfigError, model_args_from_config, validate
 from bloomnative.train.attention_choice import (
     CACHE_FILE,
     AttentionShape,
     choose_attention,
 )
-from bloomnative.train.preflight import model_args_from_config
 
 SHAPE = AttentionShape(batch=4, heads=16, seq_len=2048, head_dim=128, dtype="bfloat16")
 ENV = {"torch": "2.11.0", "device": "NVIDIA H100 80GB HBM3", "triton": "3.6.0"}
@@ -48,6 +47,15 @@ def test_the_fastest_backend_is_chosen_and_the_times_are_logged_and_cached(tmp_p
     saved = json.loads((tmp_path / CACHE_FILE).read_text())
     assert saved["choice"] == "triton" and saved["times_ms"]["sdpa"] == 3.1
     assert saved["key"]["shape"]["head_dim"] == 128
+
+
+def test_with_attention_dropout_flex_is_no_candidate(tmp_path):
+    """FlexAttention has no dropout, so a run with attention dropout never resolves to it."""
+    timer = Timings(triton=2.0, flex=1.0, sdpa=3.0)
+    shape = AttentionShape(**{**SHAPE.__dict__, "dropout_p": 0.1})
+    choice, _ = choose(tmp_path, timer, shape=shape)
+    assert choice == "triton"
+    assert {name for name, _ in timer.calls} == {"triton", "sdpa"}
 
 
 def test_a_restart_reads_the_cached_choice_without_timing(tmp_path):

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from bloomnative.config import Config, ConfigError, parse_args
+from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
 from bloomnative.parallel import memory_estimate as me
-from bloomnative.train.preflight import model_args_from_config
 from training_helpers import TINY_RUN, run_training, train_env
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from bloomnative.config import Config, ConfigError, load_toml, parse_args
+from bloomnative.model import BloomArgs
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 
@@ -30,6 +31,39 @@ def test_bloom_176b_config_records_the_published_recipe():
     assert c.lr_scheduler.decay_style == "cosine"
     assert (c.parallelism.tp, c.parallelism.pp, c.parallelism.dp_shard) == (4, 12, 8)
     assert c.training.dtype == "bf16"
+
+
+# Values from the BigScience launch scripts each config cites (github.com/bigscience-workshop/
+# bigscience, train/tr11-176B-ml/): lr, min lr, global batch, rampup, init std; every script
+# has warm-up 183,105 and decay 200M samples, cosine, AdamW 0.9/0.95/1e-8, weight decay 0.1,
+# clip 1.0, seq 2048, and no dropout flags (Megatron-DeepSpeed's 0.1 defaults).
+SCRIPTS = {
+    "bloom-560m": ("smaller_models/tr11e-350M-ml.slurm", 3e-4, 1e-5, 256, [192, 16, 9_765_625]),
+    "bloom-1b1": ("smaller_models/tr11d-760M-ml.slurm", 2.5e-4, 1e-5, 256, [192, 16, 9_765_625]),
+    "bloom-1b7": ("smaller_models/tr11b-1B3-ml.slurm", 2e-4, 1e-5, 512, [192, 16, 9_765_625]),
+    "bloom-3b": ("smaller_models/tr11c-2B5-ml.slurm", 1.6e-4, 1e-5, 512, [192, 32, 9_765_625]),
+    "bloom-7b1": ("smaller_models/tr11f-6B3-ml.slurm", 1.2e-4, 1e-5, 512, [192, 32, 9_765_625]),
+    "bloom-176b": ("tr11-176B-ml.slurm", 6e-5, 6e-6, 2048, [192, 16, 9_765_625]),
+}
+
+
+@pytest.mark.parametrize("preset", SCRIPTS)
+def test_bloom_configs_carry_the_values_of_the_scripts_they_cite(preset):
+    script, lr, min_lr, gbs, rampup = SCRIPTS[preset]
+    path = CONFIGS[0].parent / f"{preset}.toml"
+    header = path.read_text().split("\n\n")[0]
+    assert f"train/tr11-176B-ml/{script}" in header.replace("\n# ", " ")
+    c = parse_args(["--config", str(path)])
+    assert (c.optimizer.lr, c.optimizer.min_lr) == (lr, min_lr)
+    assert (c.training.global_batch_size, c.training.rampup_batch_size) == (gbs, rampup)
+    assert (c.training.seq_len, c.training.max_norm, c.optimizer.weight_decay) == (2048, 1.0, 0.1)
+    assert (c.optimizer.beta1, c.optimizer.beta2, c.optimizer.eps) == (0.9, 0.95, 1e-8)
+    s = c.lr_scheduler
+    assert (s.warmup_samples, s.decay_samples, s.decay_style) == (183_105, 200_000_000, "cosine")
+    assert (s.warmup_steps, s.decay_steps) == (0, 0)
+    assert (c.model.hidden_dropout, c.model.attention_dropout) == (0.1, 0.1)
+    assert BloomArgs.from_preset(preset).init_std == 0.0048
+    assert (c.validation.freq, c.validation.steps) == (1000, 1)
 
 
 def test_cli_overrides_convert_to_the_field_type():

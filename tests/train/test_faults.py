@@ -111,6 +111,8 @@ def test_a_nan_gradient_step_is_skipped_and_counted(
     rows = {row["step"]: row for row in metric_rows(tmp_path / "run")}
     assert [rows[s]["nonfinite_skipped"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
     assert all(rows[s]["loss"] == rows[s]["loss"] for s in rows)  # later losses are finite
+    # The skipped step does not advance the learning-rate schedule (as in Megatron).
+    assert rows[4]["lr"] == rows[3]["lr"] != rows[5]["lr"]
 
 
 def test_consecutive_nonfinite_steps_stop_the_run_with_a_message(tmp_path, synthetic_corpus):

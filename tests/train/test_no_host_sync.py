@@ -75,8 +75,13 @@ def test_no_device_readback_between_log_steps(tmp_path, synthetic_corpus, nproc,
 
 
 def test_the_probe_catches_a_per_step_readback(tmp_path, synthetic_corpus):
-    # foreach AdamW has no found_inf input, so the skip decision is read on the host every step.
+    # foreach AdamW has no found_inf input, so the skip decision (and the learning rate with it)
+    # is read on the host every step; the non-capturable foreach kernel then reads its own step
+    # counters (within _step_at).
     records = recorded_syncs(tmp_path, synthetic_corpus, "--optimizer.implementation=foreach")
     caught = unexpected(records)
-    assert {r["where"] for r in caught} == {"train/nonfinite.py:step"}
+    assert {r["where"] for r in caught} == {
+        "train/nonfinite.py:step",
+        "train/nonfinite.py:_step_at",
+    }
     assert {r["step"] for r in caught} == set(range(6))

@@ -154,3 +154,31 @@ def test_validation_at_a_longer_sequence_length_is_logged(tmp_path, synthetic_co
     )
     (row,) = [r for r in metric_rows(dump) if "eval_loss" in r]
     assert row["step"] == 2 and row["eval_loss_long"] > 0 and row["eval_ppl"] > 1
+
+
+def test_logged_loss_is_the_mean_over_the_log_interval_and_each_step_is_in_tensorboard(
+    tmp_path, synthetic_corpus
+):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_training(
+        [
+            *TINY_RUN,
+            f"--data.blend={synthetic_corpus}",
+            "--training.steps=6",
+            "--metrics.log_freq=4",
+            "--metrics.tensorboard=true",
+            f"--job.dump_folder={tmp_path}",
+            "--checkpoint.enable=false",
+        ]
+    )
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    per_step = {e.step: e.value for e in events.Scalars("loss_step")}
+    assert sorted(per_step) == [1, 2, 3, 4, 5, 6]
+    logged = losses_by_step(tmp_path)
+    assert sorted(logged) == [1, 4, 6]  # the first step, every 4th, the last
+    for step, first in ((1, 1), (4, 2), (6, 5)):  # each row covers the steps since the last
+        interval = [per_step[s] for s in range(first, step + 1)]
+        assert logged[step] == pytest.approx(sum(interval) / len(interval), rel=1e-6)
+    assert logged[4] != pytest.approx(per_step[4], rel=1e-6)  # not just the last step's

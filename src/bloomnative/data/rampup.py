@@ -33,3 +33,9 @@ def rampup_batch_size(
     samples_per_increment = ramp_samples / num_increments
     steps = int(consumed_samples / samples_per_increment)
     return min(start + steps * increment, global_batch_size)
+
+
+def rampup_sizes(start: int, increment: int, global_batch_size: int) -> list[int]:
+    """Every global batch size a rampup steps through: start, start + increment, ...,
+    global_batch_size."""
+    return list(range(start, global_batch_size + 1, increment))

@@ -24,6 +24,12 @@ class BloomArgs:
     """Epsilon of every LayerNorm."""
     init_std: float = 0.02
     """Std of the normal init; output projections use init_std / sqrt(2 * n_layer)."""
+    hidden_dropout: float = 0.0
+    """Dropout on the embedding output (after its LayerNorm) and on the attention and MLP
+    outputs before each residual add, in training mode (Megatron's --hidden-dropout)."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities, in training mode (Megatron's
+    --attention-dropout); not available with the "flex" backend."""
     attention: str = "sdpa"
     """Attention backend: "sdpa" (portable, additive ALiBi bias), "flex" (FlexAttention with an
     ALiBi score_mod, GPU) or "triton" (bloomnative's flash kernel with ALiBi in the kernel)."""
@@ -43,6 +49,19 @@ class BloomArgs:
             raise ValueError(
                 f"attention={self.attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
             )
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if self.attention == "flex" and self.attention_dropout:
+            raise ValueError(
+                f"attention_dropout={self.attention_dropout} needs attention 'sdpa' or 'triton': "
+                "FlexAttention has no dropout"
+            )
+
+    @property
+    def uses_dropout(self) -> bool:
+        """Whether training draws random numbers (any dropout probability above 0)."""
+        return self.hidden_dropout > 0 or self.attention_dropout > 0
 
     def num_params(self, include_embedding: bool = True) -> int:
         """Exact parameter count (the head is tied, so it adds nothing)."""
@@ -70,15 +89,30 @@ class BloomArgs:
 
 
 _BLOOM_VOCAB = 250_880
+# Every BigScience tr11 script (train/tr11-176B-ml/tr11-176B-ml.slurm and smaller_models/*.slurm
+# of github.com/bigscience-workshop/bigscience) passes --init-method-std 0.0048.
+_BLOOM_INIT_STD = 0.0048
+
+
+def _bloom(n_layer: int, hidden_size: int, n_head: int) -> BloomArgs:
+    return BloomArgs(
+        n_layer=n_layer,
+        hidden_size=hidden_size,
+        n_head=n_head,
+        vocab_size=_BLOOM_VOCAB,
+        init_std=_BLOOM_INIT_STD,
+    )
+
 
 PRESETS: dict[str, BloomArgs] = {
     "debug": BloomArgs(n_layer=4, hidden_size=192, n_head=6, vocab_size=8192),
-    "bloom-560m": BloomArgs(n_layer=24, hidden_size=1024, n_head=16, vocab_size=_BLOOM_VOCAB),
-    "bloom-1b1": BloomArgs(n_layer=24, hidden_size=1536, n_head=16, vocab_size=_BLOOM_VOCAB),
-    "bloom-1b7": BloomArgs(n_layer=24, hidden_size=2048, n_head=16, vocab_size=_BLOOM_VOCAB),
-    "bloom-3b": BloomArgs(n_layer=30, hidden_size=2560, n_head=32, vocab_size=_BLOOM_VOCAB),
-    "bloom-7b1": BloomArgs(n_layer=30, hidden_size=4096, n_head=32, vocab_size=_BLOOM_VOCAB),
-    "bloom-176b": BloomArgs(
-        n_layer=70, hidden_size=14336, n_head=112, vocab_size=_BLOOM_VOCAB, init_std=0.0048
-    ),
+    # The published names, with the script that trained each: tr11e-350M-ml, tr11d-760M-ml,
+    # tr11b-1B3-ml, tr11c-2B5-ml, tr11f-6B3-ml (named before the 250k vocabulary was counted)
+    # and tr11-176B-ml.
+    "bloom-560m": _bloom(24, 1024, 16),
+    "bloom-1b1": _bloom(24, 1536, 16),
+    "bloom-1b7": _bloom(24, 2048, 16),
+    "bloom-3b": _bloom(30, 2560, 32),
+    "bloom-7b1": _bloom(30, 4096, 32),
+    "bloom-176b": _bloom(70, 14336, 112),
 }

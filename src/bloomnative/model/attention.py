@@ -1,6 +1,9 @@
-"""Attention backends: each computes softmax(q k^T / sqrt(d) + ALiBi, causal) v.
+"""Attention backends: each computes dropout(softmax(q k^T / sqrt(d) + ALiBi, causal)) v.
 
-All take q, k, v as [batch, heads, seq, head_dim] and per-head ALiBi slopes [heads].
+All take q, k, v as [batch, heads, seq, head_dim], per-head ALiBi slopes [heads] and the dropout
+probability on the attention probabilities (0 outside training). Dropout masks come from torch's
+default generator on q's device, so whoever sets that generator's state (parallel/dropout_rng.py for
+tensor-parallel ranks) decides the masks.
 """
 
 from __future__ import annotations
@@ -12,11 +15,17 @@ import torch.nn.functional as F
 
 from bloomnative.model.alibi import alibi_causal_bias
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
 
 
 def sdpa_alibi_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Portable path: SDPA with a materialised [heads, seq, seq] ALiBi + causal bias.
 
@@ -24,18 +33,21 @@ def sdpa_alibi_attention(
     accumulate the softmax in fp32.
     """
     bias = alibi_causal_bias(slopes, q.shape[-2], q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
 
 
-def _triton_attention(q, k, v, slopes):
+def _triton_attention(q, k, v, slopes, dropout_p=0.0):
     from bloomnative.kernels import flash_alibi_attention
 
-    return flash_alibi_attention(q, k, v, slopes, causal=True)
+    # The kernel regenerates its mask from a seed it draws from the default generator.
+    return flash_alibi_attention(q, k, v, slopes, causal=True, dropout_p=dropout_p)
 
 
-def _flex_attention(q, k, v, slopes):
+def _flex_attention(q, k, v, slopes, dropout_p=0.0):
     from bloomnative.kernels import flex_alibi_attention
 
+    if dropout_p:
+        raise ValueError("the flex attention backend has no dropout; use sdpa or triton")
     return flex_alibi_attention(q, k, v, slopes, causal=True)
 
 

@@ -1,9 +1,13 @@
 """BLOOM in plain PyTorch.
 
 word embedding -> embedding LayerNorm -> n_layer pre-LN blocks (ALiBi causal attention, tanh-GeLU
-MLP) -> final LayerNorm -> lm head tied to the embedding. No parallelism here: `parallel/`
-applies it from outside. Layers sit in an `nn.ModuleDict` keyed by index, and `forward` skips
-parts set to None, so a pipeline stage is this class with entries removed.
+MLP) -> final LayerNorm -> lm head tied to the embedding. Dropout, when enabled, sits where
+Megatron-DeepSpeed put it for BLOOM: after the embedding LayerNorm, on the attention
+probabilities, and on the attention and MLP outputs before each residual add.
+
+No parallelism here: `parallel/` applies it from outside. Layers sit in an `nn.ModuleDict`
+keyed by index, and `forward` skips parts set to None, so a pipeline stage is this class with
+entries removed.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class BloomAttention(nn.Module):
         self.query_key_value = nn.Linear(args.hidden_size, 3 * args.hidden_size)
         self.dense = nn.Linear(args.hidden_size, args.hidden_size)
         self.attend = attention_backend(args.attention)
+        self.dropout = args.attention_dropout
         # The heads this module computes: all of them, or a tensor-parallel rank's slice.
         self.head_range = (0, args.n_head)
         self.register_buffer("alibi_slopes", alibi_slopes(args.n_head), persistent=False)
@@ -64,7 +69,7 @@ class BloomAttention(nn.Module):
         # -1 instead of n_head: under tensor parallelism this rank holds a subset of the heads.
         qkv = self.query_key_value(x).view(batch, seq, -1, 3, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [b, heads, s, d]
-        out = self.attend(q, k, v, self.alibi_slopes)
+        out = self.attend(q, k, v, self.alibi_slopes, self.dropout if self.training else 0.0)
         return self.dense(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -85,7 +90,7 @@ class BloomMLP(nn.Module):
 
 
 class BloomBlock(nn.Module):
-    """Pre-LN block: x + attn(LN(x)), then + mlp(LN(.))."""
+    """Pre-LN block: x + dropout(attn(LN(x))), then + dropout(mlp(LN(.)))."""
 
     def __init__(self, args: BloomArgs):
         super().__init__()
@@ -93,10 +98,11 @@ class BloomBlock(nn.Module):
         self.self_attention = BloomAttention(args)
         self.post_attention_layernorm = make_layer_norm(args)
         self.mlp = BloomMLP(args)
+        self.hidden_dropout = nn.Dropout(args.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attention(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x)))
+        return x + self.hidden_dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Bloom(nn.Module):
@@ -111,6 +117,7 @@ class Bloom(nn.Module):
         self.args = args
         self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         self.word_embeddings_layernorm = make_layer_norm(args)
+        self.embedding_dropout = nn.Dropout(args.hidden_dropout)
         self.layers = nn.ModuleDict({str(i): BloomBlock(args) for i in range(args.n_layer)})
         self.ln_f = make_layer_norm(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -131,7 +138,7 @@ class Bloom(nn.Module):
         stage has no lm head."""
         h = tokens
         if self.word_embeddings is not None:
-            h = self.word_embeddings_layernorm(self.word_embeddings(h))
+            h = self.embedding_dropout(self.word_embeddings_layernorm(self.word_embeddings(h)))
         for layer in self.layers.values():
             h = layer(h)
         if self.ln_f is not None:

@@ -1,5 +1,6 @@
 """Activation checkpointing: recompute a block's activations in backward instead of storing
-them (Megatron's "full" recompute, or every N-th block for "selective")."""
+them (Megatron's "full" recompute, or every N-th block for "selective"). With dropout the
+recomputation replays the random state of the forward, so it draws the same masks."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ def apply_activation_checkpointing(model: Bloom, mode: str, every: int = 2) -> N
         raise ValueError(f"activation_checkpoint.every must be >= 1, got {every}")
     for name, block in list(model.layers.items()):
         if mode == "full" or int(name) % every == 0:
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.layers[name] = checkpoint_wrapper(
+                block, preserve_rng_state=model.args.uses_dropout
+            )
 
 
 def canonical_name(name: str) -> str:

@@ -1,4 +1,5 @@
-"""FSDP2 (`fully_shard`): ZeRO-style sharding of parameters, gradients and optimizer state."""
+"""FSDP2 (`fully_shard`): ZeRO-style sharding of parameters, gradients and optimizer state, and
+bloomnative's one bf16 scheme (its MixedPrecisionPolicy)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+
+def uses_fsdp(dp: int, bf16: bool) -> bool:
+    """Whether FSDP2 wraps the model: with data parallelism, and with bf16 on every layout, so
+    that bf16 means one thing everywhere (a size-1 data-parallel mesh when dp == 1: no
+    communication, only the mixed-precision casts and fp32 gradient accumulation)."""
+    return dp > 1 or bf16
 
 
 def apply_fsdp(

@@ -29,28 +29,26 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZe
 
 
 def is_multi_stage(schedule: str) -> bool:
+    """Whether the schedule runs several stages per rank."""
     return issubclass(get_schedule_class(schedule), PipelineScheduleMulti)
+
+
+def is_interleaved(schedule: str) -> bool:
+    """Whether the schedule runs its micro batches in rounds of pp (torch's looped schedules),
+    which needs a micro-batch count divisible by the number of rounds."""
+    return schedule in ("Interleaved1F1B", "InterleavedZeroBubble")
 
 
 def stage_layer_counts(
     n_layer: int, num_stages: int, embedding_as_layer: bool, explicit: list[int] | None = None
 ) -> list[int]:
     """Blocks per stage. BLOOM balanced by counting the embedding and the head as one layer
-    each (70 blocks on 12 stages: [5, 6 x 10, 5]); a remainder goes to the middle stages."""
+    each (70 blocks on 12 stages: [5, 6 x 10, 5]); a remainder goes to the middle stages.
+    `layout_check.check_pipeline_split` has checked the split is possible."""
     if explicit:
-        if len(explicit) != num_stages or sum(explicit) != n_layer or min(explicit) < 0:
-            raise ValueError(
-                f"parallelism.pp_layers_per_stage = {explicit} must have {num_stages} entries "
-                f">= 0 summing to n_layer = {n_layer}"
-            )
         return list(explicit)
     extra = 2 if embedding_as_layer and num_stages > 1 else 0
     units = n_layer + extra
-    if num_stages > n_layer:
-        raise ValueError(
-            f"{num_stages} pipeline stages but only {n_layer} layers: lower parallelism.pp or "
-            f"pp_stages_per_rank"
-        )
     base, rem = divmod(units, num_stages)
     counts = [base] * num_stages
     middle_first = sorted(range(num_stages), key=lambda s: abs(s - (num_stages - 1) / 2))
@@ -65,8 +63,6 @@ def stage_layer_counts(
 def stage_ids_of_rank(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
     """Loop placement (rank r holds r, r + pp, ...) or V placement for ZBV (r and 2pp-1-r)."""
     if schedule == "ZBVZeroBubble":
-        if stages_per_rank != 2:
-            raise ValueError("ZBVZeroBubble needs parallelism.pp_stages_per_rank = 2")
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(stages_per_rank)]
 
@@ -91,53 +87,119 @@ def split_model(model: Bloom, stage_id: int, counts: list[int]) -> Bloom:
     return stage
 
 
+@dataclass(frozen=True)
+class PipelineStages:
+    """This rank's stage modules and where every stage of the pipeline runs."""
+
+    parts: list[Bloom]
+    stage_ids: list[int]
+    num_stages: int
+    schedule: str
+    group: dist.ProcessGroup
+    """The pipeline group of this rank (one per data-parallel and tensor-parallel coordinate)."""
+
+    @property
+    def pp(self) -> int:
+        return self.num_stages // len(self.stage_ids)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def owner(self, stage_id: int) -> int:
+        """The rank in `group` that runs `stage_id`."""
+        return stage_owner(stage_id, self.pp, self.schedule)
+
+
 @dataclass
 class Pipeline:
+    """A schedule built for one micro-batch count, and the torch stages it runs."""
+
     schedule: _PipelineSchedule
     stages: list[PipelineStage]
-    parts: list[Bloom]
-    has_first: bool
-    has_last: bool
+    n_microbatches: int
 
 
 def build_pipeline(
-    parts: list[Bloom],
-    stage_ids: list[int],
-    num_stages: int,
-    schedule_name: str,
+    placement: PipelineStages,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
-    pp_group: dist.ProcessGroup,
 ) -> Pipeline:
-    """Wraps this rank's stage modules and builds the named schedule. `loss_fn` returns a sum
-    normalised by the caller, so the schedule does not rescale gradients."""
-    if schedule_name not in SCHEDULES:
-        raise ValueError(f"parallelism.pp_schedule = {schedule_name!r}; valid: {SCHEDULES}")
-    pp = num_stages // len(stage_ids)
-    if n_microbatches < pp:
-        raise ValueError(
-            f"{n_microbatches} pipeline micro batches for {pp} pipeline ranks: give at least one "
-            f"per rank (parallelism.pp_microbatches, or a larger batch per data-parallel rank)"
-        )
+    """Wraps this rank's stage modules and builds the configured schedule (the layout and the
+    micro-batch count were checked by `layout_check`). `loss_fn` returns a sum normalised by
+    the caller, so the schedule does not rescale gradients."""
     stages = [
-        PipelineStage(part, sid, num_stages, device, group=pp_group)
-        for part, sid in zip(parts, stage_ids, strict=True)
+        PipelineStage(part, sid, placement.num_stages, device, group=placement.group)
+        for part, sid in zip(placement.parts, placement.stage_ids, strict=True)
     ]
-    cls = get_schedule_class(schedule_name)
-    if issubclass(cls, PipelineScheduleMulti):
-        schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    else:
-        if len(stages) != 1:
-            raise ValueError(f"{schedule_name} runs one stage per rank; set pp_stages_per_rank=1")
-        schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(
-        schedule=schedule,
-        stages=stages,
-        parts=parts,
-        has_first=0 in stage_ids,
-        has_last=num_stages - 1 in stage_ids,
-    )
+    cls = get_schedule_class(placement.schedule)
+    first = stages if issubclass(cls, PipelineScheduleMulti) else stages[0]
+    schedule = cls(first, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return Pipeline(schedule=schedule, stages=stages, n_microbatches=n_microbatches)
+
+
+@torch.no_grad()
+def pipeline_forward_loss(
+    placement: PipelineStages,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+) -> torch.Tensor:
+    """Forward only (evaluation): each micro batch goes through the stages in order, every
+    activation sent to the rank of the next stage or kept when that is this rank. Returns the
+    sum of `loss_fn` over the micro batches on the rank holding the last stage, 0 elsewhere.
+
+    Used instead of a schedule's `eval()`, which in torch 2.13 fails where a rank runs two
+    stages (interleaved and V schedules) and reuses receive buffers shaped for the training
+    sequence length. Every rank walks the (micro batch, stage) pairs in the same order, so each
+    receive meets its send and the collectives inside a stage (TP, FSDP) line up; nothing is
+    kept from one micro batch to the next.
+    """
+    mine = dict(zip(placement.stage_ids, placement.parts, strict=True))
+    me = dist.get_rank(placement.group)
+    last = placement.num_stages - 1
+    total = torch.zeros((), device=device)
+    for inputs, labels in micro_batches:
+        hidden = inputs
+        for stage_id in sorted(mine):
+            previous = placement.owner(stage_id - 1) if stage_id > 0 else me
+            if previous != me:
+                hidden = _recv_activation(placement.group, previous, device)
+            output = mine[stage_id](hidden)
+            if stage_id == last:
+                total += _local(loss_fn(output, labels))
+            elif placement.owner(stage_id + 1) != me:
+                _send_activation(output, placement.group, placement.owner(stage_id + 1))
+            else:
+                hidden = output
+    return total
+
+
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HEADER_LEN = 6  # dtype index, ndim, up to four sizes
+
+
+def _send_activation(t: torch.Tensor, group: dist.ProcessGroup, dst: int) -> None:
+    """A header (dtype and shape) then the tensor, so the receiver can allocate it."""
+    t = _local(t).contiguous()
+    header = [_WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    header += [0] * (_HEADER_LEN - len(header))
+    dist.send(torch.tensor(header, device=t.device), group=group, group_dst=dst)
+    dist.send(t, group=group, group_dst=dst)
+
+
+def _recv_activation(group: dist.ProcessGroup, src: int, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=device)
+    dist.recv(header, group=group, group_src=src)
+    dtype, ndim, *shape = header.tolist()
+    t = torch.empty(shape[:ndim], dtype=_WIRE_DTYPES[dtype], device=device)
+    dist.recv(t, group=group, group_src=src)
+    return t
 
 
 def tied_weights(parts: list[Bloom]) -> list[nn.Parameter]:
@@ -159,9 +221,10 @@ class TiedWeightSync:
     first stage and that of the last; ranks holding both (V schedules) sum locally.
     """
 
-    def __init__(self, parts: list[Bloom], mesh: DeviceMesh, first_pp_rank: int, last_pp_rank: int):
-        self.copies = tied_weights(parts)
+    def __init__(self, placement: PipelineStages, mesh: DeviceMesh):
+        self.copies = tied_weights(placement.parts)
         self.group = None
+        first_pp_rank, last_pp_rank = placement.owner(0), placement.owner(placement.num_stages - 1)
         if first_pp_rank == last_pp_rank:
             return
         ranks = mesh.mesh  # [pp, dp_replicate, dp_shard, cp, tp]

@@ -5,7 +5,9 @@ the MLP width), the attention output dense and dense_4h_to_h are row-parallel. W
 parallelism the LayerNorms and the residual stream between blocks are sharded along the
 sequence, turning each all-reduce into a reduce-scatter + all-gather pair. The embedding is
 vocab-parallel, and with loss parallelism the head's output stays sharded over the vocabulary
-into the cross-entropy, so the 250,880-wide logits never exist whole on one rank.
+into the cross-entropy, so the 250,880-wide logits never exist whole on one rank. Dropout
+follows parallel/dropout_rng.py's rule: under SP every dropout is on a sharded tensor and the
+rank's own stream; without SP attention forks a per-rank stream.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from bloomnative.model import Bloom
+from bloomnative.parallel.dropout_rng import fork_attention_dropout
 
 
 def apply_tensor_parallel(
@@ -69,6 +72,8 @@ def apply_tensor_parallel(
             plan["post_attention_layernorm"] = norm
         parallelize_module(block, tp_mesh, plan)
         _shard_heads(block.self_attention, tp_mesh.get_local_rank(), tp)
+    if not sequence_parallel:
+        fork_attention_dropout(model, tp_mesh.get_local_rank())
 
 
 def _shard_heads(attention: nn.Module, tp_rank: int, tp: int) -> None:

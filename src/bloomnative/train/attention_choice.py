@@ -35,6 +35,7 @@ class AttentionShape:
     seq_len: int
     head_dim: int
     dtype: str  # "bfloat16" or "float32"
+    dropout_p: float = 0.0  # model.attention_dropout: flex has none, the others pay for it
 
 
 Timer = Callable[[str, AttentionShape], float]
@@ -59,7 +60,7 @@ def time_backend_ms(name: str, shape: AttentionShape, warmup: int = 3, iters: in
     for i in range(warmup + iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        torch.autograd.grad(attend(q, k, v, slopes), (q, k, v), grad_out)
+        torch.autograd.grad(attend(q, k, v, slopes, shape.dropout_p), (q, k, v), grad_out)
         end.record()
         torch.cuda.synchronize()
         if i >= warmup:
@@ -102,7 +103,9 @@ def choose_attention(
             log(f'model.attention = "auto": "{saved["choice"]}" (timed before, {cache})')
             return saved["choice"]
     times: dict[str, float] = {}
-    for name in CANDIDATES:
+    # FlexAttention has no dropout: with attention dropout it is no candidate.
+    candidates = [n for n in CANDIDATES if not (shape.dropout_p and n == "flex")]
+    for name in candidates:
         try:
             times[name] = timer(name, shape)
         except Exception as exc:  # noqa: BLE001 - a backend that cannot run is not a candidate

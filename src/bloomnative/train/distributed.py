@@ -29,22 +29,46 @@ def init_distributed(device: torch.device, timeout_s: int) -> tuple[int, int]:
     on an in-memory store: no port is opened."""
     if not dist.is_initialized():
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-        single = (
-            {}
-            if "WORLD_SIZE" in os.environ
-            else {
-                "store": dist.HashStore(),
-                "rank": 0,
-                "world_size": 1,
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "WORLD_SIZE" not in os.environ:
+            rendezvous = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            rendezvous = {
+                "store": _restart_attempt_store(timeout),
+                "rank": int(os.environ["RANK"]),
+                "world_size": int(os.environ["WORLD_SIZE"]),
             }
-        )
+        else:
+            rendezvous = {}
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
-            **single,
+            **rendezvous,
         )
     return dist.get_rank(), dist.get_world_size()
+
+
+def _restart_attempt_store(timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store, with this restart attempt's keys under their own prefix.
+
+    torchrun's agent keeps one TCPStore server for the whole job and hands it to every restart
+    attempt, and `init_process_group` writes the process groups' rendezvous keys (each rank's
+    address) without an attempt prefix. Workers restarted after a failure then read the dead
+    workers' addresses: gloo's connectFullMesh gets "Connection refused" or waits up to the
+    collective timeout, so torchrun's restart never resumes the run (NCCL's unique id goes
+    stale the same way: pytorch/pytorch#135712). TORCHELASTIC_RESTART_COUNT numbers the attempts
+    of this node's agent, which all agents share when a failure restarts every node.
+    """
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"bloomnative/attempt-{attempt}", store)
 
 
 def barrier() -> None:

@@ -1,11 +1,23 @@
-"""Megatron's learning-rate schedule: linear warm-up, then cosine or linear decay to min_lr,
-then constant at min_lr. Counted in steps, or in consumed samples (the form to use with
-batch-size rampup, where steps and samples are not proportional)."""
+"""Megatron's learning-rate schedule (megatron.core's OptimizerParamScheduler): linear warm-up
+from 0, then cosine or linear decay to min_lr, then constant at min_lr.
+
+Like Megatron, the schedule's clock is the number of samples of the steps applied so far: the
+learning rate of a step is the schedule at the samples of the steps before it (so the first
+step's is 0 under warm-up), and a step skipped for a non-finite loss or gradient does not move
+the clock. A schedule given in steps is converted at global_batch_size samples per step, which
+is exact without batch-size rampup; with rampup, warmup_samples and decay_samples give the
+recipe exactly.
+
+The clock lives on the device and the learning rate is computed there, so the step loop never
+waits for the device to learn whether a step was skipped.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import torch
 
 from bloomnative.config import LRSchedulerConfig, OptimizerConfig
 
@@ -14,37 +26,41 @@ from bloomnative.config import LRSchedulerConfig, OptimizerConfig
 class LRSchedule:
     lr: float
     min_lr: float
-    warmup: int
-    decay_end: int
+    warmup_samples: int
+    decay_samples: int
     style: str
-    by_samples: bool
 
     @classmethod
     def from_config(
-        cls, sched: LRSchedulerConfig, opt: OptimizerConfig, total_steps: int
+        cls,
+        sched: LRSchedulerConfig,
+        opt: OptimizerConfig,
+        total_steps: int,
+        global_batch_size: int,
     ) -> LRSchedule:
-        by_samples = sched.warmup_samples > 0 or sched.decay_samples > 0
-        if by_samples:
-            warmup, decay_end = sched.warmup_samples, sched.decay_samples
-            if decay_end <= 0:
-                raise ValueError("lr_scheduler.decay_samples must be set with warmup_samples")
+        """The configured schedule in samples (config.validate has checked the keys)."""
+        if sched.warmup_samples or sched.decay_samples:
+            warmup, decay = sched.warmup_samples, sched.decay_samples
         else:
-            warmup, decay_end = sched.warmup_steps, sched.decay_steps or total_steps
-        return cls(opt.lr, opt.min_lr, warmup, decay_end, sched.decay_style, by_samples)
+            warmup = sched.warmup_steps * global_batch_size
+            decay = (sched.decay_steps or total_steps) * global_batch_size
+        return cls(opt.lr, opt.min_lr, warmup, decay, sched.decay_style)
 
-    def __call__(self, step: int, consumed_samples: int) -> float:
-        """Learning rate for optimizer step `step` (1-based) having consumed `consumed_samples`
-        samples before it."""
-        t = consumed_samples if self.by_samples else step
-        if self.warmup > 0 and t <= self.warmup:
-            return self.lr * t / self.warmup
+    def __call__(self, applied_samples: torch.Tensor | int) -> torch.Tensor:
+        """Learning rate (float64, on the clock's device) after `applied_samples` samples of
+        applied steps."""
+        t = torch.as_tensor(applied_samples, dtype=torch.float64)
         if self.style == "constant":
-            return self.lr
-        if t >= self.decay_end:
-            return self.min_lr
-        progress = (t - self.warmup) / max(1, self.decay_end - self.warmup)
-        if self.style == "linear":
-            coeff = 1.0 - progress
+            decayed = torch.full_like(t, self.lr)
         else:
-            coeff = 0.5 * (math.cos(math.pi * progress) + 1.0)
-        return self.min_lr + coeff * (self.lr - self.min_lr)
+            span = max(self.decay_samples - self.warmup_samples, 1)
+            ratio = ((t - self.warmup_samples) / span).clamp(0.0, 1.0)
+            if self.style == "linear":
+                coeff = 1.0 - ratio
+            else:
+                coeff = 0.5 * (torch.cos(math.pi * ratio) + 1.0)
+            decayed = self.min_lr + coeff * (self.lr - self.min_lr)
+        if not self.warmup_samples:
+            return decayed
+        warm = self.lr * t / self.warmup_samples
+        return torch.where(t <= self.warmup_samples, warm, decayed)

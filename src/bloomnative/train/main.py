@@ -4,6 +4,7 @@ run_train.sh launches under torchrun)."""
 from __future__ import annotations
 
 import sys
+import traceback
 
 from bloomnative.config import ConfigError, parse_args
 from bloomnative.parallel import LayoutError
@@ -13,7 +14,7 @@ from bloomnative.train.distributed import exit_process
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 trained (or stopped on request, with a checkpoint), 2 configuration error
-    (reported before any model is built); other failures raise."""
+    (reported before any model is built), 1 any other failure (its traceback printed)."""
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
@@ -22,11 +23,17 @@ def main(argv: list[str] | None = None) -> int:
     from bloomnative.train.trainer import Trainer
 
     try:
-        trainer = Trainer(config)
-    except (ConfigError, LayoutError, PlanError) as e:
+        Trainer(config).run()
+    except (ConfigError, LayoutError, PlanError) as e:  # found before any model is built
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    trainer.run()
+    except Exception:
+        # A failed rank leaves at once, so that torchrun sees it and stops (or restarts) the
+        # job: the peers it was exchanging with fail in turn instead of waiting for it until
+        # job.collective_timeout_s, and nothing here waits on them (process-group teardown,
+        # interpreter finalization with gloo's threads: see exit_process).
+        traceback.print_exc()
+        return 1
     return 0
 
 

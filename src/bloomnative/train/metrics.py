@@ -103,6 +103,15 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, step)
         print(format_row(row), flush=True)
 
+    def log_series(self, key: str, first_step: int, values: list[float]) -> None:
+        """TensorBoard only: `values` at consecutive steps from `first_step` (per-step values
+        read back together at a log step)."""
+        if self._tb is None:
+            return
+        for step, value in enumerate(values, start=first_step):
+            if math.isfinite(value):
+                self._tb.add_scalar(key, value, step)
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()

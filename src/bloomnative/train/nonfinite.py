@@ -19,8 +19,10 @@ class NonFiniteGuard:
     step loop never waits for the GPU. The foreach and for-loop kernels have no such flag; there
     the flag is read on the host (free on CPU, one synchronisation per step on a GPU).
 
-    The counters live on the device too and are read only by `skipped` and `check`, which the
-    trainer calls at log steps and checkpoints.
+    The learning rate arrives as a device tensor as well (train/lr_schedule.py computes it on
+    the device from the samples of applied steps): the fused kernel reads it there; the host
+    path reads it together with the flag. The counters live on the device too and are read only
+    by `skipped` and `check`, which the trainer calls at log steps and checkpoints.
     """
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], device: torch.device, limit: int):
@@ -31,20 +33,26 @@ class NonFiniteGuard:
         self._run = torch.zeros_like(self._skipped)  # consecutive skipped steps, now
         self._longest_run = torch.zeros_like(self._skipped)
 
-    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
+        """Steps the optimizers at learning rate `lr` (a 0-d tensor on the device) unless the
+        loss or the gradient norm is not finite; returns 1 if the step was applied, else 0 (an
+        int64 0-d tensor on the device)."""
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         if self.on_device:
             found_inf = (~finite).float()
+            lr = lr.float()  # the fused kernel reads a float32 learning-rate tensor on the device
             for opt in self.optimizers:
                 opt.found_inf = found_inf  # read by torch.optim.AdamW(fused=True).step
-                opt.step()
+                _step_at(opt, lr)
         elif finite:
+            lr = lr.item()  # this path already waits for the device (`finite`)
             for opt in self.optimizers:
-                opt.step()
+                _step_at(opt, lr)
         skipped = (~finite).long()
         self._skipped += skipped
         self._run = (self._run + 1) * skipped
         torch.maximum(self._longest_run, self._run, out=self._longest_run)
+        return 1 - skipped
 
     @property
     def skipped(self) -> int:
@@ -63,3 +71,14 @@ class NonFiniteGuard:
                 f"consecutive steps (training.max_nonfinite_steps); lower the learning rate or "
                 f"resume from an earlier checkpoint"
             )
+
+
+def _step_at(optimizer: torch.optim.Optimizer, lr: torch.Tensor | float) -> None:
+    """`optimizer.step()` at learning rate `lr`. Between steps the groups hold the configured
+    learning rate again: a checkpoint can reload only a number there, not a tensor, and the
+    schedule gives every step its own."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    for group in optimizer.param_groups:
+        group["lr"] = optimizer.defaults["lr"]

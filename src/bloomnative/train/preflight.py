@@ -9,31 +9,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from bloomnative.config import Config, ConfigError, ModelConfig, parse_args
+from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
 from bloomnative.model import BloomArgs
 from bloomnative.parallel import LayoutError, ParallelDims
-from bloomnative.parallel.parallelize import validate_context_parallel, validate_layout
-
-
-def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
-    """The preset's shape with the non-zero overrides of the [model] section applied.
-
-    ``attention = "auto"`` is resolved by the trainer (train.attention_choice) before it builds
-    the model; until then the shape is described with the portable "sdpa"."""
-    overrides = {k: getattr(cfg, k) for k in ("n_layer", "hidden_size", "n_head", "vocab_size")}
-    overrides = {k: v for k, v in overrides.items() if v}
-    attention = "sdpa" if cfg.attention == "auto" else cfg.attention
-    return BloomArgs.from_preset(
-        cfg.preset, attention=attention, fused_kernels=cfg.fused_kernels, **overrides
-    )
-
-
-def run_seq_lens(config: Config) -> dict[str, int]:
-    """Every sequence length the run trains or evaluates at, by config key."""
-    lengths = {"training.seq_len": config.training.seq_len}
-    if config.validation.freq and config.validation.seq_len:
-        lengths["validation.seq_len"] = config.validation.seq_len
-    return lengths
+from bloomnative.parallel.layout_check import check_layout
 
 
 def check_data_files(config: Config) -> None:
@@ -52,17 +31,10 @@ def check_data_files(config: Config) -> None:
 
 def check_run(config: Config, world_size: int) -> tuple[ParallelDims, BloomArgs]:
     """Resolves and checks the layout for `world_size`; returns it with the model shape."""
-    par, t = config.parallelism, config.training
+    par = config.parallelism
     dims = ParallelDims.resolve(par.dp_replicate, par.dp_shard, par.tp, par.pp, world_size, par.cp)
     args = model_args_from_config(config.model)
-    batch_sizes = [t.global_batch_size, *t.rampup_batch_size[:2]]
-    validate_layout(dims, args, par, batch_sizes, t.micro_batch_size)
-    validate_context_parallel(dims, config.model.attention, run_seq_lens(config))
-    if config.model.fused_loss and dims.tp > 1:
-        raise LayoutError(
-            "model.fused_loss is for tp = 1; with tensor parallelism use parallelism.loss_parallel "
-            "(the logits stay sharded over the vocabulary)"
-        )
+    check_layout(dims, args, par, config.training, config.model.fused_loss, config.validation)
     check_data_files(config)
     return dims, args
 

@@ -15,15 +15,23 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from bloomnative.config import Config
+from bloomnative.config import Config, model_args_from_config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.model import Bloom
 from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.context_parallel import shard_sequence
+from bloomnative.parallel.dropout_rng import seed_dropout_rng
+from bloomnative.parallel.layout_check import pipeline_microbatches
 from bloomnative.parallel.memory_estimate import GiB, compiles_the_loss
 from bloomnative.parallel.memory_estimate.auto_recompute import RecomputeChoice, choose_recompute
 from bloomnative.parallel.parallelize import parallelize_part, split_for_pipeline
-from bloomnative.parallel.pipeline import Pipeline, TiedWeightSync, build_pipeline, stage_owner
+from bloomnative.parallel.pipeline import (
+    Pipeline,
+    PipelineStages,
+    TiedWeightSync,
+    build_pipeline,
+    pipeline_forward_loss,
+)
 from bloomnative.train import checkpoint as ckpt
 from bloomnative.train.attention_choice import (
     AttentionShape,
@@ -37,7 +45,7 @@ from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tflops, peak_memory_gib
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
-from bloomnative.train.preflight import check_run, model_args_from_config
+from bloomnative.train.preflight import check_run
 
 
 class Trainer:
@@ -56,17 +64,9 @@ class Trainer:
         self.pp_mesh = self.mesh["pp"]  # sliced once: slicing a mesh is host work on every call
         self.loss_mesh = self.dims.loss_mesh(self.mesh)
 
-        torch.manual_seed(job.seed)
+        seed_dropout_rng(job.seed, self.mesh, self.loss_mesh, par.sequence_parallel)
         self.bf16 = train_cfg.dtype == "bf16"
         self._build_model()
-        # Without FSDP (no data or context parallelism) there is no policy to cast with: use
-        # autocast instead.
-        use_autocast = self.bf16 and self.dims.dp == 1 and self.dims.cp == 1
-        self.autocast = (
-            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16))
-            if use_autocast
-            else contextlib.nullcontext
-        )
         self.loss_context = (
             loss_parallel if (self.dims.tp > 1 and par.loss_parallel) else contextlib.nullcontext
         )
@@ -77,8 +77,12 @@ class Trainer:
         self.params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
         self.nonfinite = NonFiniteGuard(self.optimizers, self.device, train_cfg.max_nonfinite_steps)
         self.lr_schedule = LRSchedule.from_config(
-            config.lr_scheduler, config.optimizer, train_cfg.steps
+            config.lr_scheduler, config.optimizer, train_cfg.steps, train_cfg.global_batch_size
         )
+        # The schedule's clock: samples of the applied steps (a skipped step does not count),
+        # kept on the device because only the device knows whether a step was skipped.
+        self.scheduled_samples = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.interval_losses: list[torch.Tensor] = []  # per step, since the last log row
 
         self._build_data()
         self.step = 0
@@ -145,6 +149,7 @@ class Trainer:
             seq_len=cfg.training.seq_len,
             head_dim=args.head_dim,
             dtype="bfloat16" if cfg.training.dtype == "bf16" else "float32",
+            dropout_p=cfg.model.attention_dropout,
         )
         return resolve_auto_attention(
             shape, self.device, Path(cfg.job.dump_folder), self.rank, self.world_size, self._say
@@ -188,12 +193,15 @@ class Trainer:
             if compiles_the_loss(cfg, self.dims.tp)
             else cross_entropy_sum
         )
-        self._pipelines: dict[int, Pipeline] = {}
+        self._pipeline: Pipeline | None = None
+        self.pipeline_stages: PipelineStages | None = None
         self.tied_sync = None
         self.untied_copies: list = []
         if self.dims.pp > 1:
-            owner = lambda s: stage_owner(s, self.dims.pp, par.pp_schedule)
-            self.tied_sync = TiedWeightSync(parts, self.mesh, owner(0), owner(self.num_stages - 1))
+            self.pipeline_stages = PipelineStages(
+                parts, self.stage_ids, self.num_stages, par.pp_schedule, self.pp_mesh.get_group()
+            )
+            self.tied_sync = TiedWeightSync(self.pipeline_stages, self.mesh)
             self.untied_copies = [
                 p.lm_head.weight
                 for p in parts
@@ -201,22 +209,18 @@ class Trainer:
             ]
 
     def pipeline(self, n_microbatches: int) -> Pipeline:
-        """The pipeline schedule for this many micro batches (rampup changes the count)."""
-        if n_microbatches not in self._pipelines:
-            par = self.config.parallelism
-            self._pipelines[n_microbatches] = build_pipeline(
-                self.model_parts,
-                self.stage_ids,
-                self.num_stages,
-                par.pp_schedule,
-                n_microbatches,
-                self._pipeline_loss,
-                self.device,
-                self.pp_mesh.get_group(),
+        """The training schedule for this many micro batches (rampup changes the count). Only
+        the current one is kept: each holds a forward and a gradient receive buffer per micro
+        batch, so keeping one per count would grow through the whole rampup."""
+        if self._pipeline is None or self._pipeline.n_microbatches != n_microbatches:
+            self._pipeline = None  # freed before the next one is allocated
+            self._pipeline = build_pipeline(
+                self.pipeline_stages, n_microbatches, self._micro_batch_loss, self.device
             )
-        return self._pipelines[n_microbatches]
+        return self._pipeline
 
-    def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _micro_batch_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """A micro batch's share of this rank's mean token loss."""
         return self._loss_sum(output, labels) / self._loss_denominator
 
     def _loss_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -288,6 +292,7 @@ class Trainer:
                 "step": torch.tensor(self.step),
                 "consumed_samples": torch.tensor(self.consumed_samples),
                 "nonfinite_skipped": torch.tensor(self.nonfinite.skipped),
+                "scheduled_samples": self.scheduled_samples,
             },
         }
         if with_rng:
@@ -318,9 +323,13 @@ class Trainer:
             return
         # RNG states are per rank: restored only when this rank's key was saved.
         state = self._state(with_rng=False)
+        saved = ckpt.saved_keys(path)
         rng = ckpt.rng_state()
-        if all(f"rng.{key}" in ckpt.saved_keys(path) for key in rng):
+        if all(f"rng.{key}" in saved for key in rng):
             state["rng"] = rng
+        clock_saved = "train.scheduled_samples" in saved  # not saved before 2026-11-23
+        if not clock_saved:
+            del state["train"]["scheduled_samples"]
         ckpt.load(path, state)
         ckpt.load_model_state(self.model_parts, state["model"])
         ckpt.load_optimizer_state(self.model_parts, self.optimizers, state["optimizer"])
@@ -328,6 +337,9 @@ class Trainer:
             ckpt.restore_rng_state(state["rng"])
         self.step = int(state["train"]["step"])
         self.consumed_samples = int(state["train"]["consumed_samples"])
+        self.scheduled_samples.fill_(
+            int(state["train"]["scheduled_samples"]) if clock_saved else self.consumed_samples
+        )
         self.nonfinite.load(int(state["train"]["nonfinite_skipped"]))
         self.train_loader.load_state_dict({"consumed_samples": self.consumed_samples})
         self._say(f"resumed from {path} at step {self.step}")
@@ -375,50 +387,60 @@ class Trainer:
     def forward_backward(self, micro_batches) -> torch.Tensor:
         """Accumulates gradients of the mean token loss over this rank's micro batches and
         returns that mean (a 0-d tensor, no host sync; 0 on pipeline ranks without the last
-        stage). FSDP averages gradients over data-parallel ranks, which makes it the mean over
-        the global batch."""
+        stage). FSDP averages gradients over data- and context-parallel ranks (each holds the
+        same number of tokens), which makes it the mean over the global batch."""
+        return self._run_micro_batches(micro_batches, train=True)
+
+    def _run_micro_batches(self, micro_batches, train: bool) -> torch.Tensor:
+        """The one micro-batch loop of training and evaluation: the mean token loss of this
+        rank's micro batches, with gradients accumulated when `train`. Under pipeline
+        parallelism training runs the schedule and evaluation a forward-only pass through the
+        stages (`pipeline_forward_loss`), which works for every schedule and sequence length."""
         self._loss_denominator = sum(labels.numel() for _, labels in micro_batches)
         with self.loss_context():
+            if self.dims.pp > 1 and train:
+                return self._pipeline_forward_backward(micro_batches)
             if self.dims.pp > 1:
-                return self._pipeline_forward_backward(micro_batches, train=True)
+                return pipeline_forward_loss(
+                    self.pipeline_stages, micro_batches, self._micro_batch_loss, self.device
+                )
             model = self.model_parts[0]
             total = torch.zeros((), device=self.device)
             for inputs, labels in micro_batches:
                 # The output is not kept in a variable, so the [b, s, vocab] logits are freed
-                # as soon as the loss's backward has used them.
-                with self.autocast():
-                    loss = self._loss_sum(model(inputs), labels) / self._loss_denominator
-                loss.backward()
+                # as soon as the loss (and its backward) has used them.
+                loss = self._micro_batch_loss(model(inputs), labels)
+                if train:
+                    loss.backward()
                 total += _local(loss.detach())
             return total
 
-    def _pipeline_forward_backward(self, micro_batches, train: bool) -> torch.Tensor:
-        n = self.config.parallelism.pp_microbatches or len(micro_batches)
-        pipe = self.pipeline(n)
+    def _pipeline_forward_backward(self, micro_batches) -> torch.Tensor:
+        samples = sum(len(inputs) for inputs, _ in micro_batches)
+        n = pipeline_microbatches(
+            self.config.parallelism.pp_microbatches, samples, self.config.training.micro_batch_size
+        )
+        pipe, stages = self.pipeline(n), self.pipeline_stages
         inputs = torch.cat([x for x, _ in micro_batches])
         labels = torch.cat([y for _, y in micro_batches])
         losses: list[torch.Tensor] = []
-        args = (inputs,) if pipe.has_first else ()
-        target = labels if pipe.has_last else None
-        kept = losses if pipe.has_last else None
-        with self.autocast():
-            if train:  # return_outputs=False: the last stage keeps no micro batch's logits
-                pipe.schedule.step(*args, target=target, losses=kept, return_outputs=False)
-            else:
-                pipe.schedule.eval(*args, target=target, losses=kept)
-        if train and self.tied_sync is not None:
+        args = (inputs,) if stages.has_first else ()
+        target = labels if stages.has_last else None
+        kept = losses if stages.has_last else None
+        # return_outputs=False: the last stage keeps no micro batch's logits.
+        pipe.schedule.step(*args, target=target, losses=kept, return_outputs=False)
+        if self.tied_sync is not None:
             self.tied_sync()
         total = torch.zeros((), device=self.device)
         for loss in losses:
             total += _local(loss.detach())
         return total
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """One optimizer step; returns its loss, gradient norm and learning rate (0-d tensors on
+        the device, not read back) and its global batch size."""
         gbs = self.global_batch_size()
-        lr = self.lr_schedule(self.step + 1, self.consumed_samples)
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = lr
+        lr = self.lr_schedule(self.scheduled_samples)
         micro_batches = self.train_loader.next_batch(gbs)
         loss = self.forward_backward(micro_batches)
         grad_norm = clip_grad_norm_(
@@ -427,23 +449,24 @@ class Trainer:
             pp_group=self.pp_mesh.get_group() if self.dims.pp > 1 else None,
             not_counted=self.untied_copies,
         )
-        self.nonfinite.step(loss, grad_norm)  # skips the update on NaN/inf
+        applied = self.nonfinite.step(loss, grad_norm, lr)  # skips the update on NaN/inf
+        self.scheduled_samples += applied * gbs
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += gbs
         return loss, grad_norm, lr, gbs
 
-    def _reduce_loss(self, value: torch.Tensor) -> float:
-        """The loss every rank agrees on: summed over pipeline ranks (only the last stage holds
-        it), averaged over data-parallel and context-parallel ranks (each holds the mean over
-        the same number of tokens)."""
+    def _reduce_loss(self, value: torch.Tensor) -> float | list[float]:
+        """The loss (or a tensor of losses) every rank agrees on: summed over pipeline ranks
+        (only the last stage holds it), averaged over data-parallel and context-parallel ranks
+        (each holds the mean over the same number of tokens)."""
         value = value.detach().clone()
         if self.dims.pp > 1:
             dist.all_reduce(value, group=self.pp_mesh.get_group())
         if self.dims.dp * self.dims.cp > 1:
             dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.loss_mesh.get_group())
-        return value.item()
+        return value.tolist()
 
     def _max_over_ranks(self, value: float) -> float:
         """The largest value any rank has (memory: the rank that limits the layout)."""
@@ -460,18 +483,9 @@ class Trainer:
         for part in self.model_parts:
             part.eval()
         total = torch.zeros((), device=self.device)
-        t = self.config.training
         for _ in range(self.config.validation.steps):
-            micro_batches = loader.next_batch(t.global_batch_size)
-            self._loss_denominator = sum(y.numel() for _, y in micro_batches)
-            with self.loss_context():
-                if self.dims.pp > 1:
-                    total += self._pipeline_forward_backward(micro_batches, train=False)
-                    continue
-                for inputs, labels in micro_batches:
-                    with self.autocast():
-                        logits = self.model_parts[0](inputs)
-                    total += _local(self._loss_sum(logits, labels)) / self._loss_denominator
+            batch = loader.next_batch(self.config.training.global_batch_size)
+            total += self._run_micro_batches(batch, train=False)
         for part in self.model_parts:
             part.train()
         return self._reduce_loss(total / self.config.validation.steps)
@@ -479,12 +493,11 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
-        """`train`, then release the process group."""
-        try:
-            self.train()
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        """`train`, then release the process group. After a failure the process group is left
+        as it is: destroying it waits for peers that may be gone (`main` exits at once)."""
+        self.train()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def train(self) -> None:
         """Trains to `training.steps`, or until asked to stop (SIGTERM, SIGUSR1 or a STOP file
@@ -496,10 +509,11 @@ class Trainer:
         try:
             while self.step < t.steps:
                 loss, grad_norm, lr, gbs = self.train_step()
+                self.interval_losses.append(loss)
                 self.throughput.add_tokens(gbs * t.seq_len)
                 if self.step % m.log_freq == 0 or self.step == 1 or self.step == t.steps:
                     self.nonfinite.check(self.step)
-                    self._log_step(loss, grad_norm, lr, gbs)
+                    self._log_step(grad_norm, lr, gbs)
                 if v.freq and self.make_valid_loader and self.step % v.freq == 0:
                     self._log_eval()
                 stopping = stop.should_stop()
@@ -514,11 +528,16 @@ class Trainer:
             stop.restore()
             self.metrics.close()
 
-    def _log_step(self, loss, grad_norm, lr: float, gbs: int) -> None:
+    def _log_step(self, grad_norm, lr, gbs: int) -> None:
+        """One row for the steps since the last: `loss` is their mean (Megatron's logged loss),
+        over the steps whose loss is finite; each step's own goes to TensorBoard as loss_step."""
+        losses = self._reduce_loss(torch.stack(self.interval_losses))
+        self.interval_losses = []
+        finite = [x for x in losses if math.isfinite(x)]
         row = {
             "step": self.step,
-            "loss": self._reduce_loss(loss),
-            "lr": lr,
+            "loss": sum(finite) / len(finite) if finite else float("nan"),
+            "lr": lr.item(),
             "grad_norm": grad_norm.item(),
             "global_batch_size": gbs,
             "consumed_samples": self.consumed_samples,
@@ -527,6 +546,7 @@ class Trainer:
             "nonfinite_skipped": self.nonfinite.skipped,
         }
         self.metrics.log(row)
+        self.metrics.log_series("loss_step", self.step - len(losses) + 1, losses)
 
     def _log_eval(self) -> None:
         start = time.perf_counter()

@@ -108,19 +108,19 @@ def block_activation_terms(
     Korthikanti et al. 2022 count 34sbh + 5as^2b bytes (16-bit): attention 11sbh + 5as^2b, MLP
     19sbh, LayerNorms 4sbh; with TP + SP everything is divided by t. Kept here:
 
-    - LayerNorm inputs (2 x 2sbh, /t with SP), in the residual dtype (fp32 under autocast),
-      plus their fp32 mean and rstd (2sb each, not in the paper: tiny);
+    - LayerNorm inputs (2 x 2sbh, /t with SP), in the compute dtype, plus their fp32 mean and
+      rstd (2sb each, not in the paper: tiny);
     - QKV and dense_h_to_4h inputs (2 x 2sbh): NOT divided by t under DTensor SP, because the
       column-parallel linear saves its all-gathered input (Megatron re-gathers it in backward);
     - the attention terms of `attention_terms`;
     - GeLU input and dense_4h_to_h input (2 x 8sbh/t).
 
-    Dropped: the two hidden-dropout masks (2 x sbh) and the attention-dropout mask and output
-    (3as^2b): bloomnative's BLOOM has no dropout (`workload.dropout` adds them back, for
-    Megatron; flash kernels regenerate their dropout mask, so only the hidden masks return).
+    Dropped without dropout: the two hidden-dropout masks (2 x sbh) and the attention-dropout
+    mask and output (3as^2b); `workload.dropout` adds them back (flash kernels regenerate their
+    dropout mask, so with them only the hidden masks return).
     The softmax output (2as^2b) is dropped for flash kernels (see `attention_terms`).
     """
-    h, c, r = args.hidden_size, prec.compute, prec.residual
+    h, c = args.hidden_size, prec.compute
     tokens = micro_batch_tokens(layout, workload)
     stream = residual_stream_elements(args, layout, workload)
     h4_local = 4 * h // layout.tp
@@ -132,11 +132,11 @@ def block_activation_terms(
             ActivationTerm("MLP output dropout mask", stream, 1, "K22: sbh"),
         ]
     return masks + [
-        ActivationTerm("input_layernorm input", stream, r, "K22: 2sbh LayerNorm input"),
+        ActivationTerm("input_layernorm input", stream, c, "K22: 2sbh LayerNorm input"),
         ActivationTerm("input_layernorm mean, rstd", stats, FP32, "added: fp32 statistics"),
         ActivationTerm("query_key_value input", tokens * h, c, "K22: 2sbh (gathered under SP)"),
         *attention_terms(args, layout, workload, prec),
-        ActivationTerm("post_attention_layernorm input", stream, r, "K22: 2sbh"),
+        ActivationTerm("post_attention_layernorm input", stream, c, "K22: 2sbh"),
         ActivationTerm("post_attention_layernorm mean, rstd", stats, FP32, "added"),
         ActivationTerm("dense_h_to_4h input", tokens * h, c, "K22: 2sbh (gathered under SP)"),
         ActivationTerm("GeLU input", tokens * h4_local, c, "K22: 8sbh"),
@@ -149,7 +149,7 @@ def checkpointed_block_terms(
 ) -> list[ActivationTerm]:
     """A recomputed block keeps only its input (K22 section 4: 2sbh/t with SP)."""
     stream = residual_stream_elements(args, layout, workload)
-    return [ActivationTerm("block input (checkpoint)", stream, prec.residual, "K22: 2sbh")]
+    return [ActivationTerm("block input (checkpoint)", stream, prec.compute, "K22: 2sbh")]
 
 
 def embedding_terms(
@@ -162,7 +162,7 @@ def embedding_terms(
     mask = [ActivationTerm("embedding dropout mask", stream, 1, "sbh")] if workload.dropout else []
     return mask + [
         ActivationTerm("token ids", tokens, INT64, "embedding backward"),
-        ActivationTerm("embedding LayerNorm input", stream, prec.residual, "2sbh"),
+        ActivationTerm("embedding LayerNorm input", stream, prec.compute, "2sbh"),
         ActivationTerm(
             "embedding LayerNorm mean, rstd",
             layernorm_stat_elements(layout, workload),
@@ -180,7 +180,7 @@ def head_terms(
     stream = residual_stream_elements(args, layout, workload)
     stats = layernorm_stat_elements(layout, workload)
     return [
-        ActivationTerm("ln_f input", stream, prec.residual, "2sbh"),
+        ActivationTerm("ln_f input", stream, prec.compute, "2sbh"),
         ActivationTerm("ln_f mean, rstd", stats, FP32, "tiny"),
         ActivationTerm("lm_head input", tokens * args.hidden_size, prec.compute, "2sbh"),
     ]

@@ -26,7 +26,7 @@ def block_backward_buffers(
     materialized = layout.cp == 1 and workload.attention in ("materialized", "cpu_math")
     ring = ring_attention_buffers(args, layout, workload, prec)
     widest = max(mlp, scores if materialized else 0, ring)
-    stream = 2 * tokens * args.hidden_size // layout.sequence_shards * prec.residual
+    stream = 2 * tokens * args.hidden_size // layout.sequence_shards * prec.compute
     return widest + stream
 
 
@@ -65,13 +65,13 @@ def backward_transient(
     latter also holds the root unit's gradients (produced by the head, first in backward) and,
     under FSDP, one block's unsharded gradient plus its fp32 reduce-scatter input."""
     units = unit_numels(params)
-    root_grad_bytes = prec.compute if layout.uses_fsdp or layout.zero_stage == 1 else FP32
+    root_grad_bytes = prec.compute if prec.fsdp or layout.zero_stage == 1 else FP32
     working = block_working
     parts = ["block backward buffers"]
-    if layout.uses_fsdp or not gradients_persist(layout, workload):
+    if prec.fsdp or not gradients_persist(layout, workload):
         working += root_grad_bytes * units.get("root", 0)
         parts.append("root-unit grads")
-    if layout.uses_fsdp:
+    if prec.fsdp:
         largest_block = max((n for u, n in units.items() if u != "root"), default=0)
         working += (prec.compute + FP32) * largest_block
         parts.append("one block's unsharded grad + fp32 reduce-scatter input")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from bloomnative.config import Config, ParallelismConfig
+from bloomnative.config import Config, ParallelismConfig, model_args_from_config
 from bloomnative.parallel.dims import ParallelDims
+from bloomnative.parallel.layout_check import check_layout, pipeline_microbatches
 from bloomnative.parallel.memory_estimate.inputs import Layout, PlanError, Workload
 
 
@@ -49,13 +50,7 @@ def compiles_the_loss(config: Config, tp: int) -> bool:
 
 def local_batch_size(config: Config, layout: Layout) -> int:
     """Samples per data-parallel rank per step, at the final (largest) global batch size."""
-    gbs = config.training.global_batch_size
-    if gbs % layout.dp:
-        raise PlanError(
-            f"training.global_batch_size = {gbs} is not divisible by the data-parallel degree "
-            f"{layout.dp}"
-        )
-    return gbs // layout.dp
+    return config.training.global_batch_size // layout.dp
 
 
 def workload_from_config(
@@ -65,20 +60,20 @@ def workload_from_config(
     attention: str | None = None,
     dropout: bool = False,
 ) -> Workload:
-    """What the trainer runs for `config`: its micro batches (the pipeline's when
-    pp_microbatches is set), dtype, recompute, attention kernel on `device_type` (or the given
-    attention memory kind), loss and AdamW implementation."""
+    """What the trainer runs for `config` at its final batch size: its micro batches (the
+    pipeline's when pp_microbatches is set), dtype, recompute, attention kernel on `device_type`
+    (or the given attention memory kind), dropout (the config's, or forced on by `dropout`), loss
+    and AdamW implementation. Raises LayoutError for a run the trainer would refuse
+    (`layout_check.check_layout`, every rampup batch size)."""
     t, par = config.training, config.parallelism
+    dims = ParallelDims(
+        layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.world_size, layout.cp
+    )
+    args = model_args_from_config(config.model)
+    check_layout(dims, args, par, t, config.model.fused_loss, config.validation)
     samples = local_batch_size(config, layout)
-    if layout.pp > 1 and par.pp_microbatches:
-        microbatches = par.pp_microbatches
-    else:
-        microbatches = samples // t.micro_batch_size
-    if microbatches < 1 or samples % microbatches:
-        raise PlanError(
-            f"{samples} samples per data-parallel rank do not split into {microbatches} micro "
-            f"batches (training.micro_batch_size = {t.micro_batch_size})"
-        )
+    pp_microbatches = par.pp_microbatches if layout.pp > 1 else 0
+    microbatches = pipeline_microbatches(pp_microbatches, samples, t.micro_batch_size)
     optimizer = config.optimizer.implementation
     if optimizer == "auto":
         optimizer = "fused" if device_type == "cuda" else "foreach"
@@ -93,6 +88,6 @@ def workload_from_config(
         or attention_memory_kind(config.model.attention, device_type, layout.cp),
         fused_loss=config.model.fused_loss,
         compiled_loss=compiles_the_loss(config, layout.tp),
-        dropout=dropout,
+        dropout=dropout or config.model.hidden_dropout > 0 or config.model.attention_dropout > 0,
         optimizer=optimizer,
     )

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bloomnative.parallel.fsdp import uses_fsdp
+from bloomnative.parallel.pipeline import SCHEDULES
+
 GiB = 2**30
 FP32, BF16, INT64 = 4, 2, 8
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 ATTENTION_MEMORY = ("flash", "sdpa_efficient", "materialized", "cpu_math")
 OPTIMIZER_IMPLS = ("fused", "foreach", "for-loop")
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+PIPELINE_SCHEDULES = SCHEDULES  # the trainer's list (parallel.pipeline)
 
 
 class PlanError(ValueError):
@@ -71,11 +74,6 @@ class Layout:
         """Shards of the residual stream along the sequence (tp with sequence parallelism)."""
         return self.tp if self.tp > 1 and self.sequence_parallel else 1
 
-    @property
-    def uses_fsdp(self) -> bool:
-        """The trainer applies FSDP2 whenever there is data or context parallelism."""
-        return self.dp * self.cp > 1 and self.zero_stage in (2, 3)
-
 
 @dataclass(frozen=True)
 class Workload:
@@ -105,8 +103,9 @@ class Workload:
     the logits themselves for backward instead of fp32 log-probabilities, and its backward writes
     the logits' gradient in their dtype in one pass."""
     dropout: bool = False
-    """Megatron's dropout (0.1 on attention probabilities and hidden states; BLOOM-176B's
-    training script kept these defaults). bloomnative's model has no dropout: False."""
+    """Dropout is on (model.hidden_dropout / attention_dropout > 0; BLOOM trained with 0.1 on
+    both, Megatron's defaults): the hidden-dropout masks are kept, and with a materialised
+    attention the attention-dropout mask too (flash kernels regenerate theirs)."""
     optimizer: str = "fused"
     """AdamW implementation: "fused" (no temporaries), "foreach" (one fp32 temporary the size of
     the local parameters) or "for-loop" (one the size of the largest parameter)."""
@@ -131,20 +130,18 @@ class Overhead:
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per element of the tensors the step creates."""
+    """Bytes per element of the tensors the step creates, and how the weights are held."""
 
     compute: int
-    """Matmul inputs and outputs: 2 with bf16, 4 with fp32."""
-    residual: int
-    """Residual stream and LayerNorm inputs: fp32 under autocast (the LayerNorms run in fp32),
-    else the compute dtype."""
-    autocast: bool
-    """bf16 by torch.autocast: the trainer's path without data parallelism (FSDP's
-    MixedPrecisionPolicy casts otherwise; Megatron, zero_stage 1, runs the model in bf16)."""
+    """Weights in use, activations, the residual stream and the pipeline's boundary tensors:
+    2 with bf16 (FSDP2's MixedPrecisionPolicy on every layout, or Megatron's bf16 model with
+    zero_stage 1), 4 with fp32."""
+    fsdp: bool
+    """FSDP2 wraps the model (`parallel.fsdp.uses_fsdp`: data parallelism, or bf16 on any
+    layout; zero_stage 2 or 3)."""
 
     @classmethod
     def of(cls, layout: Layout, workload: Workload) -> Precision:
-        if workload.precision == "fp32":
-            return cls(compute=FP32, residual=FP32, autocast=False)
-        autocast = layout.dp * layout.cp == 1 and layout.zero_stage != 1
-        return cls(compute=BF16, residual=FP32 if autocast else BF16, autocast=autocast)
+        bf16 = workload.precision == "bf16"
+        fsdp = layout.zero_stage in (2, 3) and uses_fsdp(layout.dp * layout.cp, bf16)
+        return cls(compute=BF16 if bf16 else FP32, fsdp=fsdp)

@@ -15,7 +15,6 @@ from bloomnative.parallel.memory_estimate.inputs import (
     Workload,
 )
 from bloomnative.parallel.memory_estimate.parameters import ParamTensor, unit_numels
-from bloomnative.parallel.memory_estimate.recompute import is_checkpointed
 
 
 def model_state_components(
@@ -24,18 +23,19 @@ def model_state_components(
     """Weights, gradients and AdamW moments (ZeRO paper, section 3.1) under the layout's sharding.
 
     FSDP2 (zero_stage 2/3): fp32 master weights, fp32 gradients (reduce dtype) and the two AdamW
-    moments are sharded over dp_shard x cp (dim 0 of each tensor, padded); the compute-dtype copy of
-    each block is all-gathered when needed. No data parallelism: plain fp32 parameters and
-    gradients, plus autocast's bf16 copies of the matrices with bf16. zero_stage 1
+    moments are sharded over dp_shard x cp (dim 0 of each tensor, padded); the compute-dtype copy
+    of each block is all-gathered when needed; with bf16 this holds without data or context
+    parallelism too (a size-1 mesh). fp32 without data or context parallelism: plain fp32
+    parameters and gradients. zero_stage 1
     (Megatron-DeepSpeed BF16Optimizer): bf16 weights and bf16 .grad replicated, a full fp32
     gradient-accumulation buffer, fp32 master weights and moments partitioned over all dp ranks.
     """
     grad_phase = "resident" if gradients_persist(layout, workload) else "step_end"
     if layout.zero_stage == 1:
         return _zero1_states(sum(p.numel for p in params), layout, workload, grad_phase)
-    if layout.uses_fsdp:
+    if prec.fsdp:
         return _fsdp_states(params, layout, workload, prec, grad_phase)
-    return _unsharded_states(params, workload, prec, grad_phase)
+    return _unsharded_states(params, workload, grad_phase)
 
 
 def gradients_persist(layout: Layout, workload: Workload) -> bool:
@@ -101,40 +101,17 @@ def _fsdp_states(
 
 
 def _unsharded_states(
-    params: list[ParamTensor], workload: Workload, prec: Precision, grad_phase: str
+    params: list[ParamTensor], workload: Workload, grad_phase: str
 ) -> list[Component]:
-    """No data parallelism: fp32 parameters and .grad; bf16 comes from autocast, whose weight
-    casts are saved for backward by every linear (the head's cast is the tied embedding's)."""
+    """fp32 without data parallelism: plain fp32 parameters and .grad."""
     n_local = sum(p.numel for p in params)
-    components = [
+    largest = max(p.numel for p in params)
+    return [
         Component("fp32 weights", FP32 * n_local, "resident", "4 x P"),
         Component("AdamW moments", 2 * FP32 * n_local, "resident", "2 x 4 x P"),
         Component("fp32 gradients", FP32 * n_local, grad_phase, "4 x P"),
+        _optimizer_step_temporary(workload, n_local, largest),
     ]
-    if prec.autocast:
-        components.append(_autocast_weight_copies(params, workload))
-    largest = max(p.numel for p in params)
-    components.append(_optimizer_step_temporary(workload, n_local, largest))
-    return components
-
-
-def _autocast_weight_copies(params: list[ParamTensor], workload: Workload) -> Component:
-    """autocast casts each linear's weight to bf16 and the linear saves the cast for backward;
-    a checkpointed block saves nothing (its casts are redone in the recompute, one block at a
-    time). The head's cast is the tied embedding's; the embedding itself runs in fp32."""
-    has_head = any(p.name in ("lm_head.weight", "ln_f.weight") for p in params)
-    per_unit = unit_numels(
-        p for p in params if len(p.shape) == 2 and (has_head or p.name != "word_embeddings.weight")
-    )
-    blocks = {u: n for u, n in per_unit.items() if u != "root"}
-    recomputed = [n for u, n in blocks.items() if is_checkpointed(int(u.split(".")[1]), workload)]
-    kept = sum(per_unit.values()) - sum(recomputed) + max(recomputed, default=0)
-    return Component(
-        "autocast bf16 weight copies (saved for backward)",
-        BF16 * kept,
-        "fwd_bwd",
-        "2 x linear weights of the head and the non-checkpointed blocks (+ one recomputed)",
-    )
 
 
 def _zero1_states(

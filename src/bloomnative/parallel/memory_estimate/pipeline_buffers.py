@@ -71,7 +71,7 @@ def pipeline_buffer_components(
     if layout.pp == 1:
         return []
     n = workload.microbatches
-    boundary = residual_stream_elements(args, layout, workload) * prec.residual
+    boundary = residual_stream_elements(args, layout, workload) * prec.compute
     first, last = stage_id == 0, stage_id == layout.num_stages - 1
     deepspeed = layout.zero_stage == 1
     name = f"pipeline stage {stage_id}"

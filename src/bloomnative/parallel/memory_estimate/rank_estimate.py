@@ -6,6 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bloomnative.model.args import BloomArgs
+from bloomnative.parallel.layout_check import (
+    check_context_parallel,
+    check_pipeline_microbatches,
+    check_pipeline_split,
+    check_tensor_parallel,
+)
 from bloomnative.parallel.memory_estimate.activations import (
     block_activation_terms,
     checkpointed_block_terms,
@@ -16,7 +22,6 @@ from bloomnative.parallel.memory_estimate.backward import backward_transient
 from bloomnative.parallel.memory_estimate.components import ActivationTerm, Component
 from bloomnative.parallel.memory_estimate.inputs import (
     OPTIMIZER_IMPLS,
-    PIPELINE_SCHEDULES,
     RECOMPUTE_MODES,
     Layout,
     Overhead,
@@ -89,12 +94,13 @@ def activation_terms_for(
 
 
 def validate_plan(args: BloomArgs, layout: Layout, workload: Workload) -> None:
-    """Rejects what the estimate cannot describe, with what to change."""
-    if args.n_head % layout.tp or args.vocab_size % layout.tp:
-        raise PlanError(
-            f"tp = {layout.tp} must divide n_head = {args.n_head} and vocab_size = "
-            f"{args.vocab_size}"
-        )
+    """Rejects what the estimate cannot describe, with what to change: the layout checks are
+    the trainer's (`layout_check`, raising LayoutError), the rest the planner's own."""
+    check_tensor_parallel(args, layout.tp, workload.fused_loss)
+    check_context_parallel(args, layout.cp, {"seq_len": workload.seq_len})
+    check_pipeline_split(
+        args, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank, layout.pp_layers_per_stage
+    )
     if layout.zero_stage not in (1, 2, 3):
         raise PlanError(f"zero_stage = {layout.zero_stage}; valid: 1, 2, 3")
     if workload.precision not in ("bf16", "fp32"):
@@ -107,24 +113,9 @@ def validate_plan(args: BloomArgs, layout: Layout, workload: Workload) -> None:
         raise PlanError(f"optimizer = {workload.optimizer!r}; valid: {', '.join(OPTIMIZER_IMPLS)}")
     if workload.micro_batch < 1 or workload.seq_len < 1 or workload.microbatches < 1:
         raise PlanError("micro_batch, seq_len and microbatches must be positive")
-    if layout.cp > 1 and workload.seq_len % (2 * layout.cp):
-        raise PlanError(
-            f"seq_len {workload.seq_len} is not a multiple of 2 * cp = {2 * layout.cp} (context "
-            f"parallelism cuts every sequence into 2 * cp equal chunks)"
-        )
+    check_pipeline_microbatches(workload.microbatches, layout.pp, layout.pp_schedule)
     if layout.cp > 1 and layout.zero_stage == 1:
         raise PlanError("zero_stage 1 (Megatron-DeepSpeed) is planned without context parallelism")
-    if layout.pp > 1 and workload.microbatches < layout.pp:
-        raise PlanError(
-            f"{workload.microbatches} micro batches for pp = {layout.pp}: a pipeline needs at "
-            f"least one per stage"
-        )
-    if layout.num_stages > args.n_layer:
-        raise PlanError(f"{layout.num_stages} pipeline stages for {args.n_layer} layers")
-    if layout.pp > 1 and layout.pp_schedule not in PIPELINE_SCHEDULES:
-        raise PlanError(
-            f"pp_schedule = {layout.pp_schedule!r}; valid: {', '.join(PIPELINE_SCHEDULES)}"
-        )
 
 
 def estimate_rank(

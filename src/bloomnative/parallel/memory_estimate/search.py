@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from bloomnative.model.args import BloomArgs
+from bloomnative.parallel.dims import LayoutError
+from bloomnative.parallel.layout_check import check_pipeline_microbatches
 from bloomnative.parallel.memory_estimate.inputs import Layout, Overhead, Workload
 from bloomnative.parallel.memory_estimate.rank_estimate import Plan, estimate
 from bloomnative.parallel.memory_estimate.recompute import is_checkpointed, recompute_options
@@ -24,7 +26,11 @@ def largest_fitting_micro_batch(
     whose worst rank fits in `device_bytes`, and its plan; (0, None) if none fits."""
     best: tuple[int, Plan | None] = (0, None)
     for micro in range(1, local_batch + 1):
-        if local_batch % micro or (layout.pp > 1 and local_batch // micro < layout.pp):
+        if local_batch % micro:
+            continue
+        try:
+            check_pipeline_microbatches(local_batch // micro, layout.pp, layout.pp_schedule)
+        except LayoutError:
             continue
         candidate = dataclasses.replace(
             workload, micro_batch=micro, microbatches=local_batch // micro

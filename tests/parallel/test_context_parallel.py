@@ -74,15 +74,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _check_ring(ring, backend, dtype, tol, dropout_p=0.0, batch=2, heads=3):
+def _check_ring(ring, backend, dtype, tol, dropout_p=0.0, batch=2, heads=3, drawn_by=None):
     """Ring attention of this rank's shard vs the float64 reference over the whole sequence:
-    output and the gradients of q, k, v (shards of the full gradients)."""
+    output and the gradients of q, k, v (shards of the full gradients). `drawn_by`: the global
+    rank of the group's first member, whose generator draws the dropout seed for the whole group
+    (every rank's generator is seeded differently); None passes a fixed seed."""
     torch.manual_seed(1)  # the same full tensors on every rank
     seq, head_dim = 16 * ring.size, 32
     q, k, v = (torch.randn(batch, heads, seq, head_dim, dtype=torch.float64) for _ in range(3))
     grad = torch.randn(batch, heads, seq, head_dim, dtype=torch.float64)
     slopes = alibi_slopes(heads)
     seed = torch.tensor(1234, dtype=torch.int64)
+    if drawn_by is not None:
+        seed = torch.randint(0, 2**62, (), generator=torch.Generator().manual_seed(500 + drawn_by))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = flash_alibi_attention_reference(
         *leaves, slopes.double(), causal=True, dropout_p=dropout_p, rng_seed=seed
@@ -91,7 +95,10 @@ def _check_ring(ring, backend, dtype, tol, dropout_p=0.0, batch=2, heads=3):
 
     shard = lambda t: shard_sequence(t, ring.rank, ring.size, dim=2)  # noqa: E731
     local = [shard(t).to(dtype).requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*local, slopes, ring, backend, dropout_p, rng_seed=seed)
+    if drawn_by is not None:
+        torch.manual_seed(500 + dist.get_rank())
+    given = None if drawn_by is not None else seed
+    out = ring_attention(*local, slopes, ring, backend, dropout_p, rng_seed=given)
     grads = torch.autograd.grad(out, local, shard(grad).to(dtype))
     where = f"cp {ring.size} rank {ring.rank} {backend} {dtype} dropout {dropout_p}"
     torch.testing.assert_close(out.double(), shard(ref), rtol=tol, atol=tol, msg=where)
@@ -113,6 +120,8 @@ def _ring_worker(rank, world_size, port):
         for ring in rings:
             _check_ring(ring, "sdpa", torch.float64, 1e-10)
             _check_ring(ring, "sdpa", torch.float64, 1e-10, dropout_p=0.3)
+        # Without a given seed the group's first rank draws it and the others take it.
+        _check_ring(rings[1], "sdpa", torch.float64, 1e-10, dropout_p=0.3, drawn_by=rank // 2 * 2)
         if _dispatch.INTERPRET:  # the Triton kernels at their offsets, through the interpreter
             _check_ring(rings[1], "triton", torch.float32, 2e-5, dropout_p=0.3, batch=1, heads=2)
     finally:
@@ -123,5 +132,6 @@ def _ring_worker(rank, world_size, port):
 @pytest.mark.multiprocess
 def test_ring_attention_on_gloo_ranks_matches_one_process_over_the_whole_sequence():
     """cp 4 over the world and cp 2 over its halves; sdpa blocks in float64 (exact up to
-    rounding), with and without dropout; Triton blocks through the interpreter in fp32."""
+    rounding), with and without dropout (a given seed, and one drawn by the group's first rank
+    and broadcast); Triton blocks through the interpreter in fp32."""
     mp.spawn(_ring_worker, args=(4, _free_port()), nprocs=4, join=True)

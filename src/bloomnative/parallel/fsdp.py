@@ -27,7 +27,8 @@ def apply_fsdp(
     LayerNorm, final LayerNorm and the head, which shares the embedding's parameter: a tied
     weight must live in one unit).
 
-    `dp_mesh` is 1-D (FSDP, ZeRO) or 2-D (dp_replicate, dp_shard: HSDP). Parameters are gathered
+    `dp_mesh` is 1-D (FSDP, ZeRO: dp_shard x cp flattened) or 2-D (dp_replicate and that: HSDP;
+    `ParallelDims.fsdp_mesh`). Parameters are gathered
     in `param_dtype` (bf16 for mixed precision) while the sharded fp32 copy is the master weight;
     gradients are reduce-scattered and accumulated in fp32. zero_stage 3 frees the gathered
     parameters after each unit's forward (re-gathering them for backward); zero_stage 2 keeps them

@@ -7,4 +7,10 @@ BLOOMNATIVE_EXTRAS=dev source scripts/ensure_env.sh
 # Triton kernels are tested on CPU through the interpreter; it is harmless on a GPU machine too.
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
-exec "$BLOOMNATIVE_PYTHON" -m pytest -q "$@"
+# Compile caches are per run: Inductor's FX-graph cache is keyed on the graph, not on a custom
+# op's schema, so code cached by another checkout on this machine could be replayed here.
+TEST_CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/bloomnative-test-cache.XXXXXX")"
+trap 'rm -rf "$TEST_CACHE_DIR"' EXIT
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$TEST_CACHE_DIR/inductor}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$TEST_CACHE_DIR/triton}"
+"$BLOOMNATIVE_PYTHON" -m pytest -q "$@"

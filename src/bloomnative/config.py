@@ -209,6 +209,32 @@ class CheckpointConfig:
 
 
 @dataclass
+class SpikesConfig:
+    enable: bool = False
+    """Recover from loss spikes automatically, as PaLM's authors did by hand: after
+    `consecutive_steps` spike steps, restore the newest verified checkpoint from before the
+    spike, skip the data that led to it and continue (docs/checkpointing.md). Off while
+    checkpoint.enable = false (nothing to roll back to)."""
+    loss_factor: float = 1.2
+    """A step is a spike step if its loss exceeds this multiple of the mean loss of the last
+    `window` healthy steps (0 disables the loss test)."""
+    grad_norm_factor: float = 5.0
+    """... or if its gradient norm (before clipping) exceeds this multiple of their median
+    gradient norm (0 disables the gradient-norm test). Non-finite steps are spike steps too."""
+    consecutive_steps: int = 3
+    """Spike steps in a row that trigger a rollback."""
+    window: int = 100
+    """Healthy steps behind the running mean loss and median gradient norm; detection starts
+    once this many have been seen."""
+    skip_steps: int = 100
+    """Global batches of data skipped beyond the step that triggered the rollback; all the data
+    between the restored checkpoint and that step is skipped as well."""
+    max_rollbacks: int = 5
+    """Stop with an error at a spike once this many rollbacks have been made (over the whole
+    run, restarts included)."""
+
+
+@dataclass
 class ActivationCheckpointConfig:
     mode: str = "none"
     """"none", "full" (recompute every block), "selective" (every `every`-th block) or "auto"
@@ -257,6 +283,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    spikes: SpikesConfig = field(default_factory=SpikesConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(
         default_factory=ActivationCheckpointConfig
     )
@@ -509,6 +536,7 @@ def validate(config: Config) -> None:
         "activation_checkpoint.memory_budget_gib must be >= 0 (0: the device's total memory)",
     )
     _check(config.checkpoint.interval > 0, "checkpoint.interval must be positive")
+    _validate_spikes(config.spikes, config.checkpoint)
     _check(
         config.validation.freq >= 0 and config.validation.steps > 0,
         "validation.freq must be >= 0 and validation.steps positive",
@@ -568,3 +596,26 @@ def _validate_lr_schedule(s: LRSchedulerConfig) -> None:
             f"lr_scheduler.warmup_steps = {s.warmup_steps} must be smaller than decay_steps = "
             f"{s.decay_steps}",
         )
+
+
+def _validate_spikes(spikes: SpikesConfig, checkpoint: CheckpointConfig) -> None:
+    if not (spikes.enable and checkpoint.enable):
+        return
+    _check(
+        checkpoint.keep_latest_k != 1,
+        "spikes.enable = true needs checkpoint.keep_latest_k = 0 or >= 2: a checkpoint saved "
+        "during a spike must not rotate away the one from before it",
+    )
+    for key in ("loss_factor", "grad_norm_factor"):
+        value = getattr(spikes, key)
+        _check(value == 0 or value > 1, f"spikes.{key} must be > 1 (or 0 to disable), got {value}")
+    _check(
+        spikes.loss_factor > 0 or spikes.grad_norm_factor > 0,
+        "spikes: loss_factor and grad_norm_factor are both 0, so nothing can detect a spike",
+    )
+    for key in ("consecutive_steps", "window"):
+        _check(
+            getattr(spikes, key) > 0, f"spikes.{key} must be positive, got {getattr(spikes, key)}"
+        )
+    for key in ("skip_steps", "max_rollbacks"):
+        _check(getattr(spikes, key) >= 0, f"spikes.{key} must be >= 0, got {getattr(spikes, key)}")

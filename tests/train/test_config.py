@@ -153,3 +153,21 @@ def test_rampup_must_reach_the_global_batch_in_whole_increments():
 def test_missing_config_file_is_named():
     with pytest.raises(ConfigError, match=r"nope.toml does not exist"):
         parse_args(["--config", "nope.toml"])
+
+
+def test_spike_recovery_is_on_in_the_bloom_configs_only():
+    enabled = {p.stem: parse_args(["--config", str(p)]).spikes.enable for p in CONFIGS}
+    assert enabled == {p.stem: p.stem.startswith("bloom-") for p in CONFIGS}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--spikes.loss_factor=0.9", r"spikes.loss_factor must be > 1 \(or 0 to disable\)"),
+        ("--spikes.consecutive_steps=0", "spikes.consecutive_steps must be positive"),
+        ("--checkpoint.keep_latest_k=1", "checkpoint.keep_latest_k = 0 or >= 2"),
+    ],
+)
+def test_spike_settings_that_cannot_work_are_rejected(override, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["--spikes.enable=true", override])

@@ -17,8 +17,9 @@ import pytest
 from training_helpers import TINY_RUN, train_env
 
 PROBE = Path(__file__).with_name("host_sync_probe.py")
-# The stop check reads a flag that lives on the CPU by construction (a gloo all-reduce).
-CPU_BY_DESIGN = {"train/faults.py:should_stop"}
+# The stop check reads a flag that lives on the CPU by construction (a gloo all-reduce), and so
+# do the checkpointer's verdicts on a save (gathered over its gloo group after the run).
+CPU_BY_DESIGN = {"train/faults.py:should_stop", "train/checkpoint.py:_all_problems"}
 
 
 def recorded_syncs(tmp_path, corpus: str, *extra: str, nproc: int = 0) -> list[dict]:
@@ -61,8 +62,9 @@ def unexpected(records: list[dict], from_step: int = 0) -> list[dict]:
         (2, []),  # FSDP2 over both ranks
         (2, ["--parallelism.tp=2"]),
         (2, ["--parallelism.pp=2"]),
+        (0, ["--spikes.enable=true", "--checkpoint.enable=true"]),  # the spike detector too
     ],
-    ids=["one-process", "fsdp2", "tp2", "pp2"],
+    ids=["one-process", "fsdp2", "tp2", "pp2", "spike-detection"],
 )
 def test_no_device_readback_between_log_steps(tmp_path, synthetic_corpus, nproc, layout):
     args = ["--optimizer.implementation=fused", *layout]

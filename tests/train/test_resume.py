@@ -1,10 +1,11 @@
 """Checkpoints make interruptions a non-event: resuming gives the losses of the run that never
 stopped, after a clean stop, a SIGKILL (also in the middle of a save), SIGTERM or a STOP file,
-and under another parallel layout."""
+under another parallel layout, and when the newest checkpoint was damaged on disk."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from training_helpers import (
 )
 
 STEPS = 6
+SLOW_SAVES = Path(__file__).with_name("slow_saves.py")
 
 
 def args(dump: Path, corpus: str, *extra: str) -> list[str]:
@@ -73,19 +75,21 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
-def _start(run_args: list[str], **env) -> subprocess.Popen:
+def _start(run_args: list[str], save_delay_s: float = 0) -> subprocess.Popen:
+    """The trainer in a process of its own; `save_delay_s` holds every save that long before it
+    is marked complete (tests/train/slow_saves.py)."""
+    command = train_command(run_args)
+    if save_delay_s:
+        command = [sys.executable, str(SLOW_SAVES), str(save_delay_s), *run_args]
     return subprocess.Popen(
-        train_command(run_args),
-        env={**train_env(), **env},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        command, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
 
 
 def test_resume_after_sigkill_matches_uninterrupted_run(uninterrupted, synthetic_corpus, tmp_path):
     # Each save waits 1 s before it is marked complete, so once step-4 is complete the run is
     # still busy (steps 5-6 and the final save) when the kill lands.
-    proc = _start(args(tmp_path, synthetic_corpus), BLOOMNATIVE_FAULT_SAVE_DELAY_S="1")
+    proc = _start(args(tmp_path, synthetic_corpus), save_delay_s=1)
     _wait_for(lambda: (tmp_path / "checkpoints" / "step-4").is_dir(), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -97,9 +101,9 @@ def test_resume_after_sigkill_matches_uninterrupted_run(uninterrupted, synthetic
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(
     uninterrupted, synthetic_corpus, tmp_path
 ):
-    # The fault-injection knob holds every save between writing its files and marking the
-    # checkpoint complete, so the kill lands inside the save of step 4.
-    proc = _start(args(tmp_path, synthetic_corpus), BLOOMNATIVE_FAULT_SAVE_DELAY_S="30")
+    # Every save is held between writing its files and marking the checkpoint complete, so the
+    # kill lands inside the save of step 4.
+    proc = _start(args(tmp_path, synthetic_corpus), save_delay_s=30)
     ckpts = tmp_path / "checkpoints"
     _wait_for(
         lambda: (ckpts / "step-4.partial").is_dir() and (ckpts / "step-2").is_dir(),
@@ -176,19 +180,19 @@ def test_torchrun_restarts_a_crashed_worker_which_resumes_from_the_checkpoint(
         "--standalone",
         "--nproc-per-node=1",
         "--max-restarts=1",
-        "-m",
-        "bloomnative.train.main",
+        str(SLOW_SAVES),
+        "1",  # seconds each save is held: the run is still busy when the kill lands
     ]
     proc = subprocess.Popen(
         [*launcher, *args(tmp_path, synthetic_corpus)],
-        env={**train_env(), "BLOOMNATIVE_FAULT_SAVE_DELAY_S": "1"},
+        env=train_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     _wait_for(lambda: (tmp_path / "checkpoints" / "step-4").is_dir(), proc)
     worker = subprocess.run(
-        ["pgrep", "-P", str(proc.pid), "-f", "bloomnative.train.main"],
+        ["pgrep", "-P", str(proc.pid), "-f", SLOW_SAVES.name],
         capture_output=True,
         text=True,
     ).stdout.split()
@@ -197,3 +201,60 @@ def test_torchrun_restarts_a_crashed_worker_which_resumes_from_the_checkpoint(
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
     assert losses_by_step(tmp_path) == uninterrupted["fp32"]
+
+
+@pytest.fixture(scope="module")
+def stopped_at_step_4(synthetic_corpus, tmp_path_factory) -> Path:
+    """A dump folder of a run that stopped at step 4, with checkpoints at steps 2 and 4."""
+    dump = tmp_path_factory.mktemp("stopped_at_step_4")
+    run_training(args(dump, synthetic_corpus, "--training.steps=4"))
+    return dump
+
+
+def flip_bytes(path: Path, count: int = 64) -> None:
+    """What a bad disk or a broken copy does: `count` bytes in the middle of the file change."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("damage", [flip_bytes, truncate], ids=["flipped bytes", "truncated"])
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumed(
+    uninterrupted, stopped_at_step_4, synthetic_corpus, tmp_path, damage
+):
+    shutil.copytree(stopped_at_step_4, tmp_path, dirs_exist_ok=True)
+    shard = tmp_path / "checkpoints" / "step-4" / "__0_0.distcp"
+    damage(shard)
+    damaged = shard.read_bytes()
+    proc = run_training(args(tmp_path, synthetic_corpus))
+    assert f"checkpoint step-4 is corrupt, skipped: {shard}: " in proc.stderr
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step-2'} at step 2" in proc.stdout
+    assert losses_by_step(tmp_path) == uninterrupted["fp32"]
+    # Left for a person to inspect, byte for byte; the run saved a new step-4 beside it.
+    assert (tmp_path / "checkpoints" / "step-4.corrupt" / "__0_0.distcp").read_bytes() == damaged
+
+
+def test_an_explicit_load_step_that_fails_verification_exits_2(
+    stopped_at_step_4, synthetic_corpus, tmp_path
+):
+    shutil.copytree(stopped_at_step_4, tmp_path, dirs_exist_ok=True)
+    shard = tmp_path / "checkpoints" / "step-4" / "__0_0.distcp"
+    flip_bytes(shard)
+    proc = subprocess.run(
+        train_command(args(tmp_path, synthetic_corpus, "--checkpoint.load_step=4")),
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"checkpoint error: checkpoint.load_step = 4: {shard}: checksum" in proc.stderr
+    assert "the newest checkpoint that verifies is step 2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-4"]

@@ -85,3 +85,20 @@ def test_resume_under_another_layout_continues_the_losses(
     for step in range(1, STEPS + 1):
         expected = reference[step]
         assert abs(losses[step] - expected) / expected < 1e-5, (step, losses[step], expected)
+
+
+@pytest.mark.multiprocess
+def test_ranks_agree_on_a_shard_damaged_on_one_of_them(
+    reference, saved, synthetic_corpus, tmp_path
+):
+    """Rank 1's shard of the only checkpoint is truncated: the ranks split the verification,
+    agree that it is bad, set it aside and start afresh, reproducing the reference run."""
+    dump = tmp_path / "run"
+    shutil.copytree(saved("fsdp2"), dump)
+    shard = dump / "checkpoints" / f"step-{SAVED}" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    train(dump, synthetic_corpus, STEPS, "fsdp2")
+    assert (dump / "checkpoints" / f"step-{SAVED}.corrupt" / "__1_0.distcp").stat().st_size == 100
+    losses = losses_by_step(dump)
+    for step in range(1, STEPS + 1):
+        assert abs(losses[step] - reference[step]) / reference[step] < 1e-5, step

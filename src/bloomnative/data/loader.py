@@ -5,6 +5,9 @@ rank ``r`` of ``D`` takes the contiguous ``r``-th ``1/D`` of them, cut into micr
 samples of a step therefore do not depend on the DP degree, and the whole state is one number,
 ``consumed_samples``, that goes into checkpoints: a run resumed on another number of ranks
 continues with exactly the batches the uninterrupted run would have seen.
+
+A loss-spike rollback adds windows of the order to skip (``skip``): sample ``k`` is then the
+``k``-th position of the order outside every window, and the windows go into checkpoints too.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class PretrainingLoader:
         self.sequence_shard = sequence_shard
         self._pin = self.device.type == "cuda"
         self.consumed_samples = 0
+        self.skipped: list[tuple[int, int]] = []
+        """Windows [start, end) of positions in the order that are never served (sorted,
+        disjoint)."""
         self._executor = ThreadPoolExecutor(1, "bloomnative-prefetch") if prefetch else None
         self._pending: tuple[tuple[int, int], Future] | None = None
 
@@ -84,14 +90,39 @@ class PretrainingLoader:
             for inputs, labels in host_batch
         ]
 
-    def state_dict(self) -> dict[str, int]:
-        """The position in the global sample order (the same on every rank)."""
-        return {"consumed_samples": self.consumed_samples}
+    def state_dict(self) -> dict:
+        """The number of samples served and the skipped windows, if any (the same on every
+        rank)."""
+        state: dict = {"consumed_samples": self.consumed_samples}
+        if self.skipped:
+            state["skipped"] = list(self.skipped)
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position; a prefetched batch for another position is dropped."""
         self.consumed_samples = int(state["consumed_samples"])
+        self.skipped = []
+        for start, end in state.get("skipped", []):
+            self.skip(start, end)
         self._pending = None
+
+    def skip(self, start: int, end: int) -> None:
+        """Never serve positions [start, end) of the order (merged with the windows so far)."""
+        if not 0 <= start < end:
+            raise ValueError(f"a skipped window needs 0 <= start < end, got [{start}, {end})")
+        merged = []
+        for s, e in sorted([*self.skipped, (int(start), int(end))]):
+            if merged and s <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+            else:
+                merged.append((s, e))
+        self.skipped = merged
+        self._pending = None
+
+    def position(self, consumed: int) -> int:
+        """The position in the dataset's order of sample number `consumed` (counting served
+        samples only)."""
+        return int(self._positions(consumed, 1)[0])
 
     def close(self) -> None:
         """Stop the prefetch thread."""
@@ -102,17 +133,25 @@ class PretrainingLoader:
 
     # -- internals ------------------------------------------------------------------------------
 
+    def _positions(self, consumed: int, count: int) -> np.ndarray:
+        positions = np.arange(consumed, consumed + count, dtype=np.int64)
+        for start, end in self.skipped:
+            positions[positions >= start] += end - start
+        return positions
+
     def _host_batch(self, consumed: int, global_batch_size: int) -> Batch:
         per_rank = global_batch_size // self.dp_size
-        start = consumed + self.dp_rank * per_rank
-        if consumed + global_batch_size > len(self.dataset):
+        if not self._fits(consumed, global_batch_size):
+            last = int(self._positions(consumed + global_batch_size - 1, 1)[0])
+            skipped = f" (up to position {last}, past skipped windows)" if self.skipped else ""
             raise IndexError(
                 f"the step after {consumed} samples needs samples [{consumed}, "
-                f"{consumed + global_batch_size}), but the dataset has {len(self.dataset)}: "
-                "build it with num_samples covering every step (training.steps x "
-                "global_batch_size)"
+                f"{consumed + global_batch_size}){skipped}, but the dataset has "
+                f"{len(self.dataset)}: build it with num_samples covering every step "
+                "(training.steps x global_batch_size, plus the skipped windows)"
             )
-        samples = np.stack([self.dataset[i] for i in range(start, start + per_rank)])
+        positions = self._positions(consumed + self.dp_rank * per_rank, per_rank)
+        samples = np.stack([self.dataset[int(i)] for i in positions])
         tokens = torch.from_numpy(samples).view(
             per_rank // self.micro_batch_size, self.micro_batch_size, -1
         )
@@ -137,7 +176,7 @@ class PretrainingLoader:
             )
 
     def _fits(self, consumed: int, global_batch_size: int) -> bool:
-        return consumed + global_batch_size <= len(self.dataset)
+        return self._positions(consumed + global_batch_size - 1, 1)[0] < len(self.dataset)
 
     def __del__(self) -> None:
         executor = getattr(self, "_executor", None)

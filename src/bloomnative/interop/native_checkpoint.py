@@ -29,6 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from bloomnative.checkpoint_integrity import ChecksummingWriter, write_record
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.model.args import PRESETS
 from bloomnative.train.checkpoint import EMBEDDING, TIED_HEAD, model_state
@@ -214,11 +215,14 @@ def _replace_dir(new: Path, target: Path) -> None:
 def save_native_checkpoint(model: Bloom, out_dir: str | Path, overwrite: bool = False) -> Path:
     """Writes `model` as a model-only DCP checkpoint folder (the "model" entry of a training
     checkpoint, canonical names, the model's dtype) plus ARGS_FILE, which records the head
-    count and LayerNorm epsilon that the tensors cannot. Returns the folder."""
+    count and LayerNorm epsilon that the tensors cannot, and the checksum record a training
+    checkpoint has. Returns the folder."""
     state = {MODEL_KEY: canonical_state_dict(model)}
     with staged_output_dir(out_dir, overwrite) as staging, _single_process_dcp():
-        dcp.save(state, checkpoint_id=str(staging), no_dist=True)
+        writer = ChecksummingWriter(staging)
+        dcp.save(state, storage_writer=writer, no_dist=True)
         _write_args_file(model.args, staging)
+        write_record(staging, writer.sums)
     return Path(out_dir)
 
 

@@ -1,8 +1,15 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP).
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), checksummed.
 
-Layout: <dump>/<folder>/step-<N>/ holds the DCP files. A save writes step-<N>.partial/ and only
-rank 0 renames it to step-<N> after every rank has finished, so a folder named step-<N> is always
-complete; anything else is ignored by `latest_step` and removed by the next save.
+Layout: <dump>/<folder>/step-<N>/ holds the DCP files and `checksums.json`, the completion record
+(size and CRC-32 of every file, taken as the files were written). A save writes
+step-<N>.partial/; after every rank has finished, rank 0 writes the record and renames the folder
+to step-<N>, so a folder named step-<N> is always complete; a `.partial` folder is ignored and
+removed by the next save.
+
+After a save each rank reads its files back from the disk and compares them with the record;
+before a resume the ranks split the record's files and verify them. A checkpoint that fails is
+never loaded and never deleted: it is renamed step-<N>.corrupt and reported. Rotation
+(`keep_latest_k`) always keeps the newest checkpoint that has verified.
 
 Model and optimizer state are saved under canonical fully qualified parameter names through
 DCP's state-dict API (the tied head is stored once, as the embedding), so a checkpoint does not
@@ -11,11 +18,11 @@ depend on the parallel layout that wrote it and loads under any other.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import time
-from concurrent.futures import Future
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +38,19 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from bloomnative.checkpoint_integrity import (
+    RECORD,
+    ChecksummingWriter,
+    FileSum,
+    IntegrityError,
+    read_record,
+    share_of_files,
+    uncheckable,
+    unrecorded_files,
+    verify_files,
+    write_record,
+)
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 TIED_HEAD = "lm_head.weight"
 EMBEDDING = "word_embeddings.weight"
@@ -41,12 +61,21 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; nothing already saved was touched."""
 
 
+class BadCheckpointError(CheckpointError):
+    """The checkpoint asked for (checkpoint.load_step) is missing or fails verification."""
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps of the complete checkpoints (folders named step-<N>) in `folder`, ascending."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)))
+
+
 def latest_step(folder: Path) -> int | None:
     """The newest complete checkpoint's step in `folder`, or None."""
-    if not folder.is_dir():
-        return None
-    steps = [int(m.group(1)) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name))]
-    return max(steps) if steps else None
+    steps = complete_steps(folder)
+    return steps[-1] if steps else None
 
 
 def _owns_head_copy(part: nn.Module) -> bool:
@@ -123,8 +152,14 @@ def restore_rng_state(state: dict[str, torch.Tensor]) -> None:
         (torch.set_rng_state if key.startswith("cpu.") else torch.cuda.set_rng_state)(value)
 
 
+def saved_shapes(path: Path) -> dict[str, torch.Size | None]:
+    """Key -> global shape of every entry of the checkpoint at `path` (None: not a tensor)."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {key: getattr(entry, "size", None) for key, entry in metadata.items()}
+
+
 def saved_keys(path: Path) -> set[str]:
-    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return set(saved_shapes(path))
 
 
 def is_model_only(path: Path) -> bool:
@@ -149,25 +184,46 @@ def local_bytes(state: dict) -> int:
     return total
 
 
+@dataclass
+class _PendingSave:
+    """A save whose files are written (or being written, async) but not yet judged."""
+
+    step: int
+    writer: ChecksummingWriter
+    check: Future  # -> this rank's problems reading its files back: {file: problem}
+    complete: bool  # renamed to step-<N> (async saves are completed by `wait`)
+
+
 class Checkpointer:
-    """Saves and prunes the checkpoints of one folder; optionally in the background.
+    """Saves, verifies and prunes the checkpoints of one folder; optionally in the background.
 
     With `async_mode`, `save` returns once the state is staged in host memory; the files are
     written by a background thread over a separate gloo group (so its collectives never
     interleave with training's), and the checkpoint is marked complete by the next `save` or
-    `wait`.
+    `wait`. Either way each rank then reads its files back (from the disk, not the page cache,
+    where the OS allows) on a background thread; the verdict is collected by the next `save` or
+    `wait`, which also prunes.
     """
 
     def __init__(self, folder: Path, keep_latest_k: int, async_mode: bool, min_free_gib: float):
         self.folder = folder
         self.keep_latest_k = keep_latest_k
         self.min_free_gib = min_free_gib
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.group = (
-            dist.new_group(backend="gloo") if async_mode and dist.is_initialized() else None
-        )
+        self.distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        # Collective when distributed: every rank constructs its Checkpointer at the same point.
+        self.group = dist.new_group(backend="gloo") if self.distributed else None
         self.async_mode = async_mode
-        self._pending: tuple[Future, int] | None = None
+        self.verified: set[int] = set()
+        """Steps whose files matched their record in this process (after saving or loading)."""
+        self._pending: _PendingSave | None = None
+        self._checker = ThreadPoolExecutor(1, "bloomnative-checkpoint-check")
+
+    def path(self, step: int) -> Path:
+        return self.folder / f"step-{step}"
+
+    # ------------------------------------------------------------------ saving
 
     def save(self, step: int, state: dict) -> None:
         self.wait()
@@ -176,50 +232,75 @@ class Checkpointer:
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
-        _barrier()
+        self._barrier()
+        writer = ChecksummingWriter(partial)
         if self.async_mode:
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
-            self._pending = (future, step)
+            write = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            check = self._checker.submit(_written_then_read_back, write, writer, partial)
+            self._pending = _PendingSave(step, writer, check, complete=False)
         else:
-            dcp.save(state, checkpoint_id=str(partial))
-            self._finalize(step)
+            dcp.save(state, storage_writer=writer)
+            self._complete(step, writer.sums)
+            check = self._checker.submit(_read_back, self.path(step), writer.sums)
+            self._pending = _PendingSave(step, writer, check, complete=True)
 
     def wait(self) -> None:
-        """Blocks until a background save has finished and marks it complete."""
+        """Blocks until the last save is written (async) and read back; marks it complete, takes
+        the verdict and prunes."""
         if self._pending is None:
             return
-        future, step = self._pending
-        self._pending = None
-        future.result()
-        self._finalize(step)
-
-    def _finalize(self, step: int) -> None:
-        if delay := float(os.environ.get("BLOOMNATIVE_FAULT_SAVE_DELAY_S", "0")):
-            time.sleep(delay)  # fault injection for tests: widen the window of an unfinished save
-        _barrier()  # every rank has written its files
+        pending, self._pending = self._pending, None
+        problems = pending.check.result()  # raises what a background write raised
+        if not pending.complete:
+            self._complete(pending.step, pending.writer.sums)
+        self._judge(pending.step, problems, "reading it back after the save")
         if self.rank == 0:
-            final = self.folder / f"step-{step}"
+            self._prune()
+        self._barrier()
+
+    def _complete(self, step: int, sums: dict[str, FileSum]) -> None:
+        """Rank 0 writes the completion record from every rank's file sums, then renames
+        step-<N>.partial to step-<N>."""
+        every_rank = self._gather_to_rank0(sums)
+        if self.rank == 0:
+            merged: dict[str, FileSum] = {}
+            for rank_sums in every_rank:
+                merged.update(rank_sums)
+            partial, final = self.folder / f"step-{step}.partial", self.path(step)
+            write_record(partial, merged)
             if final.exists():
                 shutil.rmtree(final)
-            (self.folder / f"step-{step}.partial").rename(final)
-            self._prune()
-        _barrier()
+            partial.rename(final)
+        self._barrier()
+
+    def _judge(self, step: int, problems: dict[str, str], when: str) -> None:
+        """Collective: `step` counts as verified if no rank found a problem, else it is set
+        aside with a warning."""
+        merged = self._all_problems(problems)
+        if merged:
+            self._set_aside(step, f"{when}: {_describe(merged, self.path(step))}")
+        else:
+            self.verified.add(step)
 
     def _prune(self) -> None:
-        """Keeps the newest k complete checkpoints; removes partial ones of crashed saves."""
+        """Keeps the newest k complete checkpoints and the newest verified one; removes partial
+        ones of crashed saves. Checkpoints set aside as corrupt are not touched."""
         for p in self.folder.glob("*.partial"):
             shutil.rmtree(p, ignore_errors=True)
-        steps = sorted(
-            int(m.group(1)) for p in self.folder.iterdir() if (m := _STEP_DIR.match(p.name))
-        )
-        if self.keep_latest_k > 0:
-            for step in steps[: -self.keep_latest_k]:
-                shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+        steps = complete_steps(self.folder)
+        if self.keep_latest_k <= 0:
+            return
+        keep = set(steps[-self.keep_latest_k :])
+        if verified := self.verified.intersection(steps):
+            keep.add(max(verified))
+        for step in steps:
+            if step not in keep:
+                shutil.rmtree(self.path(step), ignore_errors=True)
 
     def _check_free_space(self, state: dict) -> None:
         """Refuses to start a save that cannot fit (nothing is deleted to make room)."""
         needed = torch.tensor(local_bytes(state), dtype=torch.float64)
-        if dist.is_initialized():
+        if self.distributed:
             dist.all_reduce(needed, group=self.group)
         probe = self.folder if self.folder.exists() else self.folder.parent
         while not probe.exists():
@@ -234,7 +315,137 @@ class Checkpointer:
                 f"lower checkpoint.keep_latest_k or point job.dump_folder elsewhere"
             )
 
+    # ------------------------------------------------------------------ verifying before a load
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+    def verify(self, step: int) -> str | None:
+        """Collective: None if checkpoint `step`'s files match its record (the ranks split the
+        reading), else the first problem found, naming the file. A checkpoint that cannot be
+        verified (no record: written before records existed; or summed with a checksum this
+        process cannot compute) passes with a warning."""
+        folder = self.path(step)
+        problems: dict[str, str] = {}
+        unverifiable = None
+        try:
+            record = read_record(folder)
+            if record is None:
+                unverifiable = f"it has no {RECORD}"
+            elif why := uncheckable(record):
+                unverifiable = why
+            else:
+                if self.rank == 0:
+                    problems = dict.fromkeys(unrecorded_files(folder, record), "not in the record")
+                mine = share_of_files(record, self.rank, self.world_size)
+                problems.update(verify_files(folder, record, mine))
+        except (IntegrityError, OSError) as e:
+            problems = {RECORD: str(e)}
+        merged = self._all_problems(problems)
+        if merged:
+            return _describe(merged, folder)
+        if unverifiable:
+            self._warn(f"cannot verify {folder} ({unverifiable}): loading it unverified")
+        else:
+            self.verified.add(step)
+        return None
+
+    def newest_verified(self, before: int | None = None) -> int | None:
+        """Collective: the newest complete checkpoint (with a step below `before`, if given)
+        that verifies. Those that fail are set aside as corrupt, with a warning each."""
+        for step in reversed(complete_steps(self.folder)):
+            if before is not None and step >= before:
+                continue
+            problem = self.verify(step)
+            if problem is None:
+                return step
+            self._set_aside(step, problem)
+        return None
+
+    def require(self, step: int) -> None:
+        """Collective: raises BadCheckpointError unless checkpoint `step` exists and verifies.
+        The message names the problem and the newest checkpoint that does verify."""
+        if not self.path(step).is_dir():
+            problem = f"no complete checkpoint at {self.path(step)}"
+        elif (problem := self.verify(step)) is None:
+            return
+        good = next(
+            (s for s in reversed(complete_steps(self.folder)) if s != step and not self.verify(s)),
+            None,
+        )
+        hint = (
+            f"the newest checkpoint that verifies is step {good} (set checkpoint.load_step = "
+            f"{good}, or -1 to take the newest good one)"
+            if good is not None
+            else "no checkpoint in the folder verifies (set checkpoint.load_step = -1 to start "
+            "afresh)"
+        )
+        raise BadCheckpointError(f"checkpoint.load_step = {step}: {problem}; {hint}")
+
+    def set_aside_after(self, step: int, tag: str) -> None:
+        """Collective: renames every complete checkpoint newer than `step` to
+        step-<N>.<tag> (out of reach of resumes and rotation, not deleted)."""
+        newer = [s for s in complete_steps(self.folder) if s > step]
+        if self.rank == 0 and newer:
+            names = ", ".join(self._rename_aside(s, tag) for s in newer)
+            print(f"[bloomnative] set aside checkpoints newer than step-{step}: {names}")
+        self.verified.difference_update(newer)
+        self._barrier()
+
+    def _set_aside(self, step: int, reason: str) -> None:
+        """Collective: renames step-<N> to step-<N>.corrupt (never deletes it) and says why."""
+        if self.rank == 0:
+            name = self._rename_aside(step, "corrupt")
+            self._warn(f"checkpoint step-{step} is corrupt, skipped: {reason}; left as {name}")
+        self.verified.discard(step)
+        self._barrier()
+
+    def _rename_aside(self, step: int, tag: str) -> str:
+        """Renames step-<N> to step-<N>.<tag> (or .<tag>-2, ...: never over another); rank 0."""
+        target = self.folder / f"step-{step}.{tag}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.folder / f"step-{step}.{tag}-{n}"
+        self.path(step).rename(target)
+        return target.name
+
+    # ------------------------------------------------------------------ collectives
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+    def _gather_to_rank0(self, obj) -> list:
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out or []
+
+    def _all_problems(self, problems: dict[str, str]) -> dict[str, str]:
+        if not self.distributed:
+            return problems
+        every = [None] * self.world_size
+        dist.all_gather_object(every, problems, group=self.group)
+        return {name: p for rank_problems in every for name, p in rank_problems.items()}
+
+    def _warn(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"[bloomnative] WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def _describe(problems: dict[str, str], folder: Path) -> str:
+    """One line: the first problem (by file name), with the file's path, and how many more."""
+    name = min(problems)
+    more = len(problems) - 1
+    return f"{folder / name}: {problems[name]}" + (f" (and {more} more files)" if more else "")
+
+
+def _read_back(folder: Path, sums: dict[str, FileSum]) -> dict[str, str]:
+    """This rank's files in `folder` read from the disk and compared with what it wrote."""
+    return verify_files(folder, sums, sums, from_storage=True)
+
+
+def _written_then_read_back(
+    write: Future, writer: ChecksummingWriter, folder: Path
+) -> dict[str, str]:
+    write.result()
+    return _read_back(folder, writer.sums)

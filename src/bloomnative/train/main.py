@@ -10,22 +10,29 @@ from bloomnative.config import ConfigError, parse_args
 from bloomnative.parallel import LayoutError
 from bloomnative.parallel.memory_estimate import PlanError
 from bloomnative.train.distributed import exit_process
+from bloomnative.train.faults import catch_stop_signals
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 trained (or stopped on request, with a checkpoint), 2 configuration error
-    (reported before any model is built), 1 any other failure (its traceback printed)."""
+    (reported before any model is built) or a checkpoint.load_step that is missing or fails
+    verification, 1 any other failure (its traceback printed)."""
+    catch_stop_signals()
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from bloomnative.train.checkpoint import BadCheckpointError
     from bloomnative.train.trainer import Trainer
 
     try:
         Trainer(config).run()
     except (ConfigError, LayoutError, PlanError) as e:  # found before any model is built
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except BadCheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
         return 2
     except Exception:
         # A failed rank leaves at once, so that torchrun sees it and stops (or restarts) the

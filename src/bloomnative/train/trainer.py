@@ -46,6 +46,7 @@ from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tfl
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
 from bloomnative.train.preflight import check_run
+from bloomnative.train.spikes import SpikeRecovery, data_reserve
 
 
 class Trainer:
@@ -94,6 +95,7 @@ class Trainer:
             config.checkpoint.async_mode == "async",
             config.checkpoint.min_free_gib,
         )
+        self.spikes = SpikeRecovery(self)
         self._maybe_resume()
 
         self.metrics = MetricsLogger(self.dump, config.metrics.tensorboard, self.rank == 0)
@@ -232,7 +234,11 @@ class Trainer:
 
     def _build_data(self) -> None:
         cfg, t, v = self.config.data, self.config.training, self.config.validation
-        max_samples = t.steps * t.global_batch_size
+        # Loss-spike rollbacks skip data: the index covers the windows they may skip as well.
+        reserve = data_reserve(
+            self.config.spikes, self.config.checkpoint, self.config.metrics.log_freq
+        )
+        max_samples = (t.steps + reserve) * t.global_batch_size
         valid_samples = max(v.steps * t.global_batch_size, 1) if v.freq else 0
         cache_dir = cfg.cache_dir or str(self.dump / "data_cache")
         train_ds, valid_ds, _ = build_gpt_datasets(
@@ -283,8 +289,9 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def _state(self, with_rng: bool = True) -> dict:
-        """Everything a resume needs. The data loader's state is `consumed_samples`: the global
-        sample order does not depend on the layout, so it is all the loader needs."""
+        """Everything a resume needs. The data loader's state is `consumed_samples` (the global
+        sample order does not depend on the layout) and the windows of it that loss-spike
+        rollbacks skipped."""
         state = {
             "model": ckpt.model_state(self.model_parts),
             "optimizer": ckpt.optimizer_state(self.model_parts, self.optimizers),
@@ -295,54 +302,78 @@ class Trainer:
                 "scheduled_samples": self.scheduled_samples,
             },
         }
+        if self.train_loader.skipped:
+            state["train"]["skipped_samples"] = torch.tensor(self.train_loader.skipped)
+        state.update(self.spikes.state_dict())
         if with_rng:
             state["rng"] = ckpt.rng_state()
         return state
 
     def _maybe_resume(self) -> None:
-        """Resumes from the newest complete checkpoint (or `load_step`); a model-only one (from
-        tools/convert_hf.py) or `initial_hf` gives the starting weights of a fresh run."""
+        """Resumes from the newest checkpoint that verifies (or `load_step`, which must verify);
+        a model-only one (from tools/convert_hf.py) or `initial_hf` gives the starting weights
+        of a fresh run."""
         cfg = self.config.checkpoint
         step = None
-        if cfg.enable:
-            step = cfg.load_step if cfg.load_step >= 0 else ckpt.latest_step(self.ckpt_folder)
+        if cfg.enable and cfg.load_step >= 0:
+            self.checkpointer.require(cfg.load_step)
+            step = cfg.load_step
+        elif cfg.enable:
+            step = self.checkpointer.newest_verified()
         if step is None:
             if cfg.initial_hf:
                 self._load_initial_hf(cfg.initial_hf)
             return
-        path = self.ckpt_folder / f"step-{step}"
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"checkpoint.load_step = {step}: no complete checkpoint at {path}"
-            )
+        path = self.checkpointer.path(step)
         if ckpt.is_model_only(path):
             state = {"model": ckpt.model_state(self.model_parts)}
             ckpt.load(path, state)
             ckpt.load_model_state(self.model_parts, state["model"])
             self._say(f"initial weights from model-only checkpoint {path}")
             return
-        # RNG states are per rank: restored only when this rank's key was saved.
+        self.load_training_state(path)
+        self._say(f"resumed from {path} at step {self.step}")
+
+    def load_training_state(self, path: Path) -> None:
+        """Model, optimizer, counters, data position, spike detector and RNG from a verified
+        checkpoint. The skipped data windows are those it saved and those rollbacks.json lists
+        (a rollback is recorded there before any checkpoint holds it)."""
         state = self._state(with_rng=False)
-        saved = ckpt.saved_keys(path)
+        saved = ckpt.saved_shapes(path)
+        # RNG states are per rank: restored only when this rank's key was saved.
         rng = ckpt.rng_state()
         if all(f"rng.{key}" in saved for key in rng):
             state["rng"] = rng
         clock_saved = "train.scheduled_samples" in saved  # not saved before 2026-11-23
         if not clock_saved:
             del state["train"]["scheduled_samples"]
+        state["train"].pop("skipped_samples", None)
+        if "train.skipped_samples" in saved:
+            shape = saved["train.skipped_samples"]
+            state["train"]["skipped_samples"] = torch.zeros(shape, dtype=torch.int64)
+        detector = state.pop("spikes", None)
+        if detector and all(saved.get(f"spikes.{k}") == v.shape for k, v in detector.items()):
+            state["spikes"] = detector
         ckpt.load(path, state)
         ckpt.load_model_state(self.model_parts, state["model"])
         ckpt.load_optimizer_state(self.model_parts, self.optimizers, state["optimizer"])
         if "rng" in state:
             ckpt.restore_rng_state(state["rng"])
-        self.step = int(state["train"]["step"])
-        self.consumed_samples = int(state["train"]["consumed_samples"])
+        train = state["train"]
+        self.step = int(train["step"])
+        self.consumed_samples = int(train["consumed_samples"])
         self.scheduled_samples.fill_(
-            int(state["train"]["scheduled_samples"]) if clock_saved else self.consumed_samples
+            int(train["scheduled_samples"]) if clock_saved else self.consumed_samples
         )
-        self.nonfinite.load(int(state["train"]["nonfinite_skipped"]))
-        self.train_loader.load_state_dict({"consumed_samples": self.consumed_samples})
-        self._say(f"resumed from {path} at step {self.step}")
+        self.nonfinite.load(int(train["nonfinite_skipped"]))
+        windows = train["skipped_samples"].tolist() if "skipped_samples" in train else []
+        self.train_loader.load_state_dict(
+            {
+                "consumed_samples": self.consumed_samples,
+                "skipped": [*windows, *self.spikes.log.windows()],
+            }
+        )
+        self.spikes.load_state_dict(state)
 
     def _load_initial_hf(self, hf_dir: str) -> None:
         """Continued pretraining: every rank reads the Hugging Face folder and keeps its shard."""
@@ -458,15 +489,19 @@ class Trainer:
         return loss, grad_norm, lr, gbs
 
     def _reduce_loss(self, value: torch.Tensor) -> float | list[float]:
-        """The loss (or a tensor of losses) every rank agrees on: summed over pipeline ranks
-        (only the last stage holds it), averaged over data-parallel and context-parallel ranks
-        (each holds the mean over the same number of tokens)."""
+        """`_global_loss` read back: a float, or a list for a tensor of losses."""
+        return self._global_loss(value).tolist()
+
+    def _global_loss(self, value: torch.Tensor) -> torch.Tensor:
+        """The loss (or a tensor of losses) every rank agrees on, left on the device: summed over
+        pipeline ranks (only the last stage holds it), averaged over data-parallel and
+        context-parallel ranks (each holds the mean over the same number of tokens)."""
         value = value.detach().clone()
         if self.dims.pp > 1:
             dist.all_reduce(value, group=self.pp_mesh.get_group())
         if self.dims.dp * self.dims.cp > 1:
             dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.loss_mesh.get_group())
-        return value.tolist()
+        return value
 
     def _max_over_ranks(self, value: float) -> float:
         """The largest value any rank has (memory: the rank that limits the layout)."""
@@ -502,7 +537,7 @@ class Trainer:
     def train(self) -> None:
         """Trains to `training.steps`, or until asked to stop (SIGTERM, SIGUSR1 or a STOP file
         in the dump folder), saving a checkpoint at the step where it stops."""
-        t, m, v = self.config.training, self.config.metrics, self.config.validation
+        t, v = self.config.training, self.config.validation
         ckpt_cfg = self.config.checkpoint
         stop = StopRequest(self.dump / "STOP")
         self.throughput.read_and_reset()
@@ -511,7 +546,12 @@ class Trainer:
                 loss, grad_norm, lr, gbs = self.train_step()
                 self.interval_losses.append(loss)
                 self.throughput.add_tokens(gbs * t.seq_len)
-                if self.step % m.log_freq == 0 or self.step == 1 or self.step == t.steps:
+                if self.spikes.detector and self.spikes.rolled_back(
+                    self._global_loss(loss), grad_norm, self._is_log_step()
+                ):
+                    self.interval_losses = []  # steps that were undone are not logged
+                    continue
+                if self._is_log_step():
                     self.nonfinite.check(self.step)
                     self._log_step(grad_norm, lr, gbs)
                 if v.freq and self.make_valid_loader and self.step % v.freq == 0:
@@ -527,6 +567,10 @@ class Trainer:
         finally:
             stop.restore()
             self.metrics.close()
+
+    def _is_log_step(self) -> bool:
+        steps = self.config.training.steps
+        return self.step % self.config.metrics.log_freq == 0 or self.step in (1, steps)
 
     def _log_step(self, grad_norm, lr, gbs: int) -> None:
         """One row for the steps since the last: `loss` is their mean (Megatron's logged loss),

@@ -1,0 +1,139 @@
+"""Loss-spike recovery: a spike caused by a bad stretch of data is detected, the run goes back to
+the checkpoint from before it, skips that data and trains on with finite losses; the rollback is
+recorded, and a restart right after it skips the same data (bit-identical losses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from bloomnative.config import SpikesConfig
+from bloomnative.train.spikes import SpikeDetector
+from training_helpers import TINY_RUN, losses_by_step, metric_rows, train_env
+
+INJECT = Path(__file__).with_name("inject_spike.py")
+GBS = 8  # TINY_RUN's global batch
+# Steps 7, 8 and 9 read positions [48, 72) of the training order: their losses are reported 10x.
+BAD = {"bad_from": 48, "bad_to": 72, "factor": 10.0}
+SPIKES = [
+    "--spikes.enable=true",
+    "--spikes.window=3",
+    "--spikes.consecutive_steps=3",
+    "--spikes.skip_steps=1",
+    "--spikes.max_rollbacks=1",
+]
+
+
+def run(dump: Path, corpus: str, spec: dict, *extra: str) -> subprocess.CompletedProcess:
+    argv = [
+        *TINY_RUN,
+        f"--data.blend={corpus}",
+        f"--job.dump_folder={dump}",
+        "--training.steps=12",
+        "--lr_scheduler.decay_steps=12",
+        "--checkpoint.interval=2",
+        "--checkpoint.keep_latest_k=0",
+        *SPIKES,
+        *extra,
+    ]
+    return subprocess.run(
+        [sys.executable, str(INJECT), json.dumps(spec), *argv],
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def spiked_run(synthetic_corpus, tmp_path_factory) -> Path:
+    dump = tmp_path_factory.mktemp("spiked")
+    proc = run(dump, synthetic_corpus, BAD, "--metrics.tensorboard=true")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return dump
+
+
+def test_a_spike_rolls_back_skips_its_data_and_training_goes_on(spiked_run):
+    rows = metric_rows(spiked_run)
+    rollbacks = [row for row in rows if "rollback" in row]
+    # Detected at step 9 (third spike step), before that step's checkpoint; step-8 was saved
+    # during the spike, so the run goes back to step-6 and skips from its data position (48)
+    # to past the spike (72) plus skip_steps = 1 batch.
+    assert len(rollbacks) == 1
+    rollback = rollbacks[0]
+    assert rollback["step"] == 9 and rollback["rollback_to_step"] == 6
+    assert rollback["skipped_samples"] == [48, 72 + GBS]
+    assert rollback["skipped_sample_count"] == 72 + GBS - 48
+    assert "loss" in rollback["rollback_trigger"] and "from step 7" in rollback["rollback_trigger"]
+    losses = losses_by_step(spiked_run)
+    assert sorted(losses) == list(range(1, 13))
+    healthy = max(losses[s] for s in range(4, 7))
+    assert all(losses[s] < 1.2 * healthy for s in range(7, 13))  # the replayed steps: no spike
+    checkpoints = sorted(p.name for p in (spiked_run / "checkpoints").iterdir())
+    assert "step-8.rolled-back" in checkpoints and "step-12" in checkpoints
+    recorded = json.loads((spiked_run / "checkpoints" / "rollbacks.json").read_text())
+    assert [r["skipped"] for r in recorded["rollbacks"]] == [[48, 80]]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_rollback_is_in_tensorboard_and_in_later_checkpoints(spiked_run):
+    events = EventAccumulator(str(spiked_run / "tb"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("rollback_to_step")] == [6.0]
+    saved = torch.zeros(1, 2, dtype=torch.int64)
+    state = {"train": {"skipped_samples": saved}}
+    dcp.load(state, checkpoint_id=str(spiked_run / "checkpoints" / "step-12"), no_dist=True)
+    assert saved.tolist() == [[48, 80]]
+
+
+def test_a_restart_right_after_a_rollback_skips_the_same_data(
+    spiked_run, synthetic_corpus, tmp_path
+):
+    # The process dies just after the rollback, before any checkpoint holds the skipped window:
+    # the restart finds it in rollbacks.json.
+    died = run(tmp_path, synthetic_corpus, {**BAD, "exit_after_rollback": True})
+    assert died.returncode == 3, died.stderr[-3000:]
+    assert not (tmp_path / "checkpoints" / "step-8").exists()
+    restarted = run(tmp_path, synthetic_corpus, BAD)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "resumed from" in restarted.stdout and "step-6 at step 6" in restarted.stdout
+    assert losses_by_step(tmp_path) == losses_by_step(spiked_run)
+    assert not [row for row in metric_rows(tmp_path)[-6:] if "rollback" in row]
+
+
+def test_spikes_after_max_rollbacks_stop_the_run_with_a_message(synthetic_corpus, tmp_path):
+    # Every batch from position 48 on spikes: the skip does not help, and the second spike is
+    # one more than spikes.max_rollbacks = 1 allows.
+    proc = run(tmp_path, synthetic_corpus, {**BAD, "bad_to": 10**9})
+    assert proc.returncode != 0
+    assert "spikes.max_rollbacks = 1 rollbacks have been made already" in proc.stderr
+    recorded = json.loads((tmp_path / "checkpoints" / "rollbacks.json").read_text())
+    assert len(recorded["rollbacks"]) == 1
+
+
+def test_the_detector_fires_after_consecutive_spike_steps_only():
+    cfg = SpikesConfig(enable=True, window=4, consecutive_steps=2, loss_factor=1.5)
+    detector = SpikeDetector(cfg, torch.device("cpu"))
+
+    def observe(step, loss, grad_norm=1.0):
+        detector.observe(step, torch.tensor(loss), torch.tensor(grad_norm))
+
+    for step in range(1, 5):
+        observe(step, 3.0 - 0.1 * step)  # the history fills (a falling loss: mean 2.75)
+    observe(5, 4.2)  # one spike step (> 1.5 x 2.75) ...
+    observe(6, 2.5)  # ... then a healthy one: the run is broken
+    observe(7, 2.5, grad_norm=20.0)  # a gradient-norm spike (> 5 x median 1)
+    assert detector.fired() is None
+    observe(8, float("nan"))  # non-finite: the second spike step in a row
+    trigger = detector.fired()
+    assert (trigger.step, trigger.first_step) == (8, 7)
+    assert "2 spike steps from step 7" in trigger.describe(cfg)
+    # Spike steps never enter the history: it holds the last 4 healthy losses.
+    assert sorted(detector.loss_history.tolist()) == pytest.approx([2.5, 2.6, 2.7, 2.8])

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bloomnative.checkpoint_integrity import read_record, verify_files
 from training_helpers import TINY_RUN, metric_rows, train_env
 
 RUNNER = Path(__file__).with_name("layout_runner.py")
@@ -95,6 +96,13 @@ LAYOUTS = {
         "dp2_cp2": CP2,
         "tp2_cp2": [*CP2, "--parallelism.tp=2"],
         "pp2_cp2": [*CP2, "--parallelism.pp=2"],
+        # Stops at step 3 and resumes from its checkpoint (layout_runner.RESUMED).
+        "dp2_cp2-resumed": [
+            *CP2,
+            "--checkpoint.enable=true",
+            "--checkpoint.interval=3",
+            "--checkpoint.keep_latest_k=0",
+        ],
     },
     8: {"dp2_tp2_pp2": ["--parallelism.tp=2", "--parallelism.pp=2"]},
 }
@@ -109,6 +117,7 @@ NOT_IN_BF16 = {
     "pp2_fused_loss",
     "cp2_ac_full_compile",
     "cp2_ac_selective_fused_loss",
+    "dp2_cp2-resumed",
 }
 for world in LAYOUTS.values():
     world |= {
@@ -195,6 +204,28 @@ def test_layout_trains_and_evaluates_like_the_single_process(runs, layout):
     assert set(got) == set(ref_params)
     for name, value in ref_params.items():
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.multiprocess
+def test_a_context_parallel_checkpoint_verifies_and_resumes_exactly(runs):
+    """dp 2 x cp 2 (FSDP over dp_shard x cp: 4 shards) saves step 3 with its checksum record;
+    a second trainer verifies it, resumes there and ends with the losses, eval losses and
+    parameters of the run that never stopped, bit for bit."""
+    folder = runs / "dp2_cp2-resumed"
+    saved = folder / "checkpoints" / "step-3"
+    record = read_record(saved)
+    assert sorted(name for name in record if name.endswith(".distcp")) == [
+        f"__{rank}_0.distcp" for rank in range(4)
+    ]
+    assert verify_files(saved, record, record) == {}
+    for rank in range(4):
+        resumed = json.loads((folder / f"resumed_rank{rank}.json").read_text())
+        assert resumed == {"step": 3, "verified": [3]}, rank
+    assert metrics(folder) == metrics(runs / "dp2_cp2")
+    got, uninterrupted = params(folder), params(runs / "dp2_cp2")
+    assert set(got) == set(uninterrupted)
+    for name, value in uninterrupted.items():
+        assert torch.equal(got[name], value), name
 
 
 @pytest.mark.multiprocess

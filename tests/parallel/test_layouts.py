@@ -1,9 +1,10 @@
 """Every parallel layout (context parallelism included) trains and evaluates like the
-single-process run: in fp32 the same
-loss at every step (relative difference < 1e-4), the same eval_loss at the training and at a
-longer sequence length, and the same final parameters; in bf16 the same losses within the bf16
-tolerance below. A batch-size rampup under an interleaved pipeline leaves exactly the stage
-buffers of a run at the final size, and bf16 crosses the pipeline boundaries. On CPU with gloo.
+single-process run: in fp32 the same loss at every step (relative difference < 1e-4), the same
+eval_loss at the training and at a longer sequence length, and the same final parameters; in
+bf16 the same losses within the bf16 tolerance below. A batch-size rampup under an interleaved
+pipeline leaves exactly the stage buffers of a run at the final size, and bf16 crosses the
+pipeline boundaries. A context-parallel checkpoint verifies and resumes bit for bit. On CPU with
+gloo.
 
 bf16 tolerance: relative 2e-3 (about 2^-9), half of bf16's unit roundoff u = 2^-8 (bf16 keeps 8
 significant bits): written as bf16 numbers, the two losses would be at most one rounding step

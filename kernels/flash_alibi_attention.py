@@ -71,7 +71,8 @@ _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
 _DROPOUT_BITS = 24  # a draw is the top 24 bits of a Philox word: 6e-8 resolution
 _DROPOUT_ROW_STRIDE = 16384  # counter word 0 is i * 2^14 + j // 4: unique for seq <= 65536
-_DROPOUT_MAX_SEQ = 4 * _DROPOUT_ROW_STRIDE
+DROPOUT_MAX_POSITIONS = 4 * _DROPOUT_ROW_STRIDE
+"""With dropout, query and key positions (offsets included) must stay below this."""
 
 
 def _configs(*specs: tuple[int, int, int, int]) -> list:
@@ -945,9 +946,9 @@ def _check_inputs(
         )
     if dropout_p > 0:
         end = max(q_offset, k_offset) + seq
-        if end > _DROPOUT_MAX_SEQ:
+        if end > DROPOUT_MAX_POSITIONS:
             raise ValueError(
-                f"{name}: dropout supports positions up to {_DROPOUT_MAX_SEQ} (its random "
+                f"{name}: dropout supports positions up to {DROPOUT_MAX_POSITIONS} (its random "
                 f"stream is indexed by i * 2^14 + j // 4), got positions up to {end}"
             )
         if k_offset % 4:

@@ -18,6 +18,9 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"
 BLOOM_176B = next(p for p in CONFIGS if p.name == "bloom-176b.toml")
 
 
+TRITON_DROPOUT = ["--model.attention=triton", "--model.attention_dropout=0.1"]
+
+
 def check(world_size: int, *overrides: str):
     return check_run(parse_args(list(overrides)), world_size)
 
@@ -118,6 +121,19 @@ def check(world_size: int, *overrides: str):
             r"model.attention = 'flex' has no context-parallel form .* use triton or sdpa",
         ),
         (6, ["--parallelism.cp=4"], r"world size 6 is not divisible by dp_replicate\*cp\*tp\*pp"),
+        (
+            2,
+            [*TRITON_DROPOUT, "--parallelism.cp=2", "--training.seq_len=36"],
+            r"training.seq_len = 36: with model.attention_dropout the Triton kernels draw one "
+            r"random number per 4 keys, so each of the 2 \* cp chunks needs a multiple of 4 "
+            r"tokens; choose a length divisible by 16",
+        ),
+        (
+            8,
+            [*TRITON_DROPOUT, "--parallelism.cp=8", "--training.seq_len=131072"],
+            r"training.seq_len = 131072: with model.attention_dropout the Triton attention "
+            r"kernels draw dropout for positions below 65536 only",
+        ),
     ],
 )
 def test_impossible_layout_is_rejected_with_what_to_change(world, overrides, message):

@@ -94,6 +94,22 @@ def check_context_parallel(args: BloomArgs, cp: int, seq_lens: dict[str, int]) -
             )
 
 
+def check_attention_dropout_positions(args: BloomArgs, seq_lens: dict[str, int]) -> None:
+    """The Triton kernels' dropout stream covers a bounded number of positions (the whole
+    sequence's, also when context parallelism splits it)."""
+    if args.attention != "triton" or not args.attention_dropout:
+        return
+    from bloomnative.kernels.flash_alibi_attention import DROPOUT_MAX_POSITIONS
+
+    for key, length in seq_lens.items():
+        if length > DROPOUT_MAX_POSITIONS:
+            raise LayoutError(
+                f"{key} = {length}: with model.attention_dropout the Triton attention kernels "
+                f"draw dropout for positions below {DROPOUT_MAX_POSITIONS} only; use a shorter "
+                f"length, model.attention_dropout = 0 or model.attention = sdpa"
+            )
+
+
 def check_pipeline_split(
     args: BloomArgs,
     pp: int,
@@ -166,7 +182,9 @@ def check_layout(
     batch-size rules are checked for every global batch size the run uses, sequence-length
     rules for every length it trains or evaluates at (`validation`)."""
     check_tensor_parallel(args, dims.tp, fused_loss)
-    check_context_parallel(args, dims.cp, run_seq_lens(training, validation))
+    seq_lens = run_seq_lens(training, validation)
+    check_context_parallel(args, dims.cp, seq_lens)
+    check_attention_dropout_positions(args, seq_lens)
     check_pipeline_split(
         args, dims.pp, par.pp_schedule, par.pp_stages_per_rank, par.pp_layers_per_stage
     )

@@ -3,9 +3,6 @@ gloo ranks against one process attending the whole sequence in float64."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -68,12 +65,6 @@ def test_lse_merge_of_two_key_sets_is_the_softmax_over_their_union():
     torch.testing.assert_close(lse2, torch.logsumexp(scores, -1) * LOG2E)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _check_ring(ring, backend, dtype, tol, dropout_p=0.0, batch=2, heads=3, drawn_by=None):
     """Ring attention of this rank's shard vs the float64 reference over the whole sequence:
     output and the gradients of q, k, v (shards of the full gradients). `drawn_by`: the global
@@ -108,9 +99,10 @@ def _check_ring(ring, backend, dtype, tol, dropout_p=0.0, batch=2, heads=3, draw
         )
 
 
-def _ring_worker(rank, world_size, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _ring_worker(rank, world_size, init_file):
+    # A file store: no port to race other processes on the machine for.
+    init_method = f"file://{init_file}"
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         rings = [
@@ -130,8 +122,8 @@ def _ring_worker(rank, world_size, port):
 
 
 @pytest.mark.multiprocess
-def test_ring_attention_on_gloo_ranks_matches_one_process_over_the_whole_sequence():
+def test_ring_attention_on_gloo_ranks_matches_one_process_over_the_whole_sequence(tmp_path):
     """cp 4 over the world and cp 2 over its halves; sdpa blocks in float64 (exact up to
     rounding), with and without dropout (a given seed, and one drawn by the group's first rank
     and broadcast); Triton blocks through the interpreter in fp32."""
-    mp.spawn(_ring_worker, args=(4, _free_port()), nprocs=4, join=True)
+    mp.spawn(_ring_worker, args=(4, str(tmp_path / "store")), nprocs=4, join=True)

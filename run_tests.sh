@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up the environment (see scripts/ensure_env.sh) and runs the whole test suite.
-# Extra arguments go to pytest, e.g. ./run_tests.sh tests/test_model_parity.py -x
+# Extra arguments go to pytest, e.g. ./run_tests.sh tests/model/test_bloom.py -x
 set -euo pipefail
 cd "$(dirname "$0")"
 BLOOMNATIVE_EXTRAS=dev source scripts/ensure_env.sh

@@ -1,6 +1,14 @@
+from pathlib import Path
+
 import pytest
 
-from training_helpers import build_synthetic_corpus
+from training_helpers import (
+    SAMPLE_PROMPT,
+    TINY_RUN,
+    build_synthetic_corpus,
+    run_training,
+    write_word_tokenizer,
+)
 
 
 @pytest.fixture(scope="session")
@@ -9,3 +17,30 @@ def synthetic_corpus(tmp_path_factory) -> str:
     return build_synthetic_corpus(
         str(tmp_path_factory.mktemp("corpus") / "synthetic_text_document")
     )
+
+
+@pytest.fixture(scope="session")
+def fsdp_run(tmp_path_factory, synthetic_corpus) -> tuple[Path, str]:
+    """(dump folder, stdout) of one 2-process FSDP run of 3 steps on the synthetic corpus with
+    its word tokenizer, that profiles steps 2-3 and prints a sample from its final checkpoint.
+    Shared by the generation and profiling tests (one torchrun world for both)."""
+    root = tmp_path_factory.mktemp("fsdp_run")
+    tokenizer = write_word_tokenizer(root / "tokenizer.json")
+    dump = root / "run"
+    proc = run_training(
+        [
+            *TINY_RUN,
+            f"--data.blend={synthetic_corpus}",
+            f"--data.tokenizer={tokenizer}",
+            "--training.steps=3",
+            "--parallelism.dp_shard=2",
+            f"--job.dump_folder={dump}",
+            "--validation.sample_tokens=12",
+            f"--validation.sample_prompt={SAMPLE_PROMPT}",
+            "--profiling.enable=true",
+            "--profiling.start_step=2",
+            "--profiling.steps=2",
+        ],
+        nproc=2,
+    )
+    return dump, proc.stdout

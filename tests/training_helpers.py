@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from bloomnative.data import IndexedDatasetBuilder
 
@@ -32,6 +33,8 @@ TINY_RUN = [
     "--data.split=1000,0,0",
     "--data.prefetch=false",
     "--validation.freq=0",
+    "--validation.sample_tokens=0",
+    "--data.tokenizer=",  # the synthetic corpora have none (preflight would check debug.toml's)
 ]
 
 
@@ -48,6 +51,46 @@ def build_synthetic_corpus(prefix: str, documents: int = 200, vocab: int = 128) 
             doc[noise] = rng.integers(0, vocab, noise.sum())
             builder.add_document(doc)
     return prefix
+
+
+EOD_ID = 0
+"""The end-of-document token of `build_eod_heavy_corpus`'s tokenizer."""
+
+
+def build_eod_heavy_corpus(prefix: str, documents: int = 200, vocab: int = 128) -> str:
+    """Like `build_synthetic_corpus` with an EOD (`EOD_ID`, never otherwise a token) after every
+    document, and EODs very unevenly spread: one document in three is 90% EODs, so
+    with `data.eod_mask_loss` some samples lose most of their positions to the mask and others
+    almost none. Writes `<prefix>_tokenizer.json` (`write_word_tokenizer`, whose EOD has that
+    id) beside it; returns the prefix."""
+    rng = np.random.default_rng(1)
+    with IndexedDatasetBuilder(prefix, vocab_size=vocab) as builder:
+        for i in range(documents):
+            length = int(rng.integers(20, 120))
+            doc = 1 + (
+                int(rng.integers(0, vocab - 1)) + np.arange(length) * int(rng.integers(1, 5))
+            ) % (vocab - 1)
+            noise = rng.random(length) < 0.2
+            doc[noise] = rng.integers(1, vocab, noise.sum())
+            if i % 3 == 0:
+                doc[rng.random(length) < 0.9] = EOD_ID
+            builder.add_document(np.append(doc, EOD_ID))
+    write_word_tokenizer(Path(prefix + "_tokenizer.json"), vocab)
+    return prefix
+
+
+def write_word_tokenizer(path: Path, vocab: int = 128) -> Path:
+    """A word-level tokenizer.json for the synthetic corpus: token id i is the word "w<i>", and id
+    `EOD_ID` (0) is the end of document."""
+    words = {"<|endoftext|>": EOD_ID, **{f"w{i}": i for i in range(1, vocab)}}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path))
+    return path
+
+
+SAMPLE_PROMPT = "w1 w2 w3"
+"""The end-of-training sample's prompt in the conftest's 2-process run."""
 
 
 # Set by torchrun for its workers; a launched run must not inherit them from the test process.

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from bloomnative import checkpoint_integrity as integrity
 from bloomnative.model import Bloom, BloomArgs
+from bloomnative.model.state import model_state
 from bloomnative.train import checkpoint as ckpt
 
 ALGORITHMS = ["xxh3_64", "crc32"] if integrity.xxhash is not None else ["crc32"]
@@ -43,7 +44,7 @@ def training_state(args: BloomArgs) -> dict:
     model(ids).float().logsumexp(-1).mean().backward()
     optimizer.step()
     return {
-        "model": ckpt.model_state([model]),
+        "model": model_state([model]),
         "optimizer": ckpt.optimizer_state([model], [optimizer]),
         "train": {"step": torch.tensor(1), "consumed_samples": torch.tensor(8)},
     }

@@ -9,6 +9,9 @@ Sections:
   index       build_sample_index over 1e9 tokens in 2M synthetic documents (seq_len 2048)
   blend       blend order build time, and how far each rule lets counts drift from their share
   loader      samples/s and tokens/s of GPTDataset and PretrainingLoader on one thread
+  check       preflight's check_indexed_dataset on a 1e9-token dataset (2M documents), uint16
+              (vocab 8192) and int32 (vocab 250,880), from the page cache and from disk, and the
+              whole preflight command; the files go to a temporary folder, removed afterwards
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -24,16 +28,16 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from bloomnative.data import (  # noqa: E402
+from bloomnative.data import (
     GPTDataset,
     IndexedDataset,
     IndexedDatasetBuilder,
     build_blending_indices,
     build_sample_index,
+    check_indexed_dataset,
 )
-from bloomnative.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
+from bloomnative.data.indexed_format import HEADER, MAGIC, VERSION, dtype_code
+from bloomnative.data.preprocess import PreprocessConfig, preprocess
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "pydocs"
 STEP_SECONDS = 0.05
@@ -191,7 +195,71 @@ def bench_loader() -> None:
             print(f"| {prefetch} | {1000 * statistics.median(waits[2:]):.1f} |")
 
 
-SECTIONS = {"preprocess": None, "index": bench_index, "blend": bench_blend, "loader": bench_loader}
+def write_synthetic_dataset(prefix: str, sizes: np.ndarray, dtype: np.dtype, vocab: int) -> None:
+    """One sequence per document, uniform random ids below `vocab`, written 64M tokens at a
+    time (the format written directly: a builder call per document would dominate)."""
+    rng = np.random.default_rng(0)
+    total = int(sizes.sum())
+    with open(prefix + ".bin", "wb") as f:
+        for start in range(0, total, 1 << 26):
+            count = min(1 << 26, total - start)
+            f.write(rng.integers(0, vocab, count, dtype=np.int64).astype(dtype).tobytes())
+    pointers = np.zeros(len(sizes), np.int64)
+    np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
+    pointers *= np.dtype(dtype).itemsize
+    header = HEADER.pack(MAGIC, VERSION, dtype_code(dtype), len(sizes), len(sizes) + 1)
+    with open(prefix + ".idx", "wb") as f:
+        f.write(header)
+        f.write(sizes.astype("<i4").tobytes())
+        f.write(pointers.astype("<i8").tobytes())
+        f.write(np.arange(len(sizes) + 1, dtype="<i8").tobytes())
+
+
+def evict_from_page_cache(prefix: str) -> None:
+    for suffix in (".bin", ".idx"):
+        fd = os.open(prefix + suffix, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def bench_check(folder: str | None) -> None:
+    sizes = synthetic_sizes(2_000_000, 1_000_000_000)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    print(
+        "| tokens | dtype, vocab | .bin GB | check, page cache (s) | check, from disk (s) | "
+        "preflight command, page cache (s) |\n| --- | --- | --- | --- | --- | --- |"
+    )
+    for dtype, vocab in ((np.dtype(np.uint16), 8192), (np.dtype(np.int32), 250_880)):
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            prefix = os.path.join(tmp, "big_text_document")
+            write_synthetic_dataset(prefix, sizes, dtype, vocab)
+            cold = []
+            for _ in range(2):
+                evict_from_page_cache(prefix)
+                cold.append(timed(lambda p=prefix, v=vocab: check_indexed_dataset(p, v), 1))
+            warm = timed(lambda p=prefix, v=vocab: check_indexed_dataset(p, v))
+            command = [
+                sys.executable, "-m", "bloomnative.train.preflight", f"--data.blend={prefix}",
+                f"--model.vocab_size={vocab}", "--data.tokenizer=",
+            ]  # fmt: skip
+            whole = timed(
+                lambda c=command: subprocess.run(c, env=env, check=True, capture_output=True), 3
+            )
+            gb = os.path.getsize(prefix + ".bin") / 1e9
+            print(
+                f"| {int(sizes.sum()):,} | {dtype}, {vocab:,} | {gb:.1f} | {warm:.2f} | "
+                f"{statistics.median(cold):.2f} | {whole:.2f} |"
+            )
+
+
+SECTIONS = {
+    "preprocess": None,
+    "index": bench_index,
+    "blend": bench_blend,
+    "loader": bench_loader,
+    "check": None,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", nargs="+", choices=sorted(SECTIONS), default=list(SECTIONS))
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--tmp", help="folder for the check section's 2-4 GB files (default /tmp)")
     args = parser.parse_args(argv)
     import torch
 
@@ -212,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"### {section}\n")
         if section == "preprocess":
             bench_preprocess(args.workers)
+        elif section == "check":
+            bench_check(args.tmp)
         else:
             SECTIONS[section]()
         print()

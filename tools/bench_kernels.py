@@ -29,7 +29,6 @@ CUDA-graphed step hides the launches).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import platform
@@ -43,15 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_REPO = Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("bloomnative") is None:  # a source checkout that is not installed
-    sys.path.insert(0, str(_REPO / "src"))
-import bloomnative  # noqa: E402
-
-if importlib.util.find_spec("bloomnative.kernels") is None:  # kernels/ installs as .kernels
-    bloomnative.__path__.append(str(_REPO))
-
-from bloomnative.kernels import (  # noqa: E402
+from bloomnative.kernels import (
     bias_gelu,
     flash_alibi_attention,
     flex_alibi_attention,
@@ -59,7 +50,7 @@ from bloomnative.kernels import (  # noqa: E402
     linear_cross_entropy,
     use_triton,
 )
-from bloomnative.kernels._dispatch import INTERPRET  # noqa: E402
+from bloomnative.kernels._dispatch import INTERPRET
 
 MODELS = {  # name: (hidden, heads)
     "bloom-560m": (1024, 16),

@@ -38,12 +38,16 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 }
 
 
+# Every layout above divides this batch (configs/debug.toml's own, 4, does not fit dp 2 x pp 2).
+BATCH = ["--training.global_batch_size=16", "--training.micro_batch_size=4"]
+
+
 def run_layout(nproc: int, overrides: list[str], steps: int, extra: list[str], dump: Path) -> dict:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "bloomnative.train.main", f"--job.dump_folder={dump}", f"--training.steps={steps}",
         "--checkpoint.enable=false", "--validation.freq=0", "--metrics.tensorboard=false",
-        f"--metrics.log_freq={steps}", *extra, *overrides,
+        f"--metrics.log_freq={steps}", *BATCH, *extra, *overrides,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

@@ -33,10 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from bloomnative.data import IndexedDataset, split_boundaries  # noqa: E402
-from bloomnative.data.preprocess import PreprocessConfig, preprocess  # noqa: E402
+from bloomnative.data import IndexedDataset, split_boundaries
+from bloomnative.data.preprocess import PreprocessConfig, preprocess
 
 REPO = Path(__file__).resolve().parents[1]
 EXPECTED_VERSION = "3.11.2-6+deb12u9"

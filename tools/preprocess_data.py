@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 # Run from a checkout without installing: the package lives in ../src.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from bloomnative.data.preprocess import (  # noqa: E402
+from bloomnative.data.preprocess import (
     BadLineError,
     PreprocessConfig,
     preprocess,
@@ -66,7 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "without it the first bad line stops the run and nothing is written",
     )
     parser.add_argument(
-        "--log-interval", type=float, default=10.0, help="seconds between progress lines"
+        "--log-interval",
+        type=float,
+        default=0.5,
+        help="seconds between updates of the progress line (documents, tokens/s, ETA), which is "
+        "shown only when stderr is a terminal",
     )
     return parser.parse_args(argv)
 

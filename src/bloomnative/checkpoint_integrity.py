@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import zlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -277,3 +278,19 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps of the complete checkpoints (folders named step-<N>) in `folder`, ascending."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)))
+
+
+def latest_step(folder: Path) -> int | None:
+    """The newest complete checkpoint's step in `folder`, or None."""
+    steps = complete_steps(folder)
+    return steps[-1] if steps else None

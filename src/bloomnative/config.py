@@ -10,11 +10,15 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import json
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from bloomnative.model.args import AttentionBackend
 
 if TYPE_CHECKING:
     from bloomnative.model.args import BloomArgs
@@ -31,6 +35,15 @@ class ConfigError(ValueError):
     """A configuration mistake, described for the person who made it."""
 
 
+# The choices of the config, each listed once; the parser checks every Literal-typed field
+# against its type, and the modules that act on a choice import its list from here.
+PipelineSchedule = Literal[
+    "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"
+]
+RecomputeMode = Literal["none", "full", "selective"]
+OptimizerImpl = Literal["fused", "foreach", "for-loop"]
+
+
 @dataclass
 class JobConfig:
     name: str = "bloomnative"
@@ -40,7 +53,7 @@ class JobConfig:
     current directory)."""
     seed: int = 42
     """Seed of the weight init, the data order and the dropout masks; same seed, same run."""
-    device: str = "auto"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
     """"auto" (CUDA when present, else CPU), "cuda" or "cpu"."""
     collective_timeout_s: int = 600
     """Seconds a collective may wait before the run fails loudly instead of hanging."""
@@ -58,7 +71,7 @@ class ModelConfig:
     """Override the preset's head count (0 keeps the preset)."""
     vocab_size: int = 0
     """Override the preset's vocabulary size (0 keeps the preset); must cover the tokenizer."""
-    attention: str = "sdpa"
+    attention: Literal[AttentionBackend, "auto"] = "sdpa"
     """Attention backend: "sdpa" (portable), "flex" (GPU, FlexAttention), "triton" or "auto" (on a
     GPU the fastest of the three, timed once on the run's shapes and cached in the dump folder;
     "sdpa" on CPU)."""
@@ -88,7 +101,7 @@ class TrainingConfig:
     rampup_batch_size: list[int] = field(default_factory=list)
     """[start, increment, samples]: start at `start` samples per step and grow by `increment`
     evenly over `samples` consumed samples (Megatron's rampup). Empty: no rampup."""
-    dtype: str = "bf16"
+    dtype: Literal["bf16", "fp32"] = "bf16"
     """"bf16" (bf16 compute, fp32 master weights, fp32 gradient reduction) or "fp32"."""
     max_norm: float = 1.0
     """Clip gradients to this global L2 norm (0 disables)."""
@@ -112,7 +125,7 @@ class OptimizerConfig:
     """AdamW epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (never on biases or LayerNorm weights)."""
-    implementation: str = "auto"
+    implementation: Literal[OptimizerImpl, "auto"] = "auto"
     """AdamW kernel: "auto" (fused on CUDA, foreach elsewhere), "fused", "foreach" or "for-loop"."""
 
 
@@ -126,7 +139,7 @@ class LRSchedulerConfig:
     """Linear warm-up from 0 to lr over this many steps."""
     decay_steps: int = 0
     """Steps (counted from step 0) at which the decay reaches min_lr; 0 means training.steps."""
-    decay_style: str = "cosine"
+    decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     """"cosine", "linear" or "constant" (stay at lr after warm-up)."""
     warmup_samples: int = 0
     """Warm up over this many samples (Megatron's --lr-warmup-samples): the sample-based
@@ -144,7 +157,13 @@ class DataConfig:
     split: str = "969,30,1"
     """train,valid,test proportions of each dataset's documents."""
     tokenizer: str = "assets/pydocs/tokenizer.json"
-    """Path to a Hugging Face tokenizers tokenizer.json (used for metadata and sample output)."""
+    """Path to a Hugging Face tokenizers tokenizer.json (its EOD token, sample output)."""
+    eod_token: str = ""
+    """The end-of-document token; empty: the tokenizer's, resolved as tools/preprocess_data.py
+    resolves it (its --eod-token)."""
+    eod_mask_loss: bool = False
+    """No loss at positions whose input token is the EOD, i.e. on predicting the first token of
+    the next document (Megatron's --eod-mask-loss)."""
     cache_dir: str = ""
     """Where the sample-index arrays are cached; empty: <dump_folder>/data_cache."""
     prefetch: bool = True
@@ -165,7 +184,7 @@ class ParallelismConfig:
     """Tensor-parallel degree (whole heads per rank)."""
     pp: int = 1
     """Pipeline stages (over ranks)."""
-    pp_schedule: str = "1F1B"
+    pp_schedule: PipelineSchedule = "1F1B"
     """GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble."""
     pp_microbatches: int = 0
     """Micro batches per pipeline step; 0: the number of micro batches of the batch."""
@@ -196,7 +215,7 @@ class CheckpointConfig:
     """Save every this many steps."""
     keep_latest_k: int = 2
     """Keep only the newest k complete checkpoints (0 keeps all)."""
-    async_mode: str = "disabled"
+    async_mode: Literal["disabled", "async"] = "disabled"
     """"disabled" or "async" (the step loop waits only for the device-to-host copy)."""
     load_step: int = -1
     """Step to resume from; -1: the newest complete checkpoint, if any."""
@@ -236,7 +255,7 @@ class SpikesConfig:
 
 @dataclass
 class ActivationCheckpointConfig:
-    mode: str = "none"
+    mode: Literal[RecomputeMode, "auto"] = "none"
     """"none", "full" (recompute every block), "selective" (every `every`-th block) or "auto"
     (the least recomputation that the memory planner predicts fits the device)."""
     every: int = 2
@@ -271,6 +290,23 @@ class ValidationConfig:
     """Batches of the validation split per evaluation."""
     seq_len: int = 0
     """If > 0, also evaluate at this (longer) sequence length: ALiBi's extrapolation."""
+    sample_tokens: int = 0
+    """If > 0, rank 0 prints a sample of up to this many tokens from the final checkpoint when
+    training ends (as tools/generate.py would, temperature 0.8, top-k 40, seeded by job.seed)."""
+    sample_prompt: str = ""
+    """The text the end-of-training sample continues (empty: a new document)."""
+
+
+@dataclass
+class ProfilingConfig:
+    enable: bool = False
+    """Record a torch.profiler trace per rank of the steps below, written as Chrome trace JSON
+    under <dump_folder>/profile/ (Perfetto, TensorBoard). On CUDA the run also records the
+    allocator's history and dumps a memory snapshot after those steps and on out-of-memory."""
+    start_step: int = 5
+    """First profiled step (1-based); the step before it warms the profiler up."""
+    steps: int = 3
+    """Number of profiled steps."""
 
 
 @dataclass
@@ -290,9 +326,28 @@ class Config:
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The whole configuration as TOML that `load_toml` reads back into an equal Config.
+        A key whose value is None is left out: TOML has no null, and None is its default."""
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # bool, int, float and str are spelled alike in JSON and TOML
 
 
 def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
@@ -379,9 +434,9 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
         raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if tp is str:
+    if tp is str or origin is Literal:
         if isinstance(value, str):
-            return value
+            return value  # a Literal's choices are checked by validate, also for configs in code
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     raise AssertionError(f"{key}: unsupported field type {tp}")
 
@@ -474,23 +529,22 @@ def _one_of(key: str, value: str, valid: tuple[str, ...]) -> None:
     _check(value in valid, f"{key} = {value!r} is not valid; choose one of {', '.join(valid)}")
 
 
+def _check_choices(config: Config) -> None:
+    """Every Literal-typed field holds one of its type's values."""
+    for section in dataclasses.fields(Config):
+        values = getattr(config, section.name)
+        for name, tp in _field_types(type(values)).items():
+            if typing.get_origin(tp) is Literal:
+                _one_of(f"{section.name}.{name}", getattr(values, name), typing.get_args(tp))
+
+
 def validate(config: Config) -> None:
     """Checks that do not need the world size; `parallel.ParallelDims` checks the layout."""
-    from bloomnative.model.args import ATTENTION_BACKENDS, PRESETS
+    from bloomnative.model.args import PRESETS
 
     m, t, o, s = config.model, config.training, config.optimizer, config.lr_scheduler
     _one_of("model.preset", m.preset, tuple(PRESETS))
-    _one_of("model.attention", m.attention, (*ATTENTION_BACKENDS, "auto"))
-    _one_of("training.dtype", t.dtype, ("bf16", "fp32"))
-    _one_of("job.device", config.job.device, ("auto", "cuda", "cpu"))
-    _one_of("lr_scheduler.decay_style", s.decay_style, ("cosine", "linear", "constant"))
-    _one_of("optimizer.implementation", o.implementation, ("auto", "fused", "foreach", "for-loop"))
-    _one_of("checkpoint.async_mode", config.checkpoint.async_mode, ("disabled", "async"))
-    _one_of(
-        "activation_checkpoint.mode",
-        config.activation_checkpoint.mode,
-        ("none", "full", "selective", "auto"),
-    )
+    _check_choices(config)
     for key in ("n_layer", "hidden_size", "n_head", "vocab_size"):
         _check(getattr(m, key) >= 0, f"model.{key} must be >= 0 (0 keeps the preset)")
     _validate_dropout(config)
@@ -540,6 +594,18 @@ def validate(config: Config) -> None:
     _check(
         config.validation.freq >= 0 and config.validation.steps > 0,
         "validation.freq must be >= 0 and validation.steps positive",
+    )
+    _check(config.validation.sample_tokens >= 0, "validation.sample_tokens must be >= 0")
+    prof = config.profiling
+    _check(
+        prof.start_step >= 1 and prof.steps >= 1,
+        f"profiling.start_step (1-based) and profiling.steps must be positive, got "
+        f"{prof.start_step} and {prof.steps}",
+    )
+    _check(
+        not prof.enable or prof.start_step <= t.steps,
+        f"profiling.start_step = {prof.start_step} is after the last step (training.steps = "
+        f"{t.steps}): nothing would be profiled",
     )
 
 

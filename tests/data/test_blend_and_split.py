@@ -32,6 +32,17 @@ def test_weights_are_normalised_exactly_and_lists_and_strings_agree():
     assert [e.weight for e in from_list] == [Fraction(1, 4), Fraction(3, 4)]
 
 
+def test_weights_given_apart_from_the_prefixes_mean_the_same_blend():
+    assert parse_blend(["data/a", "data/b:0:0.5"], weights=[0.3, 0.9]) == parse_blend(
+        "0.3 data/a 0.9 data/b:0:0.5"
+    )
+    assert parse_blend(["data/a"], weights=[2.0]) == parse_blend("data/a")
+    with pytest.raises(ValueError, match="2 weights .* for 1 dataset prefixes.*one weight per"):
+        parse_blend(["data/a"], weights=[0.5, 0.5])
+    with pytest.raises(ValueError, match="must be positive"):
+        parse_blend(["data/a", "data/b"], weights=[1, 0])
+
+
 def test_bigscience_document_ranges_follow_the_prefix():
     entries = parse_blend(["0.5 data/a:0:0.95", "0.5", "data/b:0.95:1.0"])
     assert [(e.prefix, e.doc_range) for e in entries] == [

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
+from data_helpers import random_documents, write_documents
 
-from bloomnative.data import PretrainingLoader, rampup_batch_size
+from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
+from bloomnative.parallel import shard_sequence
 
 
 class CountingDataset:
@@ -38,10 +42,6 @@ def test_batches_are_int64_inputs_and_labels_shifted_by_one():
 
 
 def test_context_parallel_ranks_get_their_load_balanced_chunks_of_inputs_and_labels():
-    from functools import partial
-
-    from bloomnative.parallel.context_parallel import shard_sequence
-
     dataset, cp = CountingDataset(16, seq_len=8), 2
     whole = PretrainingLoader(dataset, 2, 0, 1, prefetch=False).next_batch(4)
     for rank, (first, second) in enumerate([(0, 3), (1, 2)]):
@@ -96,6 +96,38 @@ def test_resuming_from_the_saved_state_gives_the_batches_of_an_uninterrupted_run
     second = PretrainingLoader(dataset, 2, 1, 2, prefetch=prefetch)
     second.load_state_dict(state)
     assert head + run(second, schedule[3:]) == uninterrupted
+
+
+def test_a_blend_built_from_plain_arguments_resumes_exactly_under_another_dp_size(tmp_path):
+    """What a training loop outside the Trainer does: build the blended datasets from paths and
+    weights, train, save the loader's state; after a restart (datasets built again, now on
+    two data-parallel ranks) the loader continues with exactly the uninterrupted run's samples."""
+    prefixes = [
+        write_documents(tmp_path / name, random_documents(80, seed=seed, max_len=40))
+        for name, seed in (("a", 1), ("b", 2))
+    ]
+
+    def build():
+        train, _, _ = build_gpt_datasets(
+            prefixes, "1,0,0", seq_len=8, seed=5, num_samples=(96, 0, 0), weights=[0.25, 0.75],
+            cache_dir=str(tmp_path / "cache"),
+        )  # fmt: skip
+        return train
+
+    def tokens(batches) -> list[list[int]]:
+        return [row.tolist() for batch in batches for inputs, _ in batch for row in inputs]
+
+    uninterrupted = PretrainingLoader(build(), 2, 0, 1, prefetch=False)
+    expected = tokens(uninterrupted.next_batch(16) for _ in range(6))
+    first = PretrainingLoader(build(), 2, 0, 1, prefetch=True)
+    head = tokens(first.next_batch(16) for _ in range(2))
+    state = first.state_dict()
+    first.close()
+    resumed = [PretrainingLoader(build(), 2, rank, 2, prefetch=True) for rank in (0, 1)]
+    for loader in resumed:
+        loader.load_state_dict(state)
+    tail = [tokens([loader.next_batch(16) for loader in resumed]) for _ in range(4)]
+    assert head + [row for step in tail for row in step] == expected
 
 
 def test_load_state_dict_drops_a_prefetched_batch_for_another_position():
@@ -158,3 +190,61 @@ def test_a_rampup_run_consumes_the_ramped_sizes_step_by_step():
 def test_an_impossible_rampup_is_refused(start, increment, gbs):
     with pytest.raises(ValueError, match="rampup"):
         rampup_batch_size(0, start, increment, 1000, gbs)
+
+
+class TokenDataset:
+    """Fixed samples of seq_len + 1 tokens."""
+
+    def __init__(self, samples: np.ndarray) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.samples[i]
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 4])
+def test_eod_mask_loss_ignores_the_positions_megatron_masks(micro_batch_size):
+    """Megatron's --eod-mask-loss masks the positions whose input token is the EOD (the
+    prediction of the next document's first token); the loader gives those labels -100 and
+    leaves the inputs as they were (with one sample per micro batch the two share storage)."""
+    gpt_dataset = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    eod = 3
+    samples = np.random.default_rng(0).integers(0, 6, size=(8, 17))  # many EODs, some adjacent
+    loader = PretrainingLoader(
+        TokenDataset(samples), micro_batch_size, 0, 1, prefetch=False, eod_mask_id=eod
+    )
+    batch = loader.next_batch(8)
+    inputs = torch.cat([x for x, _ in batch])
+    labels = torch.cat([y for _, y in batch])
+    tokens = torch.from_numpy(samples)
+    assert torch.equal(inputs, tokens[:, :-1])
+    for row, (x, y) in enumerate(zip(tokens[:, :-1], labels, strict=True)):
+        _, loss_mask, _ = gpt_dataset._get_ltor_masks_and_position_ids(
+            x, eod, False, False, True, False
+        )
+        assert torch.equal(y == -100, loss_mask == 0), row
+        assert torch.equal(y[loss_mask == 1], tokens[row, 1:][loss_mask == 1])
+    assert 0 < (labels == -100).sum() < labels.numel()
+
+
+def test_under_context_parallelism_the_eod_mask_follows_the_tokens_it_masks():
+    """Each cp rank's labels are its chunks of the masked labels: the mask is taken on the
+    whole sequence (a chunk's first label depends on the token before it) and then cut."""
+    eod, cp = 3, 2
+    samples = np.random.default_rng(0).integers(0, 6, size=(4, 17))
+    whole = PretrainingLoader(TokenDataset(samples), 2, 0, 1, prefetch=False, eod_mask_id=eod)
+    expected = whole.next_batch(4)
+    for rank in range(cp):
+        shard = partial(shard_sequence, cp_rank=rank, cp=cp)
+        loader = PretrainingLoader(
+            TokenDataset(samples), 2, 0, 1, prefetch=False, eod_mask_id=eod, sequence_shard=shard
+        )
+        for (inputs, labels), (all_inputs, all_labels) in zip(
+            loader.next_batch(4), expected, strict=True
+        ):
+            assert torch.equal(inputs, shard(all_inputs))
+            assert torch.equal(labels, shard(all_labels))
+            assert (labels == -100).any()

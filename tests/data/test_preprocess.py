@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
+import os
+import pty
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,7 +148,7 @@ def test_an_unknown_eod_token_is_refused_with_the_candidates(tmp_path):
         _run(tmp_path, [path], "out", eod_token="</eod>")
 
 
-def test_command_line_reports_progress_and_fails_cleanly_on_bad_lines(tmp_path):
+def test_command_line_summarizes_and_fails_cleanly_on_bad_lines(tmp_path):
     tool = [sys.executable, str(REPO / "tools" / "preprocess_data.py")]
     help_text = subprocess.run([*tool, "--help"], capture_output=True, text=True, check=True)
     assert "WHOLE FILE IS ONE DOCUMENT" in help_text.stdout
@@ -155,7 +160,9 @@ def test_command_line_reports_progress_and_fails_cleanly_on_bad_lines(tmp_path):
         text=True,
     )
     assert ok.returncode == 0, ok.stderr
-    assert "tokens/s" in ok.stderr and "docs/s" in ok.stderr
+    # Not a terminal: no progress line, only the summary.
+    assert "ETA" not in ok.stderr and "\r" not in ok.stderr
+    assert ok.stderr.startswith("[preprocess] done: 50 documents")
     assert IndexedDataset(str(tmp_path / "ok_text_document")).num_tokens > 0
     bad = subprocess.run(
         [*tool, "--input", str(_bad_input(tmp_path)), "--output-prefix", str(tmp_path / "bad"),
@@ -165,3 +172,45 @@ def test_command_line_reports_progress_and_fails_cleanly_on_bad_lines(tmp_path):
     )  # fmt: skip
     assert bad.returncode == 1 and "in.jsonl:2: invalid JSON" in bad.stderr
     assert not list(tmp_path.glob("bad*"))
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_shows_documents_tokens_per_second_and_eta(tmp_path):
+    path = _write_jsonl(tmp_path / "in.jsonl.gz", [{"text": t} for t in _texts(1000)], gz=True)
+    terminal = _Terminal()
+    config = PreprocessConfig(
+        inputs=(str(path),), tokenizer=TOKENIZER, output_prefix=str(tmp_path / "out"),
+        log_interval=0,
+    )  # fmt: skip
+    summary = preprocess(config, progress_stream=terminal)
+    updates = terminal.getvalue().split("\r")[1:]
+    assert len(updates) >= 4 and terminal.getvalue().endswith("\n")  # 1000 lines: 4 chunks
+    shares = [float(re.search(r"\| ([\d.]+)% \|", u).group(1)) for u in updates]
+    assert shares == sorted(shares) and shares[-1] == 100.0
+    assert re.match(
+        rf"\[preprocess\] 1,000 docs, {summary.tokens:,} tokens \| [\d,]+ tokens/s \| 100\.0% \| "
+        r"ETA 0s",
+        updates[-1],
+    )
+
+
+def test_the_command_line_shows_progress_only_on_a_terminal(tmp_path):
+    good = _write_jsonl(tmp_path / "good.jsonl", [{"text": t} for t in _texts(300)])
+    main, secondary = pty.openpty()
+    tool = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(good)]
+    args = ["--output-prefix", str(tmp_path / "out"), "--tokenizer", TOKENIZER, "--append-eod"]
+    proc = subprocess.run([*tool, *args], stderr=secondary, timeout=120)
+    os.close(secondary)
+    output = b""
+    with contextlib.suppress(OSError):  # reading past the end of a closed pty raises EIO
+        while chunk := os.read(main, 65536):
+            output += chunk
+    os.close(main)
+    text = output.decode()
+    assert proc.returncode == 0
+    assert "\r[preprocess] 300 docs, " in text and "ETA 0s" in text
+    assert "[preprocess] done: 300 documents" in text

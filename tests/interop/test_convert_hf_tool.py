@@ -11,6 +11,7 @@ import torch
 from hf_testing import make_hf_bloom, relative_error, save_hf_bloom, tokens, transformers
 
 from bloomnative.interop import CheckpointFormatError, load_hf_model, load_native_model
+from bloomnative.model.state import load_model_state, model_state
 from bloomnative.train import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +51,7 @@ def write_training_checkpoint(dump: Path, model, step: int) -> Path:
     model(tokens(SHAPE["vocab_size"])).sum().backward()
     optimizer.step()
     state = {
-        "model": ckpt.model_state([model]),
+        "model": model_state([model]),
         "optimizer": ckpt.optimizer_state([model], [optimizer]),
         "train": {"step": torch.tensor(step), "consumed_samples": torch.tensor(64)},
     }
@@ -107,9 +108,9 @@ def test_native_checkpoint_loads_into_a_training_model_by_canonical_names(tmp_pa
     reference = load_hf_model(hf_folder)
     model = load_native_model(native, n_head=3)
     fresh = type(model)(model.args)
-    state = {"model": ckpt.model_state([fresh])}
+    state = {"model": model_state([fresh])}
     ckpt.load(native, state)
-    ckpt.load_model_state([fresh], state["model"])
+    load_model_state([fresh], state["model"])
     expected = reference.state_dict()
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, expected[name]), name

@@ -26,10 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from bloomnative.config import parse_args
 from bloomnative.model import Bloom, BloomArgs
-from bloomnative.parallel import ParallelDims
-from bloomnative.parallel.context_parallel import apply_context_parallel
+from bloomnative.parallel import ParallelDims, apply_context_parallel, apply_tensor_parallel
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
-from bloomnative.parallel.tensor_parallel import apply_tensor_parallel
 from bloomnative.train.distributed import exit_process, init_distributed
 from bloomnative.train.trainer import Trainer
 
@@ -67,7 +65,9 @@ def record_masks(tp: int, dp: int, sequence_parallel: bool, cp: int = 1) -> dict
     if cp > 1:  # the ring replaces the recorded attention: only the hidden masks are recorded
         apply_context_parallel(model, mesh["cp"])
     if tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel, loss_parallel=False)
+        apply_tensor_parallel(
+            model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=False
+        )
     seed_dropout_rng(42, mesh, dims.loss_mesh(mesh), sequence_parallel)
     model.train()
     tokens = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))

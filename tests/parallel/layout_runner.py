@@ -23,7 +23,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor
 
 from bloomnative.config import parse_args
-from bloomnative.train import checkpoint as ckpt
+from bloomnative.model.state import model_state
 from bloomnative.train.distributed import exit_process
 from bloomnative.train.trainer import Trainer
 
@@ -32,7 +32,7 @@ RESUMED = "-resumed"
 
 def gathered_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This rank's parts as whole tensors under canonical names (collective over each mesh)."""
-    state = ckpt.model_state(trainer.model_parts)
+    state = model_state(trainer.model_parts)
     return {
         name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
         for name, t in state.items()

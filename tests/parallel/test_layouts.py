@@ -22,11 +22,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from layout_runner import RESUMED
 
 from bloomnative.checkpoint_integrity import read_record, verify_files
-from training_helpers import TINY_RUN, metric_rows, train_env
+from bloomnative.config import model_args_from_config, parse_args
+from bloomnative.data import build_gpt_datasets
+from bloomnative.model import Bloom
+from bloomnative.parallel import init_weights, shard_sequence
+from training_helpers import EOD_ID, TINY_RUN, build_eod_heavy_corpus, metric_rows, train_env
 
 RUNNER = Path(__file__).with_name("layout_runner.py")
 BASE = [
@@ -40,16 +47,31 @@ BASE = [
     "--validation.seq_len=64",  # twice the training length: ALiBi's extrapolation
 ]
 FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 2e-3
+MASKED_TOLERANCE = 1e-5  # fp32, the layouts with the loss masked at EODs
 # Samples per step 4, 4, 6, 8, 8: three pipeline micro-batch counts (2, 3, 4) under pp = 2.
 RAMPUP = ["--training.rampup_batch_size=4,2,16"]
 INTERLEAVED = ["--parallelism.pp_stages_per_rank=2", "--parallelism.pp_schedule=Interleaved1F1B"]
 CP2 = ["--parallelism.cp=2"]
+# The corpus of training_helpers.build_eod_heavy_corpus with the loss masked at EODs: the
+# data-parallel ranks of a step count very different numbers of tokens (checked below).
+EOD_CORPUS = "{eod_corpus}"
+EOD = [
+    f"--data.blend={EOD_CORPUS}",
+    f"--data.tokenizer={EOD_CORPUS}_tokenizer.json",
+    "--data.eod_mask_loss=true",
+]
 
 LAYOUTS = {
     1: {
         "single": [],
-        "single_fused_loss": ["--model.fused_loss=true"],
         "single_rampup": RAMPUP,
+        "single_eod": EOD,
+        # One micro batch per step against the reference's four (gradient accumulation).
+        "single_fused_loss_eod_one_micro_batch": [
+            *EOD,
+            "--model.fused_loss=true",
+            "--training.micro_batch_size=8",
+        ],
     },
     2: {
         "fsdp2_zero3": ["--parallelism.zero_stage=3"],
@@ -76,17 +98,29 @@ LAYOUTS = {
         ],
         "pp2_uneven_1_3": ["--parallelism.pp=2", "--parallelism.pp_layers_per_stage=1,3"],
         "fsdp2_ac_full": ["--activation_checkpoint.mode=full"],
-        "fsdp2_fused_loss": ["--model.fused_loss=true"],
-        "fsdp2_ac_compile": ["--activation_checkpoint.mode=full", "--compile.enable=true"],
-        "pp2_fused_loss": ["--parallelism.pp=2", "--model.fused_loss=true"],
+        "tp2_eod": [*EOD, "--parallelism.tp=2"],
+        "fsdp2_fused_loss_eod": [*EOD, "--model.fused_loss=true"],
+        "fsdp2_ac_compile_eod": [
+            *EOD,
+            "--activation_checkpoint.mode=full",
+            "--compile.enable=true",
+        ],
+        "pp2_fused_loss_eod": [*EOD, "--parallelism.pp=2", "--model.fused_loss=true"],
         "tp2_ac_selective": [
             "--parallelism.tp=2",
             "--activation_checkpoint.mode=selective",
             "--activation_checkpoint.every=2",
         ],
         "cp2": CP2,
-        "cp2_ac_full_compile": [*CP2, "--activation_checkpoint.mode=full", "--compile.enable=true"],
-        "cp2_ac_selective_fused_loss": [
+        # The cp ranks of a sequence count different numbers of tokens too (checked below).
+        "cp2_ac_full_compile_eod": [
+            *EOD,
+            *CP2,
+            "--activation_checkpoint.mode=full",
+            "--compile.enable=true",
+        ],
+        "cp2_ac_selective_fused_loss_eod": [
+            *EOD,
             *CP2,
             "--activation_checkpoint.mode=selective",
             "--model.fused_loss=true",
@@ -94,11 +128,11 @@ LAYOUTS = {
     },
     4: {
         "hsdp_2x2": ["--parallelism.dp_replicate=2", "--parallelism.dp_shard=2"],
+        "dp2_pp2_eod": [*EOD, "--parallelism.pp=2"],
         "dp2_cp2": CP2,
         "tp2_cp2": [*CP2, "--parallelism.tp=2"],
         "pp2_cp2": [*CP2, "--parallelism.pp=2"],
-        # Stops at step 3 and resumes from its checkpoint (layout_runner.RESUMED).
-        "dp2_cp2-resumed": [
+        "dp2_cp2" + RESUMED: [
             *CP2,
             "--checkpoint.enable=true",
             "--checkpoint.interval=3",
@@ -107,35 +141,36 @@ LAYOUTS = {
     },
     8: {"dp2_tp2_pp2": ["--parallelism.tp=2", "--parallelism.pp=2"]},
 }
-# Every layout again in bf16, except compilation and the fused loss: no layout in them, and on
-# CPU a second Inductor build and three more runs of the Triton interpreter (the fused loss's
-# bf16 numerics are tested against float64 in tests/kernels).
+# Every layout again in bf16, except the masked-loss ones (the loss's normalisation is the
+# same arithmetic in both dtypes), among them compilation and the fused loss: no layout in them,
+# and on CPU a second Inductor build and three more runs of the Triton interpreter (the fused
+# loss's bf16 numerics are tested against float64 in tests/kernels), and the resumed one.
 BF16 = "-bf16"
-NOT_IN_BF16 = {
-    "fsdp2_ac_compile",
-    "single_fused_loss",
-    "fsdp2_fused_loss",
-    "pp2_fused_loss",
-    "cp2_ac_full_compile",
-    "cp2_ac_selective_fused_loss",
-    "dp2_cp2-resumed",
-}
 for world in LAYOUTS.values():
     world |= {
         name + BF16: [*overrides, "--training.dtype=bf16"]
         for name, overrides in world.items()
-        if name not in NOT_IN_BF16
+        if "eod" not in name and not name.endswith(RESUMED)
     }
-REFERENCES = ("single", "single_rampup")
+REFERENCES = ("single", "single_rampup", "single_eod")
 
 
 @pytest.fixture(scope="module")
-def runs(synthetic_corpus, tmp_path_factory) -> Path:
+def eod_corpus(tmp_path_factory) -> str:
+    return build_eod_heavy_corpus(str(tmp_path_factory.mktemp("eod") / "eod_text_document"))
+
+
+@pytest.fixture(scope="module")
+def runs(synthetic_corpus, eod_corpus, tmp_path_factory) -> Path:
     """Runs all layouts, one torchrun world per world size."""
     out = tmp_path_factory.mktemp("layouts")
     base = [*BASE, f"--data.blend={synthetic_corpus}", f"--data.cache_dir={out / 'cache'}"]
     env = train_env()
-    for nproc, layouts in LAYOUTS.items():
+    for nproc, world in LAYOUTS.items():
+        layouts = {
+            name: [arg.replace(EOD_CORPUS, eod_corpus) for arg in overrides]
+            for name, overrides in world.items()
+        }
         cmd = [
             sys.executable,
             "-m",
@@ -161,6 +196,10 @@ def metrics(folder: Path) -> tuple[list[float], dict[str, float]]:
     return losses, {key: evaluation[key] for key in ("eval_loss", "eval_loss_long")}
 
 
+def grad_norms(folder: Path) -> list[float]:
+    return [row["grad_norm"] for row in metric_rows(folder) if "grad_norm" in row]
+
+
 def params(folder: Path) -> dict[str, torch.Tensor]:
     merged: dict[str, torch.Tensor] = {}
     for path in sorted(folder.glob("params_pp*.pt")):
@@ -173,8 +212,8 @@ def stage_buffers(folder: Path) -> list[dict]:
 
 
 def reference(layout: str) -> str:
-    """The single-process run a layout must match: same dtype, same batch sizes."""
-    name = "single_rampup" if "rampup" in layout else "single"
+    """The single-process run a layout must match: same data, dtype and batch sizes."""
+    name = "single_rampup" if "rampup" in layout else "single_eod" if "eod" in layout else "single"
     return name + BF16 if layout.endswith(BF16) else name
 
 
@@ -190,7 +229,7 @@ ALL = [
 @pytest.mark.parametrize("layout", ALL)
 def test_layout_trains_and_evaluates_like_the_single_process(runs, layout):
     bf16 = layout.endswith(BF16)
-    tolerance = BF16_TOLERANCE if bf16 else FP32_TOLERANCE
+    tolerance = BF16_TOLERANCE if bf16 else MASKED_TOLERANCE if "eod" in layout else FP32_TOLERANCE
     ref_losses, ref_eval = metrics(runs / reference(layout))
     losses, evaluation = metrics(runs / layout)
     assert len(ref_losses) == len(losses) == 5
@@ -201,10 +240,16 @@ def test_layout_trains_and_evaluates_like_the_single_process(runs, layout):
         assert abs(evaluation[key] - a) / a < tolerance, f"{layout} {key} {evaluation[key]} vs {a}"
     if bf16:
         return
+    # AdamW's update does not see a gradient's scale; the norm does (a layout that averaged
+    # gradients over ranks where it should sum them would differ only here).
+    for step, (a, b) in enumerate(
+        zip(grad_norms(runs / reference(layout)), grad_norms(runs / layout), strict=True), start=1
+    ):
+        assert abs(a - b) / a < tolerance, f"step {step}: {layout} grad_norm {b} vs {a}"
     ref_params, got = params(runs / reference(layout)), params(runs / layout)
     assert set(got) == set(ref_params)
     for name, value in ref_params.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(got[name], value, rtol=tolerance, atol=tolerance / 10, msg=name)
 
 
 @pytest.mark.multiprocess
@@ -251,3 +296,88 @@ def test_pipeline_boundaries_carry_the_compute_dtype(runs, dtype):
     for layout in ("pp2_1f1b", "pp2_zbv", "pp2_interleaved1f1b", "dp2_tp2_pp2"):
         for rank in stage_buffers(runs / (layout + suffix)):
             assert rank["dtypes"] == [expected], (layout, rank)
+
+
+def eod_config(eod_corpus: str):
+    return parse_args(
+        [*BASE, *(arg.replace(EOD_CORPUS, eod_corpus) for arg in EOD), "--job.dump_folder=x"]
+    )
+
+
+def eod_samples(eod_corpus: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every training and validation sample the trainer reads (built as the trainer builds its
+    datasets), as [samples, seq_len + 1] token tensors."""
+    config = eod_config(eod_corpus)
+    t, valid_steps = config.training, config.validation.steps
+    train, valid, _ = build_gpt_datasets(
+        config.data.blend,
+        config.data.split,
+        t.seq_len,
+        config.job.seed,
+        (t.steps * t.global_batch_size, valid_steps * t.global_batch_size, 0),
+        None,
+    )
+    return (
+        torch.from_numpy(np.stack([train[i] for i in range(len(train))])),
+        torch.from_numpy(np.stack([valid[i] for i in range(len(valid))])),
+    )
+
+
+def megatron_token_mean(model: Bloom, tokens: torch.Tensor) -> tuple[float, float]:
+    """The batch's loss as Megatron computes it with --eod-mask-loss (its loss mask, then the
+    masked losses summed over the summed mask), and the mean over every position instead."""
+    gpt_dataset = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    masks = [
+        gpt_dataset._get_ltor_masks_and_position_ids(x, EOD_ID, False, False, True, False)[1]
+        for x in inputs
+    ]
+    mask = torch.stack(masks).double()
+    with torch.no_grad():
+        logits = model(inputs)
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").double()
+    masked = (losses * mask.flatten()).sum()
+    return (masked / mask.sum()).item(), (masked / mask.numel()).item()
+
+
+def test_data_parallel_ranks_count_very_different_numbers_of_tokens(eod_corpus):
+    """The masked-loss layouts are a test of the normalisation because, in some step, one
+    data-parallel rank of two counts at least three times the tokens of the other."""
+    train, _ = eod_samples(eod_corpus)
+    counted = (train[:40, :-1] != EOD_ID).sum(dim=1).view(5, 2, 4).sum(dim=2)  # step, dp rank
+    assert (counted.max(dim=1).values >= 3 * counted.min(dim=1).values).any(), counted
+
+
+def test_context_parallel_ranks_count_different_numbers_of_tokens(eod_corpus):
+    """Under cp 2 the ranks of a sequence hold its chunks (0, 3) and (1, 2): in every step of
+    the masked-loss cp layouts they count different numbers of tokens, so matching one process
+    needs the token count summed over the cp ranks (not each rank's own mean, averaged)."""
+    train, _ = eod_samples(eod_corpus)
+    inputs = train[:40, :-1]
+    counted = torch.stack([(shard_sequence(inputs, r, 2) != EOD_ID).sum(1) for r in range(2)], 1)
+    per_step = counted.view(5, 8, 2).sum(dim=1)  # step, cp rank
+    assert (per_step[:, 0] != per_step[:, 1]).all(), per_step
+
+
+@pytest.mark.multiprocess
+def test_the_loss_is_the_mean_over_the_counted_tokens_of_the_global_batch(runs, eod_corpus):
+    """The first step's loss (the initial weights on the first batch) and the evaluation loss
+    (the final weights on the validation batch) are Megatron's masked token means, not the
+    mean over every position."""
+    config = eod_config(eod_corpus)
+    model = Bloom(model_args_from_config(config.model))
+    init_weights(model, config.job.seed)
+    model.eval()
+    train, valid = eod_samples(eod_corpus)
+    gbs = config.training.global_batch_size
+    losses, evaluation = metrics(runs / "single_eod")
+
+    expected, per_position = megatron_token_mean(model, train[:gbs])
+    assert abs(losses[0] - expected) / expected < 1e-5, (losses[0], expected)
+    assert abs(per_position - expected) / expected > 0.1  # the test tells the two apart
+
+    missing, _ = model.load_state_dict(params(runs / "single_eod"), strict=False)
+    assert missing == ["lm_head.weight"]  # tied to the embedding
+    expected, per_position = megatron_token_mean(model, valid[:gbs])
+    assert abs(evaluation["eval_loss"] - expected) / expected < 1e-5
+    assert abs(per_position - expected) / expected > 0.1

@@ -4,8 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from bloomnative.config import Config, ConfigError, load_toml, parse_args
+from bloomnative.config import Config, ConfigError, load_toml, parse_args, validate
 from bloomnative.model import BloomArgs
+from bloomnative.train.preflight import eod_mask_id, main
+from training_helpers import EOD_ID, write_word_tokenizer
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 
@@ -14,6 +16,17 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"
 def test_every_shipped_config_loads_and_validates(path):
     config = parse_args(["--config", str(path)])
     assert config.model.preset in (path.stem, "debug")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_the_written_config_reads_back_equal(path, tmp_path):
+    # The trainer writes <dump>/config.toml with to_toml; a rerun or a tool must read it back.
+    config = parse_args(["--config", str(path), "--model.hidden_size=64", "--data.blend=a,b"])
+    written = tmp_path / "config.toml"
+    written.write_text(config.to_toml())
+    again = Config()
+    load_toml(again, written)
+    assert again == config
 
 
 def test_bloom_176b_config_records_the_published_recipe():
@@ -73,6 +86,7 @@ def test_cli_overrides_convert_to_the_field_type():
             "--optimizer.lr",
             "2e-3",
             "--metrics.tensorboard=false",
+            "--training.global_batch_size=16",
             "--training.rampup_batch_size=8,8,64",
             "--data.blend=0.3,a,0.7,b",
             "--model.preset=debug",
@@ -136,6 +150,29 @@ def test_invalid_choice_lists_the_valid_values():
         parse_args(["--model.preset=bloom-9b"])
 
 
+def _choice_keys() -> list[str]:
+    import dataclasses
+    import typing
+
+    return [
+        f"{section.name}.{name}"
+        for section in dataclasses.fields(Config)
+        for name, tp in typing.get_type_hints(type(getattr(Config(), section.name))).items()
+        if typing.get_origin(tp) is typing.Literal
+    ]
+
+
+@pytest.mark.parametrize("key", _choice_keys())
+def test_every_choice_is_checked_against_its_type(key):
+    with pytest.raises(ConfigError, match=rf"{key} = 'bogus' is not valid; choose one of "):
+        parse_args([f"--{key}=bogus"])
+    section, name = key.split(".")
+    config = Config()
+    setattr(getattr(config, section), name, "bogus")  # a config built in code, too
+    with pytest.raises(ConfigError, match=key):
+        validate(config)
+
+
 def test_rampup_must_reach_the_global_batch_in_whole_increments():
     with pytest.raises(
         ConfigError,
@@ -153,6 +190,37 @@ def test_rampup_must_reach_the_global_batch_in_whole_increments():
 def test_missing_config_file_is_named():
     with pytest.raises(ConfigError, match=r"nope.toml does not exist"):
         parse_args(["--config", "nope.toml"])
+
+
+def test_eod_mask_loss_resolves_the_tokenizers_eod_or_names_what_is_wrong(tmp_path):
+    assert eod_mask_id(parse_args([])) is None  # masking off: the tokenizer is not read
+    tokenizer = str(write_word_tokenizer(tmp_path / "tokenizer.json", vocab=128))
+    masked = ["--data.eod_mask_loss=true", f"--data.tokenizer={tokenizer}"]
+    assert eod_mask_id(parse_args([*masked, "--model.vocab_size=128"])) == EOD_ID
+    assert eod_mask_id(parse_args([*masked, "--data.eod_token=w7"])) == 7
+    with pytest.raises(ConfigError, match="data.eod_mask_loss.*w999.*not in the vocabulary"):
+        eod_mask_id(parse_args([*masked, "--data.eod_token=w999"]))
+    with pytest.raises(ConfigError, match="data.eod_mask_loss.*does not exist"):
+        eod_mask_id(parse_args(["--data.eod_mask_loss=true", "--data.tokenizer=nope.json"]))
+    with pytest.raises(ConfigError, match="EOD id 100 is outside.*vocabulary of 64"):
+        eod_mask_id(parse_args([*masked, "--data.eod_token=w100", "--model.vocab_size=64"]))
+
+
+def test_preflight_refuses_eod_mask_loss_without_an_eod_naming_the_keys(tmp_path, capsys):
+    """A tokenizer with none of the usual EOD tokens: run_train.sh's preflight exits 2 with one
+    line naming data.eod_mask_loss and data.eod_token, before torchrun starts; naming the
+    token makes the same config pass."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    tokenizer = str(tmp_path / "no_eod.json")
+    Tokenizer(WordLevel({f"t{i}": i for i in range(64)}, unk_token="t1")).save(tokenizer)
+    args = ["--data.eod_mask_loss=true", f"--data.tokenizer={tokenizer}"]
+    assert main(["--world-size=1", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("config error: data.eod_mask_loss"), err
+    assert "data.eod_token" in err and "none of the usual end-of-document tokens" in err, err
+    assert main(["--world-size=1", *args, "--data.eod_token=t5"]) == 0
 
 
 def test_spike_recovery_is_on_in_the_bloom_configs_only():

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from bloomnative.config import parse_args
 from bloomnative.data import PretrainingLoader, build_gpt_datasets
 from bloomnative.interop import load_native_model
 from training_helpers import (
@@ -56,6 +57,12 @@ def test_run_train_sh_writes_metrics_tensorboard_and_a_checkpoint(tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoints" / "step-3").is_dir()
     assert "step 3 | loss" in proc.stdout
+    # The default run ends with a sample from its final checkpoint, starting with the prompt.
+    sample = parse_args([]).validation
+    assert sample.sample_tokens > 0
+    header = f"[bloomnative] sample from step-3 (more: tools/generate.py --checkpoint {tmp_path} "
+    after = proc.stdout.split(header, 1)[1].split("\n", 1)[1]
+    assert after.startswith(sample.sample_prompt) and len(after) > len(sample.sample_prompt) + 1
 
 
 def test_two_runs_with_the_same_seed_are_identical(tmp_path, synthetic_corpus):

@@ -5,12 +5,16 @@ From raw text to batches::
     tools/preprocess_data.py --input docs.jsonl --tokenizer tokenizer.json \\
         --output-prefix data/docs --append-eod          # -> data/docs_text_document.{bin,idx}
 
-    train, valid, test = build_gpt_datasets("data/docs_text_document", "969,30,1", seq_len=2048,
-                                            seed=1234, num_samples=(n_train, n_valid, 0),
+    train, valid, test = build_gpt_datasets(["data/docs_text_document", "data/code_text_document"],
+                                            "969,30,1", seq_len=2048, seed=1234,
+                                            num_samples=(n_train, n_valid, 0), weights=[0.7, 0.3],
                                             cache_dir="cache")
-    loader = PretrainingLoader(train, micro_batch_size=2, dp_rank=rank, dp_size=world)
+    loader = PretrainingLoader(train, micro_batch_size=2, dp_rank=dp_rank, dp_size=dp_size)
     for input_ids, labels in loader.next_batch(global_batch_size):
         ...
+    state = loader.state_dict()   # {"consumed_samples": n}; load_state_dict(state) resumes
+
+(The same blend as one string: ``"0.7 data/docs_text_document 0.3 data/code_text_document"``.)
 
 See docs/data.md for the formats and rules.
 """
@@ -21,12 +25,16 @@ from bloomnative.data.blended_dataset import BlendedDataset
 from bloomnative.data.build_datasets import build_gpt_datasets
 from bloomnative.data.gpt_dataset import GPTDataset
 from bloomnative.data.indexed_builder import IndexedDatasetBuilder
-from bloomnative.data.indexed_dataset import IndexedDataset, IndexedDatasetError
+from bloomnative.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetError,
+    check_indexed_dataset,
+)
 from bloomnative.data.indexed_format import optimal_token_dtype
 from bloomnative.data.rampup import rampup_batch_size
 from bloomnative.data.sample_index import SampleIndex, build_sample_index
 from bloomnative.data.splits import parse_split, split_boundaries
-from bloomnative.data.tokenizer import TextTokenizer, load_tokenizer
+from bloomnative.data.tokenizer import TextTokenizer, load_tokenizer, tokenizer_vocab_size
 
 
 def __getattr__(name: str):
@@ -52,10 +60,12 @@ __all__ = [
     "build_blending_indices",
     "build_gpt_datasets",
     "build_sample_index",
+    "check_indexed_dataset",
     "load_tokenizer",
     "optimal_token_dtype",
     "parse_blend",
     "parse_split",
     "rampup_batch_size",
     "split_boundaries",
+    "tokenizer_vocab_size",
 ]

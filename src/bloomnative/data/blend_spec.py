@@ -38,11 +38,21 @@ class BlendEntry:
     """Fraction of the dataset's documents this entry uses."""
 
 
-def parse_blend(blend: str | Sequence[str]) -> list[BlendEntry]:
-    """Parse a blend string or list (see the module docstring for the syntax)."""
+def parse_blend(
+    blend: str | Sequence[str], weights: Sequence[float] | None = None
+) -> list[BlendEntry]:
+    """Parse a blend string or list (see the module docstring for the syntax), or, with
+    `weights`, a list of prefixes and their weights given apart (one weight per prefix)."""
     tokens = _tokens(blend)
     if not tokens:
         raise ValueError('data blend is empty; give a dataset prefix, e.g. "data/x_text_document"')
+    if weights is not None:
+        if len(weights) != len(tokens):
+            raise ValueError(
+                f"data blend: {len(weights)} weights {list(weights)} for {len(tokens)} dataset "
+                f"prefixes {tokens}; give one weight per prefix"
+            )
+        tokens = [str(item) for pair in zip(weights, tokens, strict=True) for item in pair]
     if len(tokens) == 1:
         pairs = [(Fraction(1), tokens[0])]
     else:

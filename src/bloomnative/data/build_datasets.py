@@ -20,8 +20,9 @@ def build_gpt_datasets(
     seq_len: int,
     seed: int,
     num_samples: tuple[int, int, int],
-    cache_dir: str | None,
+    cache_dir: str | None = None,
     valid_seq_len: int | None = None,
+    weights: Sequence[float] | None = None,
 ) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
     """Train, valid and test datasets of ``seq_len + 1``-token samples.
 
@@ -30,7 +31,8 @@ def build_gpt_datasets(
     their weighted blend.
 
     Args:
-        blend: see ``bloomnative.data.blend_spec`` (``"path"`` or ``"0.3 a 0.7 b:0:0.9"``).
+        blend: see ``bloomnative.data.blend_spec`` (``"path"`` or ``"0.3 a 0.7 b:0:0.9"``), or
+            a list of prefixes whose weights are ``weights``.
         split: train,valid,test proportions of each dataset's documents, e.g. ``"969,30,1"``.
         seq_len: training sequence length.
         seed: shuffle seed.
@@ -40,6 +42,8 @@ def build_gpt_datasets(
             (rank 0 builds, the others wait at a barrier): call it on every rank.
         valid_seq_len: sequence length of the valid and test splits (default ``seq_len``),
             e.g. longer, to check ALiBi's extrapolation.
+        weights: one positive weight per prefix of ``blend`` (normalised to sum 1), instead of
+            weights written into the blend.
 
     Returns:
         ``(train, valid, test)``; a split without documents is ``None``.
@@ -52,7 +56,7 @@ def build_gpt_datasets(
         raise ValueError(
             f"num_samples needs one count per split (train, valid, test), got {num_samples}"
         )
-    entries = parse_blend(blend)
+    entries = parse_blend(blend, weights)
     indexed = {entry.prefix: IndexedDataset(entry.prefix) for entry in entries}
     lengths = (seq_len, valid_seq_len or seq_len, valid_seq_len or seq_len)
     return tuple(  # type: ignore[return-value]

@@ -208,6 +208,59 @@ class IndexedDataset:
         )
 
 
+def check_indexed_dataset(
+    prefix: str, vocab_size: int | None = None, chunk_tokens: int = 1 << 26
+) -> IndexedDataset:
+    """Opens ``prefix`` and checks everything a training run will rely on; returns the dataset.
+
+    Beyond the checks of opening (header, dtype code, both file sizes against the sizes, document
+    index), this reads the whole index and, with ``vocab_size``, the whole token stream: the
+    sequence pointers are the running sum of the sizes, the tokens are integers, and every token
+    id is in ``[0, vocab_size)``. The .bin is read once, ``chunk_tokens`` at a time (memory stays
+    flat); a uint8/uint16 stream whose largest value fits the vocabulary is not read at all.
+
+    Raises:
+        FileNotFoundError: a file of the pair is missing.
+        IndexedDatasetError: one line naming the file and what is wrong with it.
+    """
+    dataset = IndexedDataset(prefix)
+    idx_file, bin_file = idx_path(dataset.prefix), bin_path(dataset.prefix)
+    if dataset.dtype.kind not in "iu":
+        raise IndexedDatasetError(
+            f"{idx_file}: token dtype {dataset.dtype} is not an integer type; token ids are "
+            "stored as integers (dtype codes 1-5 and 8)"
+        )
+    sizes, pointers = dataset.sequence_lengths, dataset.sequence_pointers
+    expected = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], dtype=np.int64, out=expected[1:])
+    expected *= dataset.dtype.itemsize
+    mismatch = np.flatnonzero(pointers != expected)
+    if len(mismatch):
+        i = int(mismatch[0])
+        raise IndexedDatasetError(
+            f"{idx_file}: corrupt sequence pointers: sequence {i} starts at byte "
+            f"{int(pointers[i])}, but the sizes before it add up to byte {int(expected[i])}"
+        )
+    if vocab_size is None:
+        return dataset
+    if dataset.dtype.kind == "u" and np.iinfo(dataset.dtype).max < vocab_size:
+        return dataset  # every value the dtype can hold is a valid id
+    tokens = dataset._tokens
+    for start in range(0, len(tokens), chunk_tokens):
+        chunk = tokens[start : start + chunk_tokens]
+        low = int(chunk.min()) if dataset.dtype.kind == "i" else 0
+        if low < 0 or int(chunk.max()) >= vocab_size:
+            offset = start + int(np.argmax((chunk < 0) | (chunk >= vocab_size)))
+            bad = int(tokens[offset])
+            sequence = int(np.searchsorted(pointers, offset * dataset.dtype.itemsize, "right")) - 1
+            raise IndexedDatasetError(
+                f"{bin_file}: token id {bad} (sequence {sequence}, token {offset} of the file) "
+                f"is outside the vocabulary [0, {vocab_size}): the data was tokenized with "
+                "another tokenizer, or the vocabulary is too small"
+            )
+    return dataset
+
+
 def _describe_size_mismatch(actual: int, expected: int, num_sequences: int) -> str:
     if actual < expected:
         return f"truncated: {actual} bytes"

@@ -20,6 +20,9 @@ import torch
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 
+IGNORE_INDEX = -100
+"""The label of a position that counts in no loss (torch's cross-entropy default)."""
+
 
 class PretrainingLoader:
     """Serves this rank's micro batches of each global batch.
@@ -33,9 +36,13 @@ class PretrainingLoader:
             without blocking.
         prefetch: prepare the next step's batch (assuming the same global batch size) in a
             background thread while the current step runs.
+        eod_mask_id: with a token id (the EOD), the label of every position whose input is that
+            token becomes ``IGNORE_INDEX``: no loss on predicting what follows the end of a
+            document (Megatron's ``--eod-mask-loss`` masks the same positions).
         sequence_shard: applied to the inputs and the labels of every micro batch (``[micro
-            batch, seq_len]``) on the host: the part of each sequence this rank holds under
-            context parallelism (``parallel.context_parallel.shard_sequence``). None: all of it.
+            batch, seq_len]``) on the host, after the EOD masking: the part of each sequence
+            this rank holds under context parallelism
+            (``parallel.context_parallel.shard_sequence``). None: all of it.
     """
 
     def __init__(
@@ -46,6 +53,7 @@ class PretrainingLoader:
         dp_size: int,
         device: torch.device | str = "cpu",
         prefetch: bool = True,
+        eod_mask_id: int | None = None,
         sequence_shard: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if micro_batch_size < 1:
@@ -57,6 +65,7 @@ class PretrainingLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.device = torch.device(device)
+        self.eod_mask_id = eod_mask_id
         self.sequence_shard = sequence_shard
         self._pin = self.device.type == "cuda"
         self.consumed_samples = 0
@@ -158,6 +167,10 @@ class PretrainingLoader:
         batch = []
         for micro in tokens:
             inputs, labels = micro[:, :-1], micro[:, 1:]
+            if self.eod_mask_id is not None:
+                # Not in place: with one sample per micro batch, labels and inputs are views
+                # of the same tokens.
+                labels = labels.masked_fill(inputs == self.eod_mask_id, IGNORE_INDEX)
             if self.sequence_shard is not None:
                 inputs, labels = self.sequence_shard(inputs), self.sequence_shard(labels)
             inputs, labels = inputs.contiguous(), labels.contiguous()

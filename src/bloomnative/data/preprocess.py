@@ -12,6 +12,10 @@ naming), one sequence per document, with the EOD token appended when ``append_eo
 Work is cut into chunks of lines that worker processes tokenize; results are consumed in input
 order, so the output is byte-identical for any number of workers. Only a bounded window of
 chunks is in flight, so memory stays flat however large the input is.
+
+On a terminal, one progress line is kept up to date: documents, tokens, tokens per second,
+the share of the input read and the time left. Nothing is shown when the output is not a
+terminal (a log file gets the final summary only).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TextIO
 
 import numpy as np
 
@@ -51,8 +56,8 @@ class PreprocessConfig:
     append_eod: bool = False
     eod_token: str | None = None
     skip_bad_lines: bool = False
-    log_interval: float = 10.0
-    """Seconds between progress lines."""
+    log_interval: float = 0.5
+    """Seconds between updates of the progress line (shown on a terminal only)."""
 
 
 @dataclass
@@ -87,18 +92,27 @@ def output_prefix_for(output_prefix: str, json_key: str) -> str:
 
 
 def preprocess(
-    config: PreprocessConfig, log: Callable[[str], None] | None = None
+    config: PreprocessConfig,
+    log: Callable[[str], None] | None = None,
+    progress_stream: TextIO | None = None,
 ) -> PreprocessSummary:
     """Tokenize ``config.inputs`` into one MMIDIDX dataset per JSON key.
 
     Args:
         config: inputs, tokenizer, outputs and options.
-        log: receives progress and bad-line messages; by default they go to stderr.
+        log: receives bad-line messages; by default they go to stderr.
+        progress_stream: where the progress line goes (default stderr), only if it is a
+            terminal.
 
     Raises:
         BadLineError: a bad line without ``skip_bad_lines``; nothing is written in that case.
     """
-    log = log or _print_to_stderr
+    progress = _Progress(
+        progress_stream or sys.stderr,
+        config.log_interval,
+        sum(os.path.getsize(path) for path in config.inputs if os.path.isfile(path)),
+    )
+    log = progress.interrupting(log or _print_to_stderr)
     if config.workers < 1:
         raise ValueError(f"workers must be at least 1, got {config.workers}")
     if not config.json_keys:
@@ -116,7 +130,6 @@ def preprocess(
         dtype=dtype.str,
     )
     summary = PreprocessSummary()
-    progress = _Progress(log, config.log_interval)
     builders: list[IndexedDatasetBuilder] = []
     encoded = _encode_in_order(_chunks(_read_records(config.inputs)), encoder_args, config.workers)
     try:
@@ -126,8 +139,10 @@ def preprocess(
         with contextlib.closing(encoded):  # stops the worker pool on an error
             for results in encoded:
                 _consume(results, builders, config, summary, log)
-                progress.maybe_report(summary)
+                progress.maybe_show(summary, results[-1].position)
+        progress.finish(summary)
     except BaseException:
+        progress.finish(summary)
         for builder in builders:
             builder.abort()
         raise
@@ -184,6 +199,7 @@ class _Record:
     line: int  # 1-based line of a JSON-lines file; 1 for a plain-text file
     raw: bytes
     is_json: bool
+    position: int  # bytes of the input files (as stored, compressed or not) read so far
 
 
 def is_json_lines(path: str) -> bool:
@@ -192,19 +208,20 @@ def is_json_lines(path: str) -> bool:
     return name.endswith(_JSON_LINES_SUFFIXES)
 
 
-def _open_binary(path: str):
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
 def _read_records(paths: Iterable[str]) -> Iterator[_Record]:
+    before = 0  # size of the files already read
     for index, path in enumerate(paths):
-        with _open_binary(path) as stream:
+        with open(path, "rb") as raw:
+            # The position is measured on the stored file, so a .gz input has one too.
+            stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
             if not is_json_lines(path):
-                yield _Record(index, 1, stream.read(), is_json=False)
-                continue
-            for line_number, line in enumerate(stream, start=1):
-                if line.strip():
-                    yield _Record(index, line_number, line, is_json=True)
+                text = stream.read()
+                yield _Record(index, 1, text, is_json=False, position=before + raw.tell())
+            else:
+                for line_number, line in enumerate(stream, start=1):
+                    if line.strip():
+                        yield _Record(index, line_number, line, True, before + raw.tell())
+        before += os.path.getsize(path)
 
 
 def _chunks(records: Iterator[_Record]) -> Iterator[list[_Record]]:
@@ -237,6 +254,7 @@ class _Encoded:
     input_index: int
     line: int
     nbytes: int
+    position: int
     tokens: list[np.ndarray]  # one array per JSON key; empty when error is set
     error: str | None = None
 
@@ -256,14 +274,16 @@ class _Encoder:
         try:
             texts = self._texts(record)
         except BadLineError as error:
-            return _Encoded(record.input_index, record.line, len(record.raw), [], str(error))
+            return _Encoded(
+                record.input_index, record.line, len(record.raw), record.position, [], str(error)
+            )
         tokens = []
         for text in texts:
             ids = self.tokenizer.encode(text)
             if ids and self.args.append_eod:
                 ids.append(self.tokenizer.eod_id)
             tokens.append(np.asarray(ids, dtype=self.dtype))
-        return _Encoded(record.input_index, record.line, len(record.raw), tokens)
+        return _Encoded(record.input_index, record.line, len(record.raw), record.position, tokens)
 
     def _texts(self, record: _Record) -> list[str]:
         try:
@@ -326,26 +346,67 @@ def _encode_in_order(
 
 
 class _Progress:
-    def __init__(self, log: Callable[[str], None], interval: float) -> None:
-        self.log = log
+    """One progress line, rewritten in place, when `stream` is a terminal; nothing otherwise."""
+
+    def __init__(self, stream: TextIO, interval: float, total_bytes: int) -> None:
+        self.stream = stream
+        self.enabled = stream.isatty()
         self.interval = interval
-        self.start = self.last = time.perf_counter()
+        self.total_bytes = total_bytes
+        self.start = time.perf_counter()
+        self.last_shown: float | None = None
+        self.position = 0
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def maybe_report(self, summary: PreprocessSummary) -> None:
+    def maybe_show(self, summary: PreprocessSummary, position: int) -> None:
+        self.position = position
         now = time.perf_counter()
-        if now - self.last < self.interval:
-            return
-        self.last = now
-        seconds = now - self.start
-        self.log(
-            f"[preprocess] {summary.documents:,} docs, {summary.tokens:,} tokens, "
-            f"{summary.input_bytes / 1e6:,.1f} MB in {seconds:.0f} s | "
-            f"{summary.documents / seconds:,.0f} docs/s, {summary.tokens / seconds:,.0f} tokens/s, "
-            f"{summary.input_bytes / 1e6 / seconds:,.1f} MB/s"
+        if self.enabled and (self.last_shown is None or now - self.last_shown >= self.interval):
+            self.last_shown = now
+            self.stream.write("\r" + self.describe(summary, now - self.start) + "\x1b[K")
+            self.stream.flush()
+
+    def describe(self, summary: PreprocessSummary, seconds: float) -> str:
+        rate = summary.tokens / seconds if seconds > 0 else 0.0
+        done = self.position / self.total_bytes if self.total_bytes else 1.0
+        eta = seconds * (1 - done) / done if done > 0 else float("inf")
+        return (
+            f"[preprocess] {summary.documents:,} docs, {summary.tokens:,} tokens | "
+            f"{rate:,.0f} tokens/s | {100 * done:.1f}% | ETA {_duration(eta)}"
         )
+
+    def finish(self, summary: PreprocessSummary) -> None:
+        """Shows the final state and ends the line, so what follows starts on a new one."""
+        if self.enabled and self.last_shown is not None:
+            self.last_shown = None
+            self.maybe_show(summary, self.position)
+            self.stream.write("\n")
+            self.stream.flush()
+            self.last_shown = None
+
+    def interrupting(self, log: Callable[[str], None]) -> Callable[[str], None]:
+        """`log`, but first clearing the progress line so a message does not land inside it."""
+
+        def log_on_a_clean_line(message: str) -> None:
+            if self.enabled and self.last_shown is not None:
+                self.stream.write("\r\x1b[K")
+                self.stream.flush()
+            log(message)
+
+        return log_on_a_clean_line
+
+
+def _duration(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "?"
+    seconds = round(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
 
 
 def _print_to_stderr(message: str) -> None:

@@ -24,18 +24,10 @@ class TextTokenizer:
     """
 
     def __init__(self, path: str, eod_token: str | None = None) -> None:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"tokenizer file {path!r} does not exist; give a Hugging Face tokenizer.json"
-            )
         self.path = str(path)
-        try:
-            self._tokenizer = Tokenizer.from_file(self.path)
-        except Exception as error:  # the Rust library raises a bare Exception
-            raise ValueError(f"{path}: not a readable tokenizer.json: {error}") from error
+        self._tokenizer = _read_tokenizer_file(self.path)
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
-        # Ids can have gaps; the dtype and the embedding must cover the largest one.
-        self.vocab_size: int = max(vocab.values()) + 1
+        self.vocab_size: int = _id_count(vocab)
         self.eod_token, self.eod_id = _resolve_eod(vocab, eod_token, path)
 
     def encode(self, text: str) -> list[int]:
@@ -61,6 +53,28 @@ class TextTokenizer:
 def load_tokenizer(path: str, eod_token: str | None = None) -> TextTokenizer:
     """Load a tokenizer.json; see ``TextTokenizer``."""
     return TextTokenizer(path, eod_token)
+
+
+def tokenizer_vocab_size(path: str) -> int:
+    """Token ids of a tokenizer.json (its largest id + 1), without needing an EOD token: what
+    the model's embedding must cover. Raises FileNotFoundError or ValueError naming the file."""
+    return _id_count(_read_tokenizer_file(str(path)).get_vocab(with_added_tokens=True))
+
+
+def _read_tokenizer_file(path: str) -> Tokenizer:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"tokenizer file {path!r} does not exist; give a Hugging Face tokenizer.json"
+        )
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as error:  # the Rust library raises a bare Exception
+        raise ValueError(f"{path}: not a readable tokenizer.json: {error}") from error
+
+
+def _id_count(vocab: dict[str, int]) -> int:
+    # Ids can have gaps; the dtype and the embedding must cover the largest one.
+    return max(vocab.values()) + 1
 
 
 def _resolve_eod(vocab: dict[str, int], eod_token: str | None, path: str) -> tuple[str, int]:

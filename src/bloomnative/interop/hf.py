@@ -27,7 +27,7 @@ from bloomnative.interop.native_checkpoint import (
     staged_output_dir,
 )
 from bloomnative.model import Bloom, BloomArgs
-from bloomnative.train.checkpoint import EMBEDDING, TIED_HEAD
+from bloomnative.model.state import EMBEDDING, TIED_HEAD
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"

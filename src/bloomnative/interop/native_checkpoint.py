@@ -26,13 +26,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from bloomnative.checkpoint_integrity import ChecksummingWriter, write_record
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.model.args import PRESETS
-from bloomnative.train.checkpoint import EMBEDDING, TIED_HEAD, model_state
+from bloomnative.model.state import EMBEDDING, TIED_HEAD, model_state
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -216,14 +218,69 @@ def save_native_checkpoint(model: Bloom, out_dir: str | Path, overwrite: bool = 
     """Writes `model` as a model-only DCP checkpoint folder (the "model" entry of a training
     checkpoint, canonical names, the model's dtype) plus ARGS_FILE, which records the head
     count and LayerNorm epsilon that the tensors cannot, and the checksum record a training
-    checkpoint has. Returns the folder."""
+    checkpoint has. Returns the folder.
+
+    A model sharded by `bloomnative.parallel` (DTensor parameters: FSDP2, tensor parallelism)
+    is saved collectively: every rank of the default process group calls this with the same
+    `out_dir` (on a file system they share) and writes only its own shards."""
     state = {MODEL_KEY: canonical_state_dict(model)}
+    if any(isinstance(t, DTensor) for t in state[MODEL_KEY].values()):
+        _save_sharded(state, model.args, Path(out_dir), overwrite)
+        return Path(out_dir)
     with staged_output_dir(out_dir, overwrite) as staging, _single_process_dcp():
         writer = ChecksummingWriter(staging)
         dcp.save(state, storage_writer=writer, no_dist=True)
         _write_args_file(model.args, staging)
         write_record(staging, writer.sums)
     return Path(out_dir)
+
+
+def _save_sharded(state: dict, args: BloomArgs, out_dir: Path, overwrite: bool) -> None:
+    """`save_native_checkpoint` on every rank: rank 0 stages the folder, each rank writes its
+    shards into it, and rank 0 adds ARGS_FILE and the record of every rank's files before the
+    folder takes its name. Coordinated over a gloo group (object collectives on any device)."""
+    group = dist.new_group(backend="gloo")
+    try:
+        with contextlib.ExitStack() as on_rank0:
+            staging = Path(
+                _from_rank0(
+                    lambda: str(on_rank0.enter_context(staged_output_dir(out_dir, overwrite))),
+                    group,
+                )
+            )
+            writer = ChecksummingWriter(staging)
+            dcp.save(state, storage_writer=writer, process_group=group)
+            every_rank = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(writer.sums, every_rank, dst=0, group=group)
+
+            def complete() -> None:
+                _write_args_file(args, staging)
+                write_record(staging, {n: s for sums in every_rank for n, s in sums.items()})
+                on_rank0.close()  # staged_output_dir renames the folder to out_dir
+
+            _from_rank0(complete, group)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def _from_rank0(fn: Callable[[], object], group: dist.ProcessGroup) -> object:
+    """`fn()` run on rank 0 only, its result given to every rank. If it raises, rank 0 raises
+    that and the other ranks a RuntimeError naming it, rather than waiting for rank 0."""
+    outcome: list = [None]
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = (fn(), None)
+        except Exception as e:
+            error = e
+            outcome[0] = (None, f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(outcome, src=0, group=group)
+    result, message = outcome[0]
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RuntimeError(f"saving the checkpoint failed on rank 0: {message}")
+    return result
 
 
 def read_model_shapes(checkpoint_dir: str | Path) -> dict[str, TensorStorageMetadata]:

@@ -2,7 +2,7 @@
 
 from bloomnative.model.alibi import alibi_causal_bias, alibi_slopes
 from bloomnative.model.args import PRESETS, BloomArgs
-from bloomnative.model.bloom import Bloom, BloomAttention, BloomBlock, BloomMLP
+from bloomnative.model.bloom import Bloom, BloomAttention, BloomBlock, BloomMLP, LayerKVCache
 
 __all__ = [
     "PRESETS",
@@ -11,6 +11,7 @@ __all__ = [
     "BloomAttention",
     "BloomBlock",
     "BloomMLP",
+    "LayerKVCache",
     "alibi_causal_bias",
     "alibi_slopes",
 ]

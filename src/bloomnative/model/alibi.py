@@ -31,12 +31,16 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     return slopes.to(torch.float32)
 
 
-def alibi_causal_bias(slopes: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive attention bias [heads, seq, seq]: slope * (key - query) on and below the
-    diagonal, -inf above it. Under the causal softmax this equals BLOOM's slope * key position
-    (each row differs by a constant), but keeps the values small."""
-    pos = torch.arange(seq_len, device=slopes.device)
-    distance = (pos[None, :] - pos[:, None]).to(torch.float32)
+def alibi_causal_bias(
+    slopes: torch.Tensor, seq_len: int, dtype: torch.dtype, past_len: int = 0
+) -> torch.Tensor:
+    """Additive attention bias [heads, seq, past_len + seq]: slope * (key - query) on and below
+    the diagonal, -inf above it. Under the causal softmax this equals BLOOM's slope * key
+    position (each row differs by a constant), but keeps the values small. With `past_len`
+    cached keys (incremental decoding) the queries are the last `seq_len` positions."""
+    query = torch.arange(past_len, past_len + seq_len, device=slopes.device)
+    key = torch.arange(past_len + seq_len, device=slopes.device)
+    distance = (key[None, :] - query[:, None]).to(torch.float32)
     bias = slopes.to(torch.float32)[:, None, None] * distance
     bias = bias.masked_fill(distance > 0, float("-inf"))
     return bias.to(dtype)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
-ATTENTION_BACKENDS = ("sdpa", "flex", "triton")
+AttentionBackend = Literal["sdpa", "flex", "triton"]
+ATTENTION_BACKENDS: tuple[str, ...] = typing.get_args(AttentionBackend)
 
 
 @dataclass
@@ -30,7 +33,7 @@ class BloomArgs:
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities, in training mode (Megatron's
     --attention-dropout); not available with the "flex" backend."""
-    attention: str = "sdpa"
+    attention: AttentionBackend = "sdpa"
     """Attention backend: "sdpa" (portable, additive ALiBi bias), "flex" (FlexAttention with an
     ALiBi score_mod, GPU) or "triton" (bloomnative's flash kernel with ALiBi in the kernel)."""
     fused_kernels: bool = False

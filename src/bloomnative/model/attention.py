@@ -27,12 +27,14 @@ def sdpa_alibi_attention(
     slopes: torch.Tensor,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Portable path: SDPA with a materialised [heads, seq, seq] ALiBi + causal bias.
+    """Portable path: SDPA with a materialised [heads, q_len, k_len] ALiBi + causal bias. k may
+    be longer than q (keys of earlier tokens from a KV cache): q holds the last positions.
 
     The bias is kept in fp32 when q is fp32; with low-precision inputs SDPA's kernels still
     accumulate the softmax in fp32.
     """
-    bias = alibi_causal_bias(slopes, q.shape[-2], q.dtype)
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    bias = alibi_causal_bias(slopes, q_len, q.dtype, past_len=k_len - q_len)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
 
 

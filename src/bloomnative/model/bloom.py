@@ -7,7 +7,9 @@ probabilities, and on the attention and MLP outputs before each residual add.
 
 No parallelism here: `parallel/` applies it from outside. Layers sit in an `nn.ModuleDict`
 keyed by index, and `forward` skips parts set to None, so a pipeline stage is this class with
-entries removed.
+entries removed. For sampling, `forward` takes an optional KV cache: after the prompt, each call
+feeds only the new tokens (ALiBi needs no position ids: the bias depends on key - query distance
+only).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from bloomnative.model.alibi import alibi_slopes
 from bloomnative.model.args import BloomArgs
-from bloomnative.model.attention import attention_backend
+from bloomnative.model.attention import attention_backend, sdpa_alibi_attention
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -41,6 +43,22 @@ class FusedLayerNorm(nn.LayerNorm):
 def make_layer_norm(args: BloomArgs) -> nn.LayerNorm:
     cls = FusedLayerNorm if args.fused_kernels else nn.LayerNorm
     return cls(args.hidden_size, eps=args.layer_norm_epsilon)
+
+
+class LayerKVCache:
+    """One attention layer's keys and values of the tokens processed so far,
+    [batch, heads, tokens, head_dim] each."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Appends the new tokens' keys and values; returns those of all tokens so far."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        return k, v
 
 
 class BloomAttention(nn.Module):
@@ -64,12 +82,17 @@ class BloomAttention(nn.Module):
         slopes = alibi_slopes(self.n_head)[start:end]
         self.alibi_slopes = slopes.to(self.alibi_slopes.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 instead of n_head: under tensor parallelism this rank holds a subset of the heads.
         qkv = self.query_key_value(x).view(batch, seq, -1, 3, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [b, heads, s, d]
-        out = self.attend(q, k, v, self.alibi_slopes, self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        if cache is None:
+            out = self.attend(q, k, v, self.alibi_slopes, dropout)
+        else:  # the new queries attend to every cached key: the portable path allows q_len < k_len
+            k, v = cache.extend(k, v)
+            out = sdpa_alibi_attention(q, k, v, self.alibi_slopes, dropout)
         return self.dense(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -100,8 +123,8 @@ class BloomBlock(nn.Module):
         self.mlp = BloomMLP(args)
         self.hidden_dropout = nn.Dropout(args.hidden_dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x)))
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+        x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), cache=cache))
         return x + self.hidden_dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -132,20 +155,27 @@ class Bloom(nn.Module):
         if self.word_embeddings is not None and self.lm_head is not None:
             self.lm_head.weight = self.word_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, cache: dict[str, LayerKVCache] | None = None
+    ) -> torch.Tensor:
         """tokens: int ids [batch, seq] (or, on a later pipeline stage, hidden states
         [batch, seq, hidden]). Returns logits [batch, seq, vocab], or hidden states when this
-        stage has no lm head."""
+        stage has no lm head. With a `cache` (from `new_kv_cache`), `tokens` are the ones that
+        follow the cached tokens, and their keys and values are added to it."""
         h = tokens
         if self.word_embeddings is not None:
             h = self.embedding_dropout(self.word_embeddings_layernorm(self.word_embeddings(h)))
-        for layer in self.layers.values():
-            h = layer(h)
+        for name, layer in self.layers.items():
+            h = layer(h, cache=None if cache is None else cache[name])
         if self.ln_f is not None:
             h = self.ln_f(h)
         if self.lm_head is not None and not self.head_in_loss:
             h = self.lm_head(h)
         return h
+
+    def new_kv_cache(self) -> dict[str, LayerKVCache]:
+        """An empty KV cache for incremental decoding, one entry per layer."""
+        return {name: LayerKVCache() for name in self.layers}
 
     def initial_value(self, name: str, like: torch.Tensor, seed: int) -> torch.Tensor:
         """The initial value of parameter `name`, full-size, on `like`'s device.

@@ -10,7 +10,15 @@ from bloomnative.model import Bloom
 
 
 def apply_activation_checkpointing(model: Bloom, mode: str, every: int = 2) -> None:
-    """mode "full": every block; "selective": blocks whose index is a multiple of `every`."""
+    """Wraps blocks of `model` (a `Bloom` or a pipeline stage of it) in place so that backward
+    recomputes their activations: mode "full" every block, "selective" the blocks whose index
+    is a multiple of `every`, "none" nothing.
+
+    Order: after `apply_tensor_parallel` (the recomputation must replay the block's
+    tensor-parallel collectives too), before `apply_compile` (each compiled region is then the
+    block inside its checkpoint wrapper) and `apply_fsdp` (FSDP's units are the wrapped blocks,
+    so their parameters are gathered again for the recomputation under ZeRO-3).
+    """
     if mode == "none":
         return
     if mode not in ("full", "selective"):

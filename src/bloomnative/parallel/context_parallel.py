@@ -253,9 +253,17 @@ def ring_attention(
 
 
 def apply_context_parallel(model: Bloom, cp_mesh: DeviceMesh) -> None:
-    """Makes every attention module of `model` (a whole model or a pipeline stage) attend
-    through the ring over `cp_mesh`, with the block functions of the backend it was built with.
-    Inputs and labels must then be in the layout of `shard_sequence`."""
+    """Makes every attention module of `model` (a `Bloom` or a pipeline stage of it) attend
+    through the ring over the 1-D `cp_mesh`, in place, with the block functions of the attention
+    backend it was built with ("triton" or "sdpa"). Inputs and labels must then be in the layout
+    of `shard_sequence`, and the loss's token count summed over the cp ranks as over the
+    data-parallel ones.
+
+    Order: first on each pipeline stage, before `apply_tensor_parallel` (whose per-rank
+    attention dropout stream wraps the ring's `attend`), `apply_activation_checkpointing`,
+    `apply_compile` (which traces the ring as a graph break: pass `fullgraph=False`) and
+    `apply_fsdp` (over dp_shard x cp: the cp ranks hold the same parameters, so they shard
+    them)."""
     ring = Ring(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
     backend = model.args.attention
     if backend not in BLOCK_FUNCTIONS:

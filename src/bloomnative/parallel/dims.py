@@ -95,7 +95,7 @@ class ParallelDims:
     def loss_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The ranks whose tokens make up one global batch of one pipeline stage and tensor
         rank: dp_replicate x dp_shard x cp flattened ("dp_cp"); losses, token counts and the
-        like are summed or averaged over it."""
+        like are summed over it."""
         return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
 
     @cached_property

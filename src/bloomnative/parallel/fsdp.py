@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 
 
 def uses_fsdp(dp: int, bf16: bool) -> bool:
@@ -19,24 +24,44 @@ def uses_fsdp(dp: int, bf16: bool) -> bool:
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
-    param_dtype: torch.dtype,
-    zero_stage: int,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    zero_stage: int = 3,
     cpu_offload: bool = False,
 ) -> None:
-    """Shards each block as its own FSDP unit; the root unit holds the rest (embedding, its
-    LayerNorm, final LayerNorm and the head, which shares the embedding's parameter: a tied
-    weight must live in one unit).
+    """Wraps `model` (a `Bloom` or a pipeline stage of it) in FSDP2, in place: each block is its
+    own unit, the root unit holds the rest (embedding, its LayerNorm, final LayerNorm and the
+    head, which shares the embedding's parameter: a tied weight must live in one unit).
 
-    `dp_mesh` is 1-D (FSDP, ZeRO: dp_shard x cp flattened) or 2-D (dp_replicate and that: HSDP;
-    `ParallelDims.fsdp_mesh`). Parameters are gathered
-    in `param_dtype` (bf16 for mixed precision) while the sharded fp32 copy is the master weight;
-    gradients are reduce-scattered and accumulated in fp32. zero_stage 3 frees the gathered
-    parameters after each unit's forward (re-gathering them for backward); zero_stage 2 keeps them
-    until backward, trading memory for one all-gather per unit.
+    Order: last, after `apply_context_parallel`, `apply_tensor_parallel`,
+    `apply_activation_checkpointing` and `apply_compile`, and before `to_empty` +
+    `init_weights`. FSDP shards whatever parameters it finds (tensor-parallel DTensors become
+    2-D shards over dp x tp) and hooks its all-gathers around each block as the model now runs
+    it (checkpointed, compiled), so it has to see the final modules; the model is still on the
+    meta device, so no rank holds it whole.
+
+    `dp_mesh` is 1-D (FSDP, ZeRO), or 2-D (replicate, shard: HSDP, the outer dim replicating).
+    With context parallelism the shard dim is dp_shard x cp flattened (`ParallelDims.fsdp_mesh`):
+    cp ranks hold the same parameters, so they shard them instead of replicating them.
+    Parameters are gathered in `param_dtype` (bf16 for mixed precision) while the sharded fp32
+    copy is the master weight; gradients are reduce-scattered in `reduce_dtype` and accumulated
+    in fp32. They are summed over the data-parallel ranks, not averaged (`sum_gradients`): divide
+    each rank's loss by the token count of the whole global batch, over every data-parallel
+    (and context-parallel) rank, and the sum is the gradient of the global token mean.
+    zero_stage 3 frees the gathered parameters after each unit's forward (re-gathering them for
+    backward); zero_stage 2 keeps them until backward, trading memory for one all-gather per
+    unit. `cpu_offload` keeps the shards, gradients and optimizer step in host memory
+    (ZeRO-Offload).
     """
     if zero_stage not in (2, 3):
-        raise ValueError(f"parallelism.zero_stage must be 2 or 3, got {zero_stage}")
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        raise ValueError(f"apply_fsdp: zero_stage must be 2 or 3, got {zero_stage}")
+    if dp_mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"apply_fsdp: dp_mesh must be 1-D (shard) or 2-D (replicate, shard), got "
+            f"{dp_mesh.ndim} dims {dp_mesh.mesh_dim_names}; flatten the data-parallel dims first"
+        )
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = {"mesh": dp_mesh, "mp_policy": mp}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -46,3 +71,15 @@ def apply_fsdp(
     # The root's parameters are used at both ends of forward (embedding, then head) and first
     # in backward, so they stay gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    if dp_mesh.size() > 1:
+        sum_gradients(model)
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Makes FSDP sum gradients over data-parallel ranks instead of averaging them: each
+    rank's loss is already divided by the global token count (train/loss.py), so the sum is
+    the gradient of the global token mean. Plain sums (no PREMUL_SUM, which gloo lacks)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

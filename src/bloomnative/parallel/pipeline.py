@@ -9,7 +9,8 @@ parameter name) and `sync_tied_weights` sums their gradients, so they stay equal
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +24,10 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from bloomnative.config import PipelineSchedule
 from bloomnative.model import Bloom
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 
 
 def is_multi_stage(schedule: str) -> bool:
@@ -115,6 +117,61 @@ class PipelineStages:
         return stage_owner(stage_id, self.pp, self.schedule)
 
 
+def split_for_pipeline(
+    model: Bloom,
+    pp_mesh: DeviceMesh,
+    *,
+    schedule: str = "1F1B",
+    stages_per_rank: int = 1,
+    layers_per_stage: Sequence[int] | None = None,
+    embedding_as_layer: bool = True,
+) -> PipelineStages:
+    """This rank's pipeline stages of `model` (a meta-device `Bloom`) for the 1-D `pp_mesh`:
+    the stage modules and where every stage runs. With a pp mesh of size 1 the one stage is
+    `model` itself.
+
+    Order: first, on the meta-device model, before `apply_tensor_parallel`,
+    `apply_activation_checkpointing`, `apply_compile` and `apply_fsdp`, which are then applied
+    to each stage module (`.parts`): a stage is a copy of the model with the layers of other
+    stages removed, so each plan and FSDP's root unit see only what the stage owns. Then
+    `to_empty` and `init_weights` per stage, and last `build_pipeline` for the schedule, which
+    runs the parallelised, materialised stages.
+
+    `schedule` is a torch.distributed.pipelining schedule name (SCHEDULES); multi-stage ones
+    (Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble) need `stages_per_rank` >= 2 (ZBV
+    exactly 2). Layers are balanced over `pp_mesh.size() * stages_per_rank` stages, counting
+    the embedding and the head as a layer each when `embedding_as_layer` (BLOOM's partition),
+    unless `layers_per_stage` gives the counts.
+    """
+    # Imported here: layout_check imports this module (its schedule names).
+    from bloomnative.parallel.layout_check import check_pipeline_split
+
+    pp = pp_mesh.size()
+    check_pipeline_split(model.args, pp, schedule, stages_per_rank, layers_per_stage or ())
+    group = pp_mesh.get_group()
+    if pp == 1:
+        return PipelineStages([model], [0], 1, schedule, group)
+    num_stages = pp * stages_per_rank
+    counts = stage_layer_counts(
+        model.args.n_layer, num_stages, embedding_as_layer, layers_per_stage
+    )
+    ids = stage_ids_of_rank(pp_mesh.get_local_rank(), pp, stages_per_rank, schedule)
+    parts = [split_model(model, sid, counts) for sid in ids]
+    return PipelineStages(parts, ids, num_stages, schedule, group)
+
+
+class _StepLoss:
+    """The loss function a schedule is built with. torch fixes it at construction, but the
+    trainer's changes every step (it divides by the step's token count): `Pipeline.step` hands
+    in the step's closure for the length of the step."""
+
+    def __init__(self) -> None:
+        self.current: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.current(output, labels)
+
+
 @dataclass
 class Pipeline:
     """A schedule built for one micro-batch count, and the torch stages it runs."""
@@ -122,25 +179,61 @@ class Pipeline:
     schedule: _PipelineSchedule
     stages: list[PipelineStage]
     n_microbatches: int
+    placement: PipelineStages
+    loss: _StepLoss
+
+    def step(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Forward and backward of one batch (all ranks pass the same `inputs` and `labels`;
+        only the first and last stages use them), each micro batch's loss given by `loss_fn`
+        (already normalised: the schedule does not rescale gradients). Returns the micro-batch
+        losses on the rank holding the last stage, [] elsewhere."""
+        losses: list[torch.Tensor] = []
+        placement = self.placement
+        self.loss.current = loss_fn
+        try:
+            # return_outputs=False: the last stage keeps no micro batch's logits.
+            self.schedule.step(
+                *((inputs,) if placement.has_first else ()),
+                target=labels if placement.has_last else None,
+                losses=losses if placement.has_last else None,
+                return_outputs=False,
+            )
+        finally:
+            self.loss.current = None
+        return losses
 
 
 def build_pipeline(
-    placement: PipelineStages,
-    n_microbatches: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    device: torch.device,
+    placement: PipelineStages, n_microbatches: int, device: torch.device
 ) -> Pipeline:
-    """Wraps this rank's stage modules and builds the configured schedule (the layout and the
-    micro-batch count were checked by `layout_check`). `loss_fn` returns a sum normalised by
-    the caller, so the schedule does not rescale gradients."""
+    """The schedule that trains `placement` (from `split_for_pipeline`) on `n_microbatches`
+    micro batches per step: call `pipeline.step(inputs, labels, loss_fn)` on every pipeline
+    rank (all pass the same batch; the first stage reads the inputs, the last the labels).
+
+    Order: last, once every stage module is parallelised, materialised and initialised: the
+    torch stages run the modules as they are then. Build another for another micro-batch
+    count (batch-size rampup); each holds receive buffers sized for its count.
+
+    Each step's `loss_fn(output, labels)` is called per micro batch and its value is
+    backpropagated as it is (the schedule does not divide by the micro-batch count): return
+    that micro batch's share of the step's loss. With the tied embedding on two stages, call
+    `TiedWeightSync` after the step. (`check_pipeline_microbatches` says which counts a
+    schedule can run.)
+    """
     stages = [
         PipelineStage(part, sid, placement.num_stages, device, group=placement.group)
         for part, sid in zip(placement.parts, placement.stage_ids, strict=True)
     ]
     cls = get_schedule_class(placement.schedule)
     first = stages if issubclass(cls, PipelineScheduleMulti) else stages[0]
-    schedule = cls(first, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(schedule=schedule, stages=stages, n_microbatches=n_microbatches)
+    loss = _StepLoss()
+    schedule = cls(first, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
+    return Pipeline(schedule, stages, n_microbatches, placement, loss)
 
 
 @torch.no_grad()
@@ -217,8 +310,10 @@ class TiedWeightSync:
     """Sums the gradients of the copies of the tied weight (first stage's embedding, last
     stage's head) so each copy gets the gradient the single model's shared weight gets.
 
-    One process group per (dp_replicate, dp_shard, cp, tp) coordinate joins the pipeline rank of the
-    first stage and that of the last; ranks holding both (V schedules) sum locally.
+    `mesh` is the whole device mesh with pp as its first dim (every rank takes part in building
+    the groups): one process group per coordinate of the other dims joins the pipeline rank of
+    the first stage and that of the last; ranks holding both (V schedules) sum locally. Call it
+    after each pipeline step, before clipping and the optimizer step.
     """
 
     def __init__(self, placement: PipelineStages, mesh: DeviceMesh):
@@ -227,7 +322,7 @@ class TiedWeightSync:
         first_pp_rank, last_pp_rank = placement.owner(0), placement.owner(placement.num_stages - 1)
         if first_pp_rank == last_pp_rank:
             return
-        ranks = mesh.mesh  # [pp, dp_replicate, dp_shard, cp, tp]
+        ranks = mesh.mesh  # [pp, *other dims]
         me = dist.get_rank()
         for coord in torch.cartesian_prod(*(torch.arange(n) for n in ranks.shape[1:])).view(
             -1, ranks.dim() - 1

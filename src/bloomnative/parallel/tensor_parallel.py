@@ -28,12 +28,34 @@ from bloomnative.parallel.dropout_rng import fork_attention_dropout
 
 
 def apply_tensor_parallel(
-    model: Bloom, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool
+    model: Bloom, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool
 ) -> None:
-    """Shards `model` (a whole model or a pipeline stage of it) over `tp_mesh` in place."""
+    """Shards `model` (a whole `Bloom` or a pipeline stage of it, on the meta device) over the
+    1-D `tp_mesh` in place, Megatron's layout (module docstring): each rank computes whole
+    heads and a slice of the MLP width.
+
+    Order: first of the per-module plans (after `split_for_pipeline`, before
+    `apply_activation_checkpointing`, `apply_compile` and `apply_fsdp`). It replaces the
+    parameters with tp-sharded DTensors, which FSDP then shards further over the data-parallel
+    mesh, and activation checkpointing and compile must wrap blocks that already contain the
+    tensor-parallel collectives so that recomputation and the compiled graphs include them.
+
+    `sequence_parallel`: shard the LayerNorms and the residual stream along the sequence too.
+    `loss_parallel`: the head's logits stay sharded over the vocabulary (a DTensor); compute the
+    loss inside `torch.distributed.tensor.parallel.loss_parallel()`. Without it the logits are
+    a plain tensor, whole on every rank. Dropout, if the model has any, draws from each rank's
+    default generator: seed it alike on the ranks of `tp_mesh` (differently per data-parallel
+    rank), and per tp rank as well with `sequence_parallel` (parallel/dropout_rng.py).
+    """
     tp = tp_mesh.size()
-    if model.args.n_head % tp:
-        raise ValueError(f"model.n_head = {model.args.n_head} is not divisible by tp = {tp}")
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tensor_parallel: tp_mesh must be 1-D, got {tp_mesh.ndim} dims")
+    for name in ("n_head", "vocab_size"):
+        if getattr(model.args, name) % tp:
+            raise ValueError(
+                f"apply_tensor_parallel: the model's {name} = {getattr(model.args, name)} is "
+                f"not divisible by the tp mesh size {tp}; choose a tp that divides it"
+            )
     stream = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     norm = SequenceParallel() if sequence_parallel else None
 

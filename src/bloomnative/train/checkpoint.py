@@ -18,7 +18,6 @@ depend on the parallel layout that wrote it and loads under any other.
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,9 +30,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
@@ -43,6 +40,7 @@ from bloomnative.checkpoint_integrity import (
     ChecksummingWriter,
     FileSum,
     IntegrityError,
+    complete_steps,
     read_record,
     share_of_files,
     uncheckable,
@@ -50,10 +48,8 @@ from bloomnative.checkpoint_integrity import (
     verify_files,
     write_record,
 )
+from bloomnative.model.state import canonical_key, owns_head_copy
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-TIED_HEAD = "lm_head.weight"
-EMBEDDING = "word_embeddings.weight"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -65,67 +61,14 @@ class BadCheckpointError(CheckpointError):
     """The checkpoint asked for (checkpoint.load_step) is missing or fails verification."""
 
 
-def complete_steps(folder: Path) -> list[int]:
-    """Steps of the complete checkpoints (folders named step-<N>) in `folder`, ascending."""
-    if not folder.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)))
-
-
-def latest_step(folder: Path) -> int | None:
-    """The newest complete checkpoint's step in `folder`, or None."""
-    steps = complete_steps(folder)
-    return steps[-1] if steps else None
-
-
-def _owns_head_copy(part: nn.Module) -> bool:
-    """A last pipeline stage: it has the head but not the embedding it is tied to."""
-    return (
-        getattr(part, "word_embeddings", None) is None
-        and getattr(part, "lm_head", None) is not None
-    )
-
-
-def model_state(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
-    """Model state under canonical names: the tied head is stored once, as the embedding."""
-    state: dict[str, torch.Tensor] = {}
-    for part in parts:
-        sd = get_model_state_dict(part)
-        if _owns_head_copy(part):
-            sd[EMBEDDING] = sd.pop(TIED_HEAD)
-        else:
-            sd.pop(TIED_HEAD, None)
-        state.update(sd)
-    return state
-
-
-def load_model_state(
-    parts: list[nn.Module], state: dict[str, torch.Tensor], full: bool = False
-) -> None:
-    """Copies canonical-name `state` into the parts. `full`: the tensors are whole (e.g. from a
-    Hugging Face folder) and each rank takes its shard of them."""
-    options = StateDictOptions(strict=False, full_state_dict=full)
-    for part in parts:
-        names = set(get_model_state_dict(part))
-        sd = {k: state[k] for k in names if k in state}
-        if _owns_head_copy(part):
-            sd[TIED_HEAD] = state[EMBEDDING]
-        set_model_state_dict(part, sd, options=options)
-
-
-def _rename_head(key: str, to_canonical: bool) -> str:
-    src, dst = (TIED_HEAD, EMBEDDING) if to_canonical else (EMBEDDING, TIED_HEAD)
-    return key.replace(f".{src}.", f".{dst}.")
-
-
 def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
     """Flattened optimizer state (`state.<param>.<name>`, `param_groups.<param>.<option>`) under
     canonical parameter names."""
     state: dict = {}
     for part, opt in zip(parts, optimizers, strict=True):
         sd = get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS)
-        if _owns_head_copy(part):
-            sd = {_rename_head(k, to_canonical=True): v for k, v in sd.items()}
+        if owns_head_copy(part):
+            sd = {canonical_key(k): v for k, v in sd.items()}
         state.update(sd)
     return state
 
@@ -133,8 +76,8 @@ def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimiz
 def load_optimizer_state(parts: list[nn.Module], optimizers: list, state: dict) -> None:
     for part, opt in zip(parts, optimizers, strict=True):
         sd = state
-        if _owns_head_copy(part):
-            sd = {_rename_head(k, to_canonical=False): v for k, v in state.items()}
+        if owns_head_copy(part):
+            sd = {canonical_key(k, to_canonical=False): v for k, v in state.items()}
         set_optimizer_state_dict(part, opt, optim_state_dict=sd, options=_OPTIM_OPTIONS)
 
 

@@ -71,11 +71,6 @@ def _restart_attempt_store(timeout: datetime.timedelta) -> dist.Store:
     return dist.PrefixStore(f"bloomnative/attempt-{attempt}", store)
 
 
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def exit_process(code: int) -> NoReturn:
     """Ends a process whose distributed work is done, without finalizing the interpreter.
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 import traceback
 
-from bloomnative.config import ConfigError, parse_args
+from bloomnative.config import Config, ConfigError, parse_args
+from bloomnative.data import IndexedDatasetError
 from bloomnative.parallel import LayoutError
 from bloomnative.parallel.memory_estimate import PlanError
 from bloomnative.train.distributed import exit_process
@@ -14,8 +15,8 @@ from bloomnative.train.faults import catch_stop_signals
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 trained (or stopped on request, with a checkpoint), 2 configuration error
-    (reported before any model is built) or a checkpoint.load_step that is missing or fails
+    """Exit codes: 0 trained (or stopped on request, with a checkpoint), 2 configuration or data
+    error (reported before any model is built) or a checkpoint.load_step that is missing or fails
     verification, 1 any other failure (its traceback printed)."""
     catch_stop_signals()
     try:
@@ -27,9 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     from bloomnative.train.trainer import Trainer
 
     try:
-        Trainer(config).run()
+        trainer = Trainer(config)
+        trainer.run()
+        if trainer.rank == 0 and config.validation.sample_tokens:
+            print_sample(config)
     except (ConfigError, LayoutError, PlanError) as e:  # found before any model is built
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except IndexedDatasetError as e:
+        print(f"data error: {e}", file=sys.stderr)
         return 2
     except BadCheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
@@ -42,6 +49,21 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+def print_sample(config: Config) -> None:
+    """The end-of-training sample, read back from the final checkpoint (whatever the layout)."""
+    if not config.checkpoint.enable:
+        print(
+            "[bloomnative] no sample: it is read from the final checkpoint and "
+            "checkpoint.enable = false",
+            flush=True,
+        )
+        return
+    from bloomnative.generate import print_final_sample
+
+    v = config.validation
+    print_final_sample(config.job.dump_folder, v.sample_prompt, v.sample_tokens, config.job.seed)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ step: forward/backward over micro batches, clip, AdamW, log, evaluate, checkpoin
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from functools import partial
@@ -18,19 +17,25 @@ from torch.distributed.tensor.parallel import loss_parallel
 from bloomnative.config import Config, model_args_from_config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.model import Bloom
+from bloomnative.model.state import load_model_state, model_state
 from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.context_parallel import shard_sequence
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
 from bloomnative.parallel.layout_check import pipeline_microbatches
-from bloomnative.parallel.memory_estimate import GiB, compiles_the_loss
-from bloomnative.parallel.memory_estimate.auto_recompute import RecomputeChoice, choose_recompute
-from bloomnative.parallel.parallelize import parallelize_part, split_for_pipeline
+from bloomnative.parallel.memory_estimate import compiles_the_loss
+from bloomnative.parallel.memory_estimate.auto_recompute import (
+    RecomputeChoice,
+    auto_recompute,
+    with_recompute,
+)
+from bloomnative.parallel.parallelize import parallelize_part
 from bloomnative.parallel.pipeline import (
     Pipeline,
     PipelineStages,
     TiedWeightSync,
     build_pipeline,
     pipeline_forward_loss,
+    split_for_pipeline,
 )
 from bloomnative.train import checkpoint as ckpt
 from bloomnative.train.attention_choice import (
@@ -40,12 +45,21 @@ from bloomnative.train.attention_choice import (
 )
 from bloomnative.train.distributed import init_distributed, pick_device
 from bloomnative.train.faults import StopRequest
-from bloomnative.train.loss import cross_entropy_sum, fused_head_cross_entropy_sum
+from bloomnative.train.loss import (
+    LossFn,
+    counted_tokens,
+    cross_entropy_sum,
+    fused_head_cross_entropy_sum,
+    global_token_count,
+    sum_over_ranks,
+    token_mean,
+)
 from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import MetricsLogger, Throughput, device_peak_tflops, peak_memory_gib
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
-from bloomnative.train.preflight import check_run
+from bloomnative.train.preflight import check_run, eod_mask_id
+from bloomnative.train.profiling import StepProfiler
 from bloomnative.train.spikes import SpikeRecovery, data_reserve
 
 
@@ -59,11 +73,15 @@ class Trainer:
         if config.model.attention == "auto":
             config.model.attention = self._resolve_auto_attention()
         self.dims, self.model_args = check_run(config, self.world_size)
+        self.eod_mask_id = eod_mask_id(config)
         self.recompute_choice = self._resolve_auto_recompute()
         self.dump = Path(job.dump_folder)
         self.mesh, self.dp_mesh = self.dims.build_mesh(self.device.type)
         self.pp_mesh = self.mesh["pp"]  # sliced once: slicing a mesh is host work on every call
         self.loss_mesh = self.dims.loss_mesh(self.mesh)
+        # The ranks holding different tokens of a batch (data and context parallel): the loss's
+        # token count and the loss itself are summed over these groups (train/loss.py).
+        self.batch_groups = [self.loss_mesh.get_group()] if self.dims.dp * self.dims.cp > 1 else []
 
         seed_dropout_rng(job.seed, self.mesh, self.loss_mesh, par.sequence_parallel)
         self.bf16 = train_cfg.dtype == "bf16"
@@ -116,27 +134,23 @@ class Trainer:
     # ------------------------------------------------------------------ set-up helpers
 
     def _resolve_auto_recompute(self) -> RecomputeChoice | None:
-        """activation_checkpoint.mode = "auto": replaces mode and every with the planner's least
-        recomputation that fits the smallest device of the job (or memory_budget_gib)."""
-        ac = self.config.activation_checkpoint
-        if ac.mode != "auto":
-            return None
-        if ac.memory_budget_gib:
-            capacity = int(ac.memory_budget_gib * GiB)
-        elif self.device.type == "cuda":
-            capacity = _smallest_device_memory(self.device)
-        else:
-            ac.mode = "none"
+        """activation_checkpoint.mode = "auto": the planner's least recomputation that fits the
+        smallest device of the job (or memory_budget_gib); self.config becomes a resolved copy."""
+        choice = auto_recompute(
+            self.config,
+            self.model_args,
+            self.world_size,
+            self.device.type,
+            lambda: _smallest_device_memory(self.device),
+        )
+        if self.config.activation_checkpoint.mode == "auto":
             self._say(
-                'activation_checkpoint.mode = "auto" on CPU without memory_budget_gib: '
+                choice.describe()
+                if choice
+                else 'activation_checkpoint.mode = "auto" on CPU without memory_budget_gib: '
                 "no recomputation"
             )
-            return None
-        choice = choose_recompute(
-            self.config, self.model_args, self.world_size, self.device.type, capacity
-        )
-        ac.mode, ac.every = choice.mode, choice.every
-        self._say(choice.describe())
+        self.config = with_recompute(self.config, choice)
         return choice
 
     def _resolve_auto_attention(self) -> str:
@@ -163,9 +177,15 @@ class Trainer:
         with torch.device("meta"):
             model = Bloom(self.model_args)
         self.pp_rank = self.pp_mesh.get_local_rank()
-        parts, self.stage_ids, self.num_stages = split_for_pipeline(
-            model, self.dims, par, self.pp_rank
+        placement = split_for_pipeline(
+            model,
+            self.pp_mesh,
+            schedule=par.pp_schedule,
+            stages_per_rank=par.pp_stages_per_rank,
+            layers_per_stage=par.pp_layers_per_stage or None,
+            embedding_as_layer=par.pp_embedding_as_layer,
         )
+        parts = placement.parts
         param_dtype = torch.bfloat16 if self.bf16 else torch.float32
         for part in parts:
             parallelize_part(
@@ -200,9 +220,7 @@ class Trainer:
         self.tied_sync = None
         self.untied_copies: list = []
         if self.dims.pp > 1:
-            self.pipeline_stages = PipelineStages(
-                parts, self.stage_ids, self.num_stages, par.pp_schedule, self.pp_mesh.get_group()
-            )
+            self.pipeline_stages = placement
             self.tied_sync = TiedWeightSync(self.pipeline_stages, self.mesh)
             self.untied_copies = [
                 p.lm_head.weight
@@ -216,14 +234,8 @@ class Trainer:
         batch, so keeping one per count would grow through the whole rampup."""
         if self._pipeline is None or self._pipeline.n_microbatches != n_microbatches:
             self._pipeline = None  # freed before the next one is allocated
-            self._pipeline = build_pipeline(
-                self.pipeline_stages, n_microbatches, self._micro_batch_loss, self.device
-            )
+            self._pipeline = build_pipeline(self.pipeline_stages, n_microbatches, self.device)
         return self._pipeline
-
-    def _micro_batch_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """A micro batch's share of this rank's mean token loss."""
-        return self._loss_sum(output, labels) / self._loss_denominator
 
     def _loss_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Token-summed cross-entropy of the last stage's output: logits, or with
@@ -261,6 +273,7 @@ class Trainer:
             dp_size,
             self.device,
             prefetch=cfg.prefetch,
+            eod_mask_id=self.eod_mask_id,
             sequence_shard=shard,
         )
         self.train_loader = loader(train_ds)
@@ -279,12 +292,7 @@ class Trainer:
 
     def _write_resolved_config(self) -> None:
         self.dump.mkdir(parents=True, exist_ok=True)
-        lines = []
-        for section, values in self.config.to_dict().items():
-            lines.append(f"[{section}]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-            lines.append("")
-        (self.dump / "config.toml").write_text("\n".join(lines))
+        (self.dump / "config.toml").write_text(self.config.to_toml())
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -293,7 +301,7 @@ class Trainer:
         sample order does not depend on the layout) and the windows of it that loss-spike
         rollbacks skipped."""
         state = {
-            "model": ckpt.model_state(self.model_parts),
+            "model": model_state(self.model_parts),
             "optimizer": ckpt.optimizer_state(self.model_parts, self.optimizers),
             "train": {
                 "step": torch.tensor(self.step),
@@ -326,9 +334,9 @@ class Trainer:
             return
         path = self.checkpointer.path(step)
         if ckpt.is_model_only(path):
-            state = {"model": ckpt.model_state(self.model_parts)}
+            state = {"model": model_state(self.model_parts)}
             ckpt.load(path, state)
-            ckpt.load_model_state(self.model_parts, state["model"])
+            load_model_state(self.model_parts, state["model"])
             self._say(f"initial weights from model-only checkpoint {path}")
             return
         self.load_training_state(path)
@@ -355,7 +363,7 @@ class Trainer:
         if detector and all(saved.get(f"spikes.{k}") == v.shape for k, v in detector.items()):
             state["spikes"] = detector
         ckpt.load(path, state)
-        ckpt.load_model_state(self.model_parts, state["model"])
+        load_model_state(self.model_parts, state["model"])
         ckpt.load_optimizer_state(self.model_parts, self.optimizers, state["optimizer"])
         if "rng" in state:
             ckpt.restore_rng_state(state["rng"])
@@ -388,7 +396,7 @@ class Trainer:
                     f"the configured model has {getattr(mine, key)}; set model.preset / "
                     f"model.{key} to match"
                 )
-        ckpt.load_model_state(self.model_parts, ckpt.model_state([source]), full=True)
+        load_model_state(self.model_parts, model_state([source]), full=True)
         self._say(f"initial weights from Hugging Face folder {hf_dir}")
 
     def _say(self, message: str) -> None:
@@ -416,50 +424,44 @@ class Trainer:
         )
 
     def forward_backward(self, micro_batches) -> torch.Tensor:
-        """Accumulates gradients of the mean token loss over this rank's micro batches and
-        returns that mean (a 0-d tensor, no host sync; 0 on pipeline ranks without the last
-        stage). FSDP averages gradients over data- and context-parallel ranks (each holds the
-        same number of tokens), which makes it the mean over the global batch."""
-        return self._run_micro_batches(micro_batches, train=True)
+        """Accumulates the gradients of the global batch's mean token loss over this rank's
+        micro batches and returns this rank's share of that mean (a 0-d tensor, no host sync;
+        0 on pipeline ranks without the last stage): the shares of all ranks sum to the mean,
+        as FSDP sums their gradients (over data- and context-parallel ranks)."""
+        count = global_token_count(micro_batches, self.batch_groups)
+        return self._run_micro_batches(micro_batches, token_mean(self._loss_sum, count), True)
 
-    def _run_micro_batches(self, micro_batches, train: bool) -> torch.Tensor:
-        """The one micro-batch loop of training and evaluation: the mean token loss of this
+    def _run_micro_batches(self, micro_batches, loss_fn: LossFn, train: bool) -> torch.Tensor:
+        """The one micro-batch loop of training and evaluation: the sum of `loss_fn` over this
         rank's micro batches, with gradients accumulated when `train`. Under pipeline
         parallelism training runs the schedule and evaluation a forward-only pass through the
         stages (`pipeline_forward_loss`), which works for every schedule and sequence length."""
-        self._loss_denominator = sum(labels.numel() for _, labels in micro_batches)
         with self.loss_context():
             if self.dims.pp > 1 and train:
-                return self._pipeline_forward_backward(micro_batches)
+                return self._pipeline_forward_backward(micro_batches, loss_fn)
             if self.dims.pp > 1:
                 return pipeline_forward_loss(
-                    self.pipeline_stages, micro_batches, self._micro_batch_loss, self.device
+                    self.pipeline_stages, micro_batches, loss_fn, self.device
                 )
             model = self.model_parts[0]
             total = torch.zeros((), device=self.device)
             for inputs, labels in micro_batches:
                 # The output is not kept in a variable, so the [b, s, vocab] logits are freed
                 # as soon as the loss (and its backward) has used them.
-                loss = self._micro_batch_loss(model(inputs), labels)
+                loss = loss_fn(model(inputs), labels)
                 if train:
                     loss.backward()
                 total += _local(loss.detach())
             return total
 
-    def _pipeline_forward_backward(self, micro_batches) -> torch.Tensor:
+    def _pipeline_forward_backward(self, micro_batches, loss_fn: LossFn) -> torch.Tensor:
         samples = sum(len(inputs) for inputs, _ in micro_batches)
         n = pipeline_microbatches(
             self.config.parallelism.pp_microbatches, samples, self.config.training.micro_batch_size
         )
-        pipe, stages = self.pipeline(n), self.pipeline_stages
         inputs = torch.cat([x for x, _ in micro_batches])
         labels = torch.cat([y for _, y in micro_batches])
-        losses: list[torch.Tensor] = []
-        args = (inputs,) if stages.has_first else ()
-        target = labels if stages.has_last else None
-        kept = losses if stages.has_last else None
-        # return_outputs=False: the last stage keeps no micro batch's logits.
-        pipe.schedule.step(*args, target=target, losses=kept, return_outputs=False)
+        losses = self.pipeline(n).step(inputs, labels, loss_fn)
         if self.tied_sync is not None:
             self.tied_sync()
         total = torch.zeros((), device=self.device)
@@ -493,15 +495,11 @@ class Trainer:
         return self._global_loss(value).tolist()
 
     def _global_loss(self, value: torch.Tensor) -> torch.Tensor:
-        """The loss (or a tensor of losses) every rank agrees on, left on the device: summed over
-        pipeline ranks (only the last stage holds it), averaged over data-parallel and
-        context-parallel ranks (each holds the mean over the same number of tokens)."""
-        value = value.detach().clone()
-        if self.dims.pp > 1:
-            dist.all_reduce(value, group=self.pp_mesh.get_group())
-        if self.dims.dp * self.dims.cp > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=self.loss_mesh.get_group())
-        return value
+        """The loss (or a tensor of losses) every rank agrees on, left on the device: this
+        rank's shares summed over the pipeline ranks (only the last stage holds one) and the
+        ranks of `batch_groups` (each share is already divided by the global token count)."""
+        pp_group = [self.pp_mesh.get_group()] if self.dims.pp > 1 else []
+        return sum_over_ranks(value.detach().clone(), pp_group + self.batch_groups)
 
     def _max_over_ranks(self, value: float) -> float:
         """The largest value any rank has (memory: the rank that limits the layout)."""
@@ -513,17 +511,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, make_loader) -> float:
-        """Mean token loss over `validation.steps` global batches of a validation loader."""
+        """Mean token loss over `validation.steps` global batches of a validation loader: their
+        summed token losses over their counted tokens."""
         loader = make_loader()
         for part in self.model_parts:
             part.eval()
-        total = torch.zeros((), device=self.device)
+        loss_sum = torch.zeros((), device=self.device)
+        count = torch.zeros((), dtype=torch.int64, device=self.device)
         for _ in range(self.config.validation.steps):
             batch = loader.next_batch(self.config.training.global_batch_size)
-            total += self._run_micro_batches(batch, train=False)
+            loss_sum += self._run_micro_batches(batch, self._loss_sum, train=False)
+            count += counted_tokens(batch)
         for part in self.model_parts:
             part.train()
-        return self._reduce_loss(total / self.config.validation.steps)
+        count = sum_over_ranks(count, self.batch_groups).clamp_(min=1)
+        return self._reduce_loss(loss_sum / count)
 
     # ------------------------------------------------------------------ the loop
 
@@ -541,9 +543,12 @@ class Trainer:
         ckpt_cfg = self.config.checkpoint
         stop = StopRequest(self.dump / "STOP")
         self.throughput.read_and_reset()
+        profiler = StepProfiler(self.config.profiling, self.dump, self.rank, self.device)
         try:
+            profiler.start(self.step, t.steps)
             while self.step < t.steps:
                 loss, grad_norm, lr, gbs = self.train_step()
+                profiler.after_step(self.step)
                 self.interval_losses.append(loss)
                 self.throughput.add_tokens(gbs * t.seq_len)
                 if self.spikes.detector and self.spikes.rolled_back(
@@ -565,6 +570,7 @@ class Trainer:
                     break
             self.checkpointer.wait()
         finally:
+            profiler.close()
             stop.restore()
             self.metrics.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from bloomnative.config import Config
@@ -79,3 +80,37 @@ def choose_recompute(
         predicted_allocated_gib=plan.worst.allocated_peak / GiB,
         capacity_gib=capacity_bytes / GiB,
     )
+
+
+def auto_recompute(
+    config: Config,
+    args: BloomArgs,
+    world_size: int,
+    device_type: str,
+    device_memory: Callable[[], int],
+) -> RecomputeChoice | None:
+    """What `activation_checkpoint.mode = "auto"` stands for: the planner's least recomputation
+    within memory_budget_gib or, without one, `device_memory()` (the smallest device of the job;
+    only called on CUDA). None when the mode is not "auto", or on CPU without a budget (no
+    recomputation). Raises PlanError when even full recomputation does not fit."""
+    ac = config.activation_checkpoint
+    if ac.mode != "auto":
+        return None
+    if ac.memory_budget_gib:
+        capacity = int(ac.memory_budget_gib * GiB)
+    elif device_type == "cuda":
+        capacity = device_memory()
+    else:
+        return None
+    return choose_recompute(config, args, world_size, device_type, capacity)
+
+
+def with_recompute(config: Config, choice: RecomputeChoice | None) -> Config:
+    """A copy of `config` whose activation checkpointing is the resolved `choice` ("none" for an
+    "auto" left without one); `config` itself is not changed."""
+    ac = config.activation_checkpoint
+    if ac.mode != "auto":
+        return config
+    mode, every = (choice.mode, choice.every) if choice else ("none", ac.every)
+    resolved = dataclasses.replace(ac, mode=mode, every=every)
+    return dataclasses.replace(config, activation_checkpoint=resolved)

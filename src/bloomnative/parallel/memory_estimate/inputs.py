@@ -3,17 +3,19 @@ the framework overhead, and the bytes per element they imply."""
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
+from bloomnative.config import OptimizerImpl, RecomputeMode
 from bloomnative.parallel.fsdp import uses_fsdp
 from bloomnative.parallel.pipeline import SCHEDULES
 
 GiB = 2**30
 FP32, BF16, INT64 = 4, 2, 8
 
-RECOMPUTE_MODES = ("none", "full", "selective")
+RECOMPUTE_MODES: tuple[str, ...] = typing.get_args(RecomputeMode)
 ATTENTION_MEMORY = ("flash", "sdpa_efficient", "materialized", "cpu_math")
-OPTIMIZER_IMPLS = ("fused", "foreach", "for-loop")
+OPTIMIZER_IMPLS: tuple[str, ...] = typing.get_args(OptimizerImpl)
 PIPELINE_SCHEDULES = SCHEDULES  # the trainer's list (parallel.pipeline)
 
 

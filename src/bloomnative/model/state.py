@@ -1,0 +1,63 @@
+"""The model's state-dict naming, shared by checkpoints and converters.
+
+BLOOM ties the output head to the word embedding. A checkpoint stores that tensor once, under
+the embedding's name, whatever the layout: a last pipeline stage holds the head without the
+embedding, so its copy is renamed on the way out and on the way in. Names are otherwise the
+modules' own fully qualified names, so state written by one parallel layout loads under any
+other.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+EMBEDDING = "word_embeddings.weight"
+TIED_HEAD = "lm_head.weight"
+
+
+def owns_head_copy(part: nn.Module) -> bool:
+    """A last pipeline stage: it has the head but not the embedding it is tied to."""
+    return (
+        getattr(part, "word_embeddings", None) is None
+        and getattr(part, "lm_head", None) is not None
+    )
+
+
+def canonical_key(key: str, to_canonical: bool = True) -> str:
+    """A key of a head-owning stage's (optimizer) state under the canonical name, or back."""
+    src, dst = (TIED_HEAD, EMBEDDING) if to_canonical else (EMBEDDING, TIED_HEAD)
+    return key.replace(f".{src}.", f".{dst}.")
+
+
+def model_state(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Model state of the parts (whole model or pipeline stages) under canonical names: the
+    tied head is stored once, as the embedding."""
+    state: dict[str, torch.Tensor] = {}
+    for part in parts:
+        sd = get_model_state_dict(part)
+        if owns_head_copy(part):
+            sd[EMBEDDING] = sd.pop(TIED_HEAD)
+        else:
+            sd.pop(TIED_HEAD, None)
+        state.update(sd)
+    return state
+
+
+def load_model_state(
+    parts: list[nn.Module], state: dict[str, torch.Tensor], full: bool = False
+) -> None:
+    """Copies canonical-name `state` into the parts. `full`: the tensors are whole (e.g. from a
+    Hugging Face folder) and each rank takes its shard of them."""
+    options = StateDictOptions(strict=False, full_state_dict=full)
+    for part in parts:
+        names = set(get_model_state_dict(part))
+        sd = {k: state[k] for k in names if k in state}
+        if owns_head_copy(part):
+            sd[TIED_HEAD] = state[EMBEDDING]
+        set_model_state_dict(part, sd, options=options)

@@ -1,0 +1,128 @@
+"""Sampling: bloomnative.generate and tools/generate.py on checkpoints the tests make themselves
+(a 2-process FSDP training run (tests/conftest.py), its step folder, a Hugging Face folder written
+by save_pretrained_hf), against transformers' own generate for greedy decoding."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+
+import pytest
+import torch
+from hf_testing import make_hf_bloom, save_hf_bloom
+
+from bloomnative.generate import (
+    Sampling,
+    generate,
+    load_model,
+    next_token,
+    print_final_sample,
+)
+from training_helpers import REPO, SAMPLE_PROMPT
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+PROMPT = SAMPLE_PROMPT
+SAMPLE_FLAGS = ["--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "40"]
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("generate_tool", REPO / "tools" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+generate_tool = load_tool()
+
+
+def run_tool(args: list[str], capsys) -> tuple[int, str, str]:
+    code = generate_tool.main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_run_ends_with_a_sample_that_generate_reproduces(fsdp_run, capsys):
+    dump, stdout = fsdp_run
+    match = re.search(r"\[bloomnative\] sample from step-3 .*\n(.*)\n", stdout)
+    assert match, stdout[-2000:]
+    printed = match.group(1)
+    assert printed.startswith(PROMPT + " w")
+    argv = ["--checkpoint", str(dump), "--prompt", PROMPT, *SAMPLE_FLAGS, "--seed", "42"]
+    code, out, _ = run_tool(argv, capsys)
+    assert code == 0 and out == printed + "\n"
+
+
+def test_dump_folder_step_folder_and_hf_export_give_the_same_text(fsdp_run, tmp_path, capsys):
+    dump, _ = fsdp_run
+    step = dump / "checkpoints" / "step-3"
+    hf = tmp_path / "hf"
+    model = load_model(step)
+    model.save_pretrained_hf(hf)
+    (hf / "tokenizer.json").write_bytes((dump.parent / "tokenizer.json").read_bytes())
+    texts = {}
+    cases = [("dump", dump, 7), ("step", step, 7), ("hf", hf, 7), ("seed", dump, 8)]
+    for name, path, seed in cases:
+        argv = ["--checkpoint", str(path), "--prompt", PROMPT, "--max-new-tokens", "16"]
+        code, texts[name], err = run_tool([*argv, "--seed", str(seed)], capsys)
+        assert code == 0, err
+    assert texts["dump"] == texts["step"] == texts["hf"]
+    assert texts["seed"] != texts["dump"]  # 16 draws from near-uniform 127-way distributions
+    assert len(texts["dump"].split()) == 3 + 16
+
+
+def test_greedy_decoding_equals_transformers_generate(tmp_path):
+    hf_model = make_hf_bloom(hidden_size=48, n_head=3, n_layer=2, vocab_size=97, seed=3)
+    folder = save_hf_bloom(hf_model, tmp_path / "hf")
+    prompt = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(0))
+    expected = hf_model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=0,
+    )[:, 5:]
+    ours = generate(load_model(folder), prompt, 10, Sampling(temperature=0))
+    assert torch.equal(ours, expected)
+
+
+def test_top_k_and_top_p_keep_only_the_likeliest_tokens():
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.3, 0.15]])).repeat(400, 1)
+    generator = torch.Generator().manual_seed(0)
+
+    def drawn(sampling: Sampling) -> set[int]:
+        return set(next_token(logits, sampling, generator).tolist())
+
+    assert drawn(Sampling(temperature=0)) == {1}
+    assert drawn(Sampling(top_k=1)) == {1}
+    assert drawn(Sampling(top_k=2)) == {1, 2}
+    assert drawn(Sampling(top_p=0.5)) == {1}  # 0.5 alone reaches p
+    assert drawn(Sampling(top_p=0.75)) == {1, 2}
+    assert drawn(Sampling(top_p=0.9)) == {1, 2, 3}
+    assert drawn(Sampling()) == {0, 1, 2, 3}
+    same = [next_token(logits, Sampling(), torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert torch.equal(*same)
+
+
+def test_bad_arguments_and_paths_are_one_line_errors(tmp_path, capsys):
+    code, out, err = run_tool(["--checkpoint", str(tmp_path / "nothing")], capsys)
+    assert code == 2 and out == "" and str(tmp_path / "nothing") in err
+    assert len(err.strip().splitlines()) == 1
+    empty_run = tmp_path / "run"
+    empty_run.mkdir()
+    (empty_run / "config.toml").write_text("[job]\n")
+    code, _, err = run_tool(["--checkpoint", str(empty_run)], capsys)
+    assert code == 2 and "no complete checkpoint" in err
+    code, _, err = run_tool(["--checkpoint", str(empty_run), "--top-p", "0"], capsys)
+    assert code == 2 and "top_p must be in (0, 1]" in err
+
+
+def test_a_sample_that_cannot_be_made_is_reported_not_raised(fsdp_run, tmp_path, capsys):
+    dump, _ = fsdp_run
+    copy = tmp_path / "run"
+    shutil.copytree(dump, copy)
+    config = copy / "config.toml"
+    pydocs = REPO / "assets" / "pydocs" / "tokenizer.json"  # 8192 ids for a 128-row model
+    config.write_text(re.sub(r'tokenizer = ".*"', f'tokenizer = "{pydocs}"', config.read_text()))
+    print_final_sample(copy, "The list type", 8, seed=0)
+    assert "[bloomnative] no sample: the prompt has token ids up to" in capsys.readouterr().out

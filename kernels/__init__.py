@@ -19,7 +19,11 @@ else:
     from ._dispatch import poison_outputs, use_triton
     from .bias_gelu import bias_gelu, bias_gelu_reference
     from .flash_alibi_attention import (
+        alibi_attention_block_backward_reference,
+        alibi_attention_block_reference,
         flash_alibi_attention,
+        flash_alibi_attention_block,
+        flash_alibi_attention_block_backward,
         flash_alibi_attention_reference,
     )
     from .flex_alibi_attention import causal_block_mask, flex_alibi_attention
@@ -31,10 +35,14 @@ else:
     )
 
 __all__ = [
+    "alibi_attention_block_backward_reference",
+    "alibi_attention_block_reference",
     "bias_gelu",
     "bias_gelu_reference",
     "causal_block_mask",
     "flash_alibi_attention",
+    "flash_alibi_attention_block",
+    "flash_alibi_attention_block_backward",
     "flash_alibi_attention_reference",
     "flex_alibi_attention",
     "layer_norm",

@@ -71,7 +71,8 @@ _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
 _DROPOUT_BITS = 24  # a draw is the top 24 bits of a Philox word: 6e-8 resolution
 _DROPOUT_ROW_STRIDE = 16384  # counter word 0 is i * 2^14 + j // 4: unique for seq <= 65536
-_DROPOUT_MAX_SEQ = 4 * _DROPOUT_ROW_STRIDE
+DROPOUT_MAX_POSITIONS = 4 * _DROPOUT_ROW_STRIDE
+"""With dropout, query and key positions (offsets included) must stay below this."""
 
 
 def _configs(*specs: tuple[int, int, int, int]) -> list:
@@ -175,12 +176,14 @@ def _dropout_keep(seed, b, h, offs_q, k0, threshold, BLOCK_N: tl.constexpr):
 @triton.jit
 def _fwd_kv_loop(
     acc, acc_t, m_i, l_i, q, q_t, k_src, k_src_t, v_src, v_src_t,
-    stride_ks, stride_kd, stride_vs, stride_vd, offs_m, q0, slope2, qk_scale, seq_len,
-    seed, drop_threshold, b, h, lo, hi,
+    stride_ks, stride_kd, stride_vs, stride_vd, last_key, col0, slope2, qk_scale, seq_len,
+    seed, drop_threshold, drop_rows, k_offset, b, h, lo, hi,
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
     USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    # last_key: per query row, the last key it may see (causal); col0: the key index where the
+    # column term is 0 (the block's first row, shifted by the query-key offset).
     PAD_D: tl.constexpr = D0 > HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -195,22 +198,23 @@ def _fwd_kv_loop(
                 BLOCK_N, D1, USE_TMA, MASKED, False,
             )  # fmt: skip
             s = tl.dot(q_t, tl.trans(k_t), s, input_precision=PRECISION)
-        # log2(e) * (c q.k + m (j - q0)): the scale and the ALiBi column term in one FMA.
-        column = slope2 * (offs_n - q0).to(tl.float32)
+        # log2(e) * (c q.k + m (j - col0)): the scale and the ALiBi column term in one FMA.
+        column = slope2 * (offs_n - col0).to(tl.float32)
         s = s * qk_scale + column[None, :]
         if MASKED:
             keep = (offs_n < seq_len)[None, :]
             if CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+                keep = keep & (offs_n[None, :] <= last_key[:, None])
             s = tl.where(keep, s, float("-inf"))
-        # Every row sees at least one unmasked key in the first block it processes (key
-        # `lo` <= its position), so m_new is finite and exp2(m_i - m_new) never meets -inf - -inf.
+        # Every row sees at least one unmasked key in the first block it processes (key 0, as
+        # causal calls have shift >= 0), so m_new is finite and exp2(m_i - m_new) never meets
+        # -inf - -inf.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if DROPOUT:  # the statistics stay those of the full softmax; only the sum over v drops
-            keep = _dropout_keep(seed, b, h, offs_m, start_n, drop_threshold, BLOCK_N)
+            keep = _dropout_keep(seed, b, h, drop_rows, start_n + k_offset, drop_threshold, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         v = _load_tile(
             v_src, start_n, 0, seq_len, stride_vs, stride_vd, HEAD_DIM,
@@ -231,6 +235,7 @@ def _fwd_kv_loop(
 @triton.jit
 def _flash_alibi_fwd_kernel(
     Q, K, V, SLOPES, OUT, LSE, SEED, seq_len, num_heads, qk_scale, drop_threshold, drop_scale,
+    q_offset, k_offset,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -278,22 +283,29 @@ def _flash_alibi_fwd_kernel(
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
-    if CAUSAL:
-        unmasked_hi = (q0 // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(q0 + BLOCK_M, seq_len)
+    # Query i (local) sees key j (local) iff j <= i + shift: the global positions are
+    # q_offset + i and k_offset + j. The ALiBi term depends on the same difference only.
+    shift = q_offset - k_offset
+    last_key = offs_m + shift
+    col0 = q0 + shift
+    drop_rows = offs_m + q_offset
+    full_blocks_end = (seq_len // BLOCK_N) * BLOCK_N
+    if CAUSAL:  # keys before the block's first diagonal key need no mask
+        unmasked_hi = tl.minimum((col0 // BLOCK_N) * BLOCK_N, full_blocks_end)
+        hi = tl.minimum(col0 + BLOCK_M, seq_len)
     else:
-        unmasked_hi = (seq_len // BLOCK_N) * BLOCK_N
+        unmasked_hi = full_blocks_end
         hi = seq_len
     acc, acc_t, m_i, l_i = _fwd_kv_loop(
         acc, acc_t, m_i, l_i, q, q_t, k_src, k_src_t, v_src, v_src_t,
-        stride_ks, stride_kd, stride_vs, stride_vd, offs_m, q0, slope2, qk_scale, seq_len,
-        seed, drop_threshold, b, h, 0, unmasked_hi,
+        stride_ks, stride_kd, stride_vs, stride_vd, last_key, col0, slope2, qk_scale, seq_len,
+        seed, drop_threshold, drop_rows, k_offset, b, h, 0, unmasked_hi,
         HEAD_DIM, D0, D1, BLOCK_N, False, CAUSAL, DROPOUT, USE_TMA, PRECISION,
     )  # fmt: skip
     acc, acc_t, m_i, l_i = _fwd_kv_loop(
         acc, acc_t, m_i, l_i, q, q_t, k_src, k_src_t, v_src, v_src_t,
-        stride_ks, stride_kd, stride_vs, stride_vd, offs_m, q0, slope2, qk_scale, seq_len,
-        seed, drop_threshold, b, h, unmasked_hi, hi,
+        stride_ks, stride_kd, stride_vs, stride_vd, last_key, col0, slope2, qk_scale, seq_len,
+        seed, drop_threshold, drop_rows, k_offset, b, h, unmasked_hi, hi,
         HEAD_DIM, D0, D1, BLOCK_N, True, CAUSAL, DROPOUT, USE_TMA, PRECISION,
     )  # fmt: skip
 
@@ -363,15 +375,17 @@ def _add_dq(
 def _bwd_q_loop(
     dk, dk_t, dv, dv_t, k, k_t, v, v_t, q_src, q_src_t, do_src, do_src_t, dq_dst, dq_dst_t,
     LSE_ROW, DELTA_ROW, stride_qs, stride_qd, stride_gs, stride_gd,
-    offs_n, n0, column, slope2, qk_scale, sm_scale, seq_len,
-    seed, drop_threshold, drop_scale, b, h, lo, hi,
+    first_row, row0, column, slope2, qk_scale, sm_scale, seq_len,
+    seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, lo, hi,
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
     USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # Works in the transposed [key, query] layout so dk and dv accumulate row-major. Query rows
     # past the end load as zeros with lse = +inf, so their p is exactly 0; key rows past the end
-    # are zero, so they add nothing to dq (and their dk, dv rows are never stored).
+    # are zero, so they add nothing to dq (and their dk, dv rows are never stored). first_row:
+    # per key, the first query row that sees it (causal); row0: the query row where this key
+    # block's column form of the lse needs no correction (n0 shifted by the query-key offset).
     PAD_D: tl.constexpr = D0 > HEAD_DIM
     for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -384,9 +398,9 @@ def _bwd_q_loop(
             do_src, start_m, 0, seq_len, stride_gs, stride_gd, HEAD_DIM,
             BLOCK_M, D0, USE_TMA, True, PAD_D,
         )  # fmt: skip
-        # This key block's column form of the stored lse: lse2_i + m (i - n0).
+        # This key block's column form of the stored lse: lse2_i + m (i - row0).
         lse = tl.load(LSE_ROW + offs_m, mask=m_ok, other=float("inf"))
-        lse = lse + slope2 * (offs_m - n0).to(tl.float32)
+        lse = lse + slope2 * (offs_m - row0).to(tl.float32)
         delta = tl.load(DELTA_ROW + offs_m, mask=m_ok, other=0.0)
         st = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # matmul 1: S^T
         if D1 > 0:
@@ -401,12 +415,13 @@ def _bwd_q_loop(
             st = tl.dot(k_t, tl.trans(q_t), st, input_precision=PRECISION)
         pt = tl.exp2(st * qk_scale + column[:, None] - lse[None, :])
         if MASKED:  # causal diagonal band (exp2 of a masked score may be inf: select, not scale)
-            pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)
+            pt = tl.where(offs_m[None, :] >= first_row[:, None], pt, 0.0)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # matmul 2: dP^T
         if D1 > 0:
             dpt = tl.dot(v_t, tl.trans(do_t), dpt, input_precision=PRECISION)
         if DROPOUT:
-            keep = tl.trans(_dropout_keep(seed, b, h, offs_m, n0, drop_threshold, BLOCK_N))
+            keep = _dropout_keep(seed, b, h, offs_m + q_offset, drop_k0, drop_threshold, BLOCK_N)
+            keep = tl.trans(keep)
             pdt = tl.where(keep, pt * drop_scale, 0.0)
             dpt = tl.where(keep, dpt * drop_scale, 0.0)
         else:
@@ -431,7 +446,7 @@ def _bwd_q_loop(
 @triton.jit
 def _flash_alibi_bwd_kernel(
     Q, K, V, SLOPES, DOUT, LSE, DELTA, DQ_ACC, DK, DV, SEED,
-    seq_len, num_heads, qk_scale, sm_scale, drop_threshold, drop_scale,
+    seq_len, num_heads, qk_scale, sm_scale, drop_threshold, drop_scale, q_offset, k_offset,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -495,16 +510,23 @@ def _flash_alibi_bwd_kernel(
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
+    # Query i (local) sees key j (local) iff i >= j - shift (module docstring: global positions
+    # q_offset + i and k_offset + j); the ALiBi term depends on the same difference only.
+    shift = q_offset - k_offset
+    row0 = n0 - shift
+    first_row = offs_n - shift
+    drop_k0 = n0 + k_offset
     if CAUSAL:
-        # Query blocks before this key block never see it; those overlapping it need the
-        # causal mask; everything after sees the whole key block.
-        lo = (n0 // BLOCK_M) * BLOCK_M
-        band_hi = tl.minimum(((n0 + BLOCK_N + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, seq_len)
+        # Query blocks before this key block's first row never see it; those overlapping its
+        # diagonal band need the causal mask; everything after sees the whole key block.
+        lo = (tl.maximum(row0, 0) // BLOCK_M) * BLOCK_M
+        band_end = tl.maximum(row0 + BLOCK_N, 0)
+        band_hi = tl.minimum(((band_end + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, seq_len)
         dk, dk_t, dv, dv_t = _bwd_q_loop(
             dk, dk_t, dv, dv_t, k, k_t, v, v_t, q_src, q_src_t, do_src, do_src_t,
             dq_dst, dq_dst_t, lse_row, delta_row, stride_qs, stride_qd, stride_gs, stride_gd,
-            offs_n, n0, column, slope2, qk_scale, sm_scale, seq_len,
-            seed, drop_threshold, drop_scale, b, h, lo, band_hi,
+            first_row, row0, column, slope2, qk_scale, sm_scale, seq_len,
+            seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, lo, band_hi,
             HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, True, DROPOUT, USE_TMA, DQ_TMA, PRECISION,
         )  # fmt: skip
     else:
@@ -512,8 +534,8 @@ def _flash_alibi_bwd_kernel(
     dk, dk_t, dv, dv_t = _bwd_q_loop(
         dk, dk_t, dv, dv_t, k, k_t, v, v_t, q_src, q_src_t, do_src, do_src_t,
         dq_dst, dq_dst_t, lse_row, delta_row, stride_qs, stride_qd, stride_gs, stride_gd,
-        offs_n, n0, column, slope2, qk_scale, sm_scale, seq_len,
-        seed, drop_threshold, drop_scale, b, h, band_hi, seq_len,
+        first_row, row0, column, slope2, qk_scale, sm_scale, seq_len,
+        seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, band_hi, seq_len,
         HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, False, DROPOUT, USE_TMA, DQ_TMA, PRECISION,
     )  # fmt: skip
 
@@ -641,6 +663,8 @@ def _flash_alibi_fwd(
     softmax_scale: float,
     dropout_p: float,
     rng_seed: torch.Tensor | None,
+    q_offset: int = 0,
+    k_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse2): out like q, lse2 fp32 [batch, heads, seq], the log-sum-exp of the
     relative-form scores in log2 units."""
@@ -657,7 +681,7 @@ def _flash_alibi_fwd(
     launch(
         _fwd_kernels[dropout_p > 0], grid, q, k, v, slopes, out, lse,
         _seed_or_placeholder(rng_seed, slopes), seq, heads, softmax_scale * _LOG2E,
-        _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+        _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), q_offset, k_offset,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), _seq_bucket(seq),
         CAUSAL=causal, HEAD_DIM=head_dim, D0=d0, D1=d1, DROPOUT=dropout_p > 0,
         USE_TMA=use_tma, PRECISION=dot_precision(q.dtype),
@@ -666,7 +690,7 @@ def _flash_alibi_fwd(
 
 
 @_flash_alibi_fwd.register_fake
-def _(q, k, v, slopes, causal, softmax_scale, dropout_p, rng_seed):
+def _(q, k, v, slopes, causal, softmax_scale, dropout_p, rng_seed, q_offset=0, k_offset=0):
     batch, heads, seq, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, heads, seq), dtype=torch.float32)
 
@@ -684,6 +708,8 @@ def _flash_alibi_bwd(
     softmax_scale: float,
     dropout_p: float,
     rng_seed: torch.Tensor | None,
+    q_offset: int = 0,
+    k_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv); dk and dv are laid out like k and v, dq is contiguous."""
     batch, heads, seq, head_dim = q.shape
@@ -708,7 +734,7 @@ def _flash_alibi_bwd(
         _bwd_kernels[(dropout_p > 0, head_dim > 80)], grid,
         q, k, v, slopes, grad_out, lse, delta, dq_acc, dk, dv,
         _seed_or_placeholder(rng_seed, slopes), seq, heads, softmax_scale * _LOG2E,
-        softmax_scale, _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+        softmax_scale, _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), q_offset, k_offset,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
         _seq_bucket(seq), CAUSAL=causal, HEAD_DIM=head_dim, D0=d0, D1=d1,
         DROPOUT=dropout_p > 0, USE_TMA=use_tma, DQ_TMA=use_tma and not INTERPRET,
@@ -718,7 +744,10 @@ def _flash_alibi_bwd(
 
 
 @_flash_alibi_bwd.register_fake
-def _(grad_out, q, k, v, out, lse, slopes, causal, softmax_scale, dropout_p, rng_seed):
+def _(
+    grad_out, q, k, v, out, lse, slopes, causal, softmax_scale, dropout_p, rng_seed,
+    q_offset=0, k_offset=0,
+):  # fmt: skip
     return (
         q.new_empty(q.shape),
         torch.empty_like(k),
@@ -727,12 +756,13 @@ def _(grad_out, q, k, v, out, lse, slopes, causal, softmax_scale, dropout_p, rng
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, slopes, causal, softmax_scale, dropout_p, rng_seed = inputs
+    q, k, v, slopes, causal, softmax_scale, dropout_p, rng_seed, *offsets = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
     ctx.dropout_p = dropout_p
+    ctx.offsets = tuple(offsets)
     ctx.has_seed = rng_seed is not None
     saved = (q, k, v, out, lse, slopes) + ((rng_seed,) if rng_seed is not None else ())
     ctx.save_for_backward(*saved)
@@ -742,9 +772,9 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, slopes, *seed = ctx.saved_tensors
     dq, dk, dv = _flash_alibi_bwd(
         grad_out, q, k, v, out, lse, slopes, ctx.causal, ctx.softmax_scale, ctx.dropout_p,
-        seed[0] if ctx.has_seed else None,
+        seed[0] if ctx.has_seed else None, *ctx.offsets,
     )  # fmt: skip
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, *(None for _ in ctx.offsets)
 
 
 _flash_alibi_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -776,25 +806,55 @@ def _philox_words(
 
 
 def dropout_keep_mask(
-    rng_seed: torch.Tensor, shape: tuple[int, int, int, int], dropout_p: float
+    rng_seed: torch.Tensor,
+    shape: tuple[int, int, int, int],
+    dropout_p: float,
+    q_offset: int = 0,
+    k_offset: int = 0,
 ) -> torch.Tensor:
-    """The ``[batch, heads, seq, seq]`` boolean keep-mask that the kernels draw for ``rng_seed``
-    (module docstring: a pure function of the seed and (b, h, i, j)). For references and tests:
-    it materialises ``seq x seq``, the kernels never do."""
-    batch, heads, seq, _ = shape
-    groups = -(-seq // 4)
+    """The ``[batch, heads, q_len, k_len]`` boolean keep-mask that the kernels draw for
+    ``rng_seed`` (module docstring: a pure function of the seed and (b, h, i, j)), for queries at
+    positions ``q_offset + i`` and keys at ``k_offset + j``. For references and tests: it
+    materialises ``q_len x k_len``, the kernels never do."""
+    batch, heads, q_len, k_len = shape
+    first_group, end_group = k_offset // 4, -(-(k_offset + k_len) // 4)
+    groups = end_group - first_group
 
-    def index(n: int, dim: int) -> torch.Tensor:
+    def index(n: int, dim: int, start: int = 0) -> torch.Tensor:
         view = [1, 1, 1, 1]
         view[dim] = n
-        return torch.arange(n, device=rng_seed.device, dtype=torch.int64).view(view)
+        return torch.arange(start, start + n, device=rng_seed.device, dtype=torch.int64).view(view)
 
-    full = (batch, heads, seq, groups)
-    c0 = (index(seq, 2) * _DROPOUT_ROW_STRIDE + index(groups, 3)).expand(full)
+    full = (batch, heads, q_len, groups)
+    rows = index(q_len, 2, q_offset)
+    c0 = (rows * _DROPOUT_ROW_STRIDE + index(groups, 3, first_group)).expand(full)
     counter = (c0, index(heads, 1).expand(full), index(batch, 0).expand(full), c0 * 0)
     words = _philox_words(rng_seed.to(torch.int64), counter)
-    bits = torch.stack(words, dim=-1).reshape(batch, heads, seq, 4 * groups)[..., :seq]
-    return (bits >> 8) >= _dropout_threshold(dropout_p)
+    bits = torch.stack(words, dim=-1).reshape(batch, heads, q_len, 4 * groups)
+    first = k_offset - 4 * first_group
+    return (bits[..., first : first + k_len] >> 8) >= _dropout_threshold(dropout_p)
+
+
+def _alibi_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    slopes: torch.Tensor,
+    causal: bool,
+    scale: float,
+    q_offset: int,
+    k_offset: int,
+) -> torch.Tensor:
+    """``scale q.k + slope (key position - query position)``, -inf where a causal query may not
+    see the key, in fp32 (float64 for float64 inputs): ``[batch, heads, q_len, k_len]``."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_pos = torch.arange(q_offset, q_offset + q.shape[-2], device=q.device)
+    k_pos = torch.arange(k_offset, k_offset + k.shape[-2], device=q.device)
+    distance = k_pos[None, :] - q_pos[:, None]
+    bias = slopes.to(device=q.device, dtype=compute)[:, None, None] * distance.to(compute)
+    scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) * scale + bias
+    if causal:
+        scores = scores.masked_fill(distance > 0, float("-inf"))
+    return scores
 
 
 def flash_alibi_attention_reference(
@@ -807,6 +867,8 @@ def flash_alibi_attention_reference(
     *,
     dropout_p: float = 0.0,
     rng_seed: torch.Tensor | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
 ) -> torch.Tensor:
     """Pure-torch ALiBi attention, same contract as :func:`flash_alibi_attention` (dropout
     included: the same elements are dropped for the same seed).
@@ -814,27 +876,86 @@ def flash_alibi_attention_reference(
     Materializes the [batch, heads, seq, seq] scores in fp32 (float64 inputs stay float64): the
     portable CPU path and the test oracle, not something to run at seq 2048 on a GPU.
     """
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    seq, head_dim = q.shape[-2], q.shape[-1]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    pos = torch.arange(seq, device=q.device, dtype=compute)
-    bias = slopes.to(compute)[:, None, None] * (pos[None, None, :] - pos[None, :, None])
-    scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) * scale + bias
-    if causal:
-        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu_(1)
-        scores = scores.masked_fill(future, float("-inf"))
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = _alibi_scores(q, k, slopes, causal, scale, q_offset, k_offset)
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0:
         seed = rng_seed if rng_seed is not None else _draw_seed(q.device)
-        keep = dropout_keep_mask(seed, tuple(scores.shape), dropout_p)
+        keep = dropout_keep_mask(seed, tuple(scores.shape), dropout_p, q_offset, k_offset)
         probs = probs * keep / (1.0 - dropout_p)
-    return (probs @ v.to(compute)).to(q.dtype)
+    return (probs @ v.to(scores.dtype)).to(q.dtype)
 
 
 def _draw_seed(device: torch.device) -> torch.Tensor:
     """A fresh int64 seed from torch's default generator for ``device``, on the device (no host
     synchronisation, capturable by torch.compile)."""
     return torch.randint(0, 2**62, (), device=device, dtype=torch.int64)
+
+
+def _check_inputs(
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    causal: bool,
+    dropout_p: float,
+    rng_seed: torch.Tensor | None,
+    q_offset: int,
+    k_offset: int,
+) -> None:
+    """The argument checks shared by the public ops, each a one-line error naming the value."""
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(
+            f"{name}: q, k and v must all be [batch, heads, seq, head_dim] with the "
+            f"same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    check_float_dtype(f"{name}: q", q)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"{name}: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    heads, seq, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    if slopes.shape != (heads,):
+        raise ValueError(
+            f"{name}: slopes must have shape [{heads}] (one per head), got {tuple(slopes.shape)}"
+        )
+    if head_dim > _MAX_HEAD_DIM:
+        raise ValueError(
+            f"{name}: head_dim {head_dim} is larger than the supported {_MAX_HEAD_DIM}"
+        )
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{name}: dropout_p must be in [0, 1), got {dropout_p}")
+    if rng_seed is not None and (
+        rng_seed.dim() != 0 or rng_seed.dtype != torch.int64 or rng_seed.device != q.device
+    ):
+        raise ValueError(
+            f"{name}: rng_seed must be a 0-d int64 tensor on q's device "
+            f"({q.device}), got shape {tuple(rng_seed.shape)} {rng_seed.dtype} on "
+            f"{rng_seed.device}"
+        )
+    if q_offset < 0 or k_offset < 0:
+        raise ValueError(
+            f"{name}: q_offset and k_offset are positions, got {q_offset} and {k_offset}"
+        )
+    if causal and q_offset < k_offset:
+        raise ValueError(
+            f"{name}: causal with q_offset {q_offset} < k_offset {k_offset} leaves the first "
+            "queries without any key; a block of queries wholly before its keys is skipped by "
+            "the caller, one that straddles them is split at the first key"
+        )
+    if dropout_p > 0:
+        end = max(q_offset, k_offset) + seq
+        if end > DROPOUT_MAX_POSITIONS:
+            raise ValueError(
+                f"{name}: dropout supports positions up to {DROPOUT_MAX_POSITIONS} (its random "
+                f"stream is indexed by i * 2^14 + j // 4), got positions up to {end}"
+            )
+        if k_offset % 4:
+            raise ValueError(
+                f"{name}: with dropout, k_offset must be a multiple of 4 (the kernels draw "
+                f"one Philox call per 4 keys), got {k_offset}"
+            )
 
 
 def flash_alibi_attention(
@@ -847,6 +968,8 @@ def flash_alibi_attention(
     *,
     dropout_p: float = 0.0,
     rng_seed: torch.Tensor | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
 ) -> torch.Tensor:
     """Attention with BLOOM's ALiBi bias, FlashAttention style (no seq x seq tensor).
 
@@ -854,14 +977,20 @@ def flash_alibi_attention(
         q, k, v: ``[batch, heads, seq, head_dim]`` like ``scaled_dot_product_attention``, same
             shape and dtype (fp32, bf16 or fp16), any strides; head_dim up to 256.
         slopes: ``[heads]`` ALiBi slopes (cast to fp32); the score of query i and key j gets
-            ``slopes[h] * (j - i)``. Not differentiated.
+            ``slopes[h] * (j - i)``, positions counted from the offsets. Not differentiated.
         causal: mask keys after the query (BLOOM is causal).
         softmax_scale: multiplies ``q . k``; default ``1 / sqrt(head_dim)``.
         dropout_p: attention-probability dropout in ``[0, 1)``, applied inside the kernel.
         rng_seed: int64 0-d tensor on q's device, read inside the kernel (no host sync). The
             keep-mask of element (b, h, i, j) is a pure function of (rng_seed, b, h, i, j), h the
-            head index within these tensors (module docstring; :func:`dropout_keep_mask`).
-            None draws a seed from torch's default generator for q's device.
+            head index within these tensors and i, j positions (module docstring;
+            :func:`dropout_keep_mask`). None draws a seed from torch's default generator for
+            q's device.
+        q_offset, k_offset: the positions of the first query and the first key, so that a
+            block of a longer sequence (context parallelism) gets the ALiBi term, the causal
+            mask and the dropout draws of its place in the whole: query row i is position
+            ``q_offset + i``, key row j position ``k_offset + j``. Causal needs
+            ``q_offset >= k_offset``; dropout a ``k_offset`` that is a multiple of 4.
 
     Returns:
         ``[batch, heads, seq, head_dim]`` in q's dtype (and, when possible, q's memory layout).
@@ -869,52 +998,164 @@ def flash_alibi_attention(
     Runs the Triton kernels on CUDA tensors (or under ``TRITON_INTERPRET=1``), otherwise
     :func:`flash_alibi_attention_reference`. Differentiable in q, k and v.
     """
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(
-            "flash_alibi_attention: q, k and v must all be [batch, heads, seq, head_dim] with the "
-            f"same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    check_float_dtype("flash_alibi_attention: q", q)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            "flash_alibi_attention: q, k and v must share a dtype, "
-            f"got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    heads, head_dim = q.shape[1], q.shape[3]
-    if slopes.shape != (heads,):
-        raise ValueError(
-            f"flash_alibi_attention: slopes must have shape [{heads}] (one per head), "
-            f"got {tuple(slopes.shape)}"
-        )
-    if head_dim > _MAX_HEAD_DIM:
-        raise ValueError(
-            f"flash_alibi_attention: head_dim {head_dim} is larger than the supported "
-            f"{_MAX_HEAD_DIM}"
-        )
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"flash_alibi_attention: dropout_p must be in [0, 1), got {dropout_p}")
-    if rng_seed is not None and (
-        rng_seed.dim() != 0 or rng_seed.dtype != torch.int64 or rng_seed.device != q.device
-    ):
-        raise ValueError(
-            "flash_alibi_attention: rng_seed must be a 0-d int64 tensor on q's device "
-            f"({q.device}), got shape {tuple(rng_seed.shape)} {rng_seed.dtype} on "
-            f"{rng_seed.device}"
-        )
-    if dropout_p > 0 and q.shape[2] > _DROPOUT_MAX_SEQ:
-        raise ValueError(
-            f"flash_alibi_attention: dropout supports sequences up to {_DROPOUT_MAX_SEQ} tokens "
-            f"(its random stream is indexed by i * 2^14 + j // 4), got {q.shape[2]}"
-        )
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    _check_inputs(
+        "flash_alibi_attention", q, k, v, slopes, causal, dropout_p, rng_seed, q_offset, k_offset
+    )
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     if dropout_p == 0.0:
         rng_seed = None
     elif rng_seed is None:
         rng_seed = _draw_seed(q.device)
     if not use_triton(q) or q.numel() == 0:
         return flash_alibi_attention_reference(
-            q, k, v, slopes, causal, scale, dropout_p=dropout_p, rng_seed=rng_seed
-        )
+            q, k, v, slopes, causal, scale, dropout_p=dropout_p, rng_seed=rng_seed,
+            q_offset=q_offset, k_offset=k_offset,
+        )  # fmt: skip
     slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous()
-    out, _ = _flash_alibi_fwd(q, k, v, slopes, causal, float(scale), float(dropout_p), rng_seed)
+    out, _ = _flash_alibi_fwd(
+        q, k, v, slopes, causal, float(scale), float(dropout_p), rng_seed, q_offset, k_offset
+    )
     return out
+
+
+def flash_alibi_attention_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    q_offset: int,
+    k_offset: int,
+    dropout_p: float = 0.0,
+    rng_seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of a longer attention (ring attention): the queries at ``q_offset`` against
+    the keys at ``k_offset`` only, as :func:`flash_alibi_attention` with the same arguments.
+
+    Returns ``(out, lse2)``: ``out`` normalised over this block's keys, and ``lse2`` fp32
+    ``[batch, heads, seq]``, the log-sum-exp of the block's relative-form scores in log2 units,
+    by which blocks of the same queries merge. Not differentiable: the gradient of the merged
+    result comes from :func:`flash_alibi_attention_block_backward` per block. With dropout,
+    ``rng_seed`` is required (every block of one attention passes the same seed).
+    """
+    _check_inputs(
+        "flash_alibi_attention_block", q, k, v, slopes, causal, dropout_p, rng_seed,
+        q_offset, k_offset,
+    )  # fmt: skip
+    _check_block_seed(dropout_p, rng_seed)
+    if not use_triton(q) or q.numel() == 0:
+        return alibi_attention_block_reference(
+            q, k, v, slopes, causal=causal, softmax_scale=softmax_scale, q_offset=q_offset,
+            k_offset=k_offset, dropout_p=dropout_p, rng_seed=rng_seed,
+        )  # fmt: skip
+    slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous()
+    seed = rng_seed if dropout_p > 0 else None
+    return _flash_alibi_fwd(
+        q, k, v, slopes, causal, float(softmax_scale), float(dropout_p), seed, q_offset, k_offset
+    )
+
+
+def flash_alibi_attention_block_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse2: torch.Tensor,
+    slopes: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    q_offset: int,
+    k_offset: int,
+    dropout_p: float = 0.0,
+    rng_seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's share of the gradients of a merged attention: ``out`` and ``lse2`` are
+    those of the whole (merged over every block of these queries), so the probabilities
+    recomputed here are the whole softmax's. Returns ``(dq, dk, dv)`` in the inputs' dtype: dq
+    to be summed over the blocks of these queries, dk and dv over the blocks of these keys."""
+    _check_block_seed(dropout_p, rng_seed)
+    if not use_triton(q) or q.numel() == 0:
+        return alibi_attention_block_backward_reference(
+            grad_out, q, k, v, out, lse2, slopes, causal=causal, softmax_scale=softmax_scale,
+            q_offset=q_offset, k_offset=k_offset, dropout_p=dropout_p, rng_seed=rng_seed,
+        )  # fmt: skip
+    slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous()
+    seed = rng_seed if dropout_p > 0 else None
+    return _flash_alibi_bwd(
+        grad_out, q, k, v, out, lse2.contiguous(), slopes, causal, float(softmax_scale),
+        float(dropout_p), seed, q_offset, k_offset,
+    )  # fmt: skip
+
+
+def _check_block_seed(dropout_p: float, rng_seed: torch.Tensor | None) -> None:
+    if dropout_p > 0 and rng_seed is None:
+        raise ValueError(
+            "flash_alibi_attention_block: dropout needs an explicit rng_seed, the same for every "
+            "block of one attention"
+        )
+
+
+def alibi_attention_block_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    q_offset: int,
+    k_offset: int,
+    dropout_p: float = 0.0,
+    rng_seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`flash_alibi_attention_block` in torch ops with an explicit bias block: the
+    ``[batch, heads, q_len, k_len]`` scores with ALiBi at the blocks' positions, in fp32 (float64
+    for float64 inputs, whose lse2 is then float64 too)."""
+    scores = _alibi_scores(q, k, slopes, causal, softmax_scale, q_offset, k_offset)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    if dropout_p > 0:
+        keep = dropout_keep_mask(rng_seed, tuple(scores.shape), dropout_p, q_offset, k_offset)
+        probs = probs * keep / (1.0 - dropout_p)
+    out = (probs @ v.to(scores.dtype)).to(q.dtype)
+    return out, lse * _LOG2E
+
+
+def alibi_attention_block_backward_reference(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse2: torch.Tensor,
+    slopes: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    q_offset: int,
+    k_offset: int,
+    dropout_p: float = 0.0,
+    rng_seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`flash_alibi_attention_block_backward` in torch ops (the softmax backward with the
+    merged statistics: ``dS = P (dP - rowsum(dO * O))``)."""
+    scores = _alibi_scores(q, k, slopes, causal, softmax_scale, q_offset, k_offset)
+    compute = scores.dtype
+    probs = torch.exp(scores - lse2.to(compute)[..., None] / _LOG2E)
+    dout = grad_out.to(compute)
+    dprobs = dout @ v.to(compute).transpose(-1, -2)
+    kept = probs
+    if dropout_p > 0:
+        keep = dropout_keep_mask(rng_seed, tuple(scores.shape), dropout_p, q_offset, k_offset)
+        kept = probs * keep / (1.0 - dropout_p)
+        dprobs = dprobs * keep / (1.0 - dropout_p)
+    dv = kept.transpose(-1, -2) @ dout
+    delta = (out.to(compute) * dout).sum(dim=-1, keepdim=True)
+    dscores = probs * (dprobs - delta) * softmax_scale
+    dq = dscores @ k.to(compute)
+    dk = dscores.transpose(-1, -2) @ q.to(compute)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

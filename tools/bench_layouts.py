@@ -26,6 +26,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "hsdp 2x2": (4, ["--parallelism.dp_replicate=2", "--parallelism.dp_shard=2"]),
     "tp 2 (sp + loss parallel)": (2, ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
     "pp 2 (1F1B)": (2, ["--parallelism.pp=2", "--parallelism.dp_shard=1"]),
+    "cp 2 (ring attention)": (2, ["--parallelism.cp=2", "--parallelism.dp_shard=1"]),
     "fsdp 2 + full recompute": (
         2,
         ["--parallelism.dp_shard=2", "--activation_checkpoint.mode=full"],

@@ -464,6 +464,7 @@ def describe_config(config: Config, args: BloomArgs) -> dict:
         "tp": p.tp,
         "pp": p.pp,
         "dp_shard": p.dp_shard,
+        "cp": p.cp,
         "dp_replicate": p.dp_replicate,
     }
 

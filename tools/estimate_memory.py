@@ -4,13 +4,16 @@
     python tools/estimate_memory.py --config configs/bloom-1b7.toml --model.attention=triton
     python tools/estimate_memory.py --config configs/bloom-176b.toml --parallelism.zero_stage=1 \\
         --attention-memory materialized --device-memory-gib 80
+    python tools/estimate_memory.py --config configs/bloom-7b1.toml --model.attention=triton \\
+        --training.seq_len=16384 --training.micro_batch_size=1 --world-size 8 --layouts
 
 Takes the trainer's own config (--config FILE and any --section.key=value), so what is planned
 is what runs. Prints, for the pipeline rank that needs the most memory, every component
 (weights, gradients, AdamW moments, gathered weights, activations, loss buffers, pipeline
 buffers, framework overhead) with its formula, the total, and the largest micro batch that fits
 --device-memory-gib. The formulas are in the bloomnative/parallel/memory_estimate/ package (a
-module per component) and docs/performance.md.
+module per component) and docs/performance.md. --layouts instead plans every
+dp_shard x cp x tp x pp split of --world-size devices and lists them, those that fit first.
 """
 
 from __future__ import annotations
@@ -80,6 +83,12 @@ def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         help="also report the least activation checkpointing that fits the device",
     )
     parser.add_argument("--explain", action="store_true", help="print the activation terms")
+    parser.add_argument(
+        "--layouts",
+        action="store_true",
+        help="plan every dp_shard x cp x tp x pp layout of --world-size devices (dp_replicate 1) "
+        "with the config's recompute (its least that fits for mode auto) and list them",
+    )
     parser.add_argument("--json", dest="json_path", help="write the plan as JSON ('-': stdout)")
     known, rest = parser.parse_known_args(argv)
     return known, parse_args(rest)
@@ -161,8 +170,8 @@ def describe(args, layout: me.Layout, workload: me.Workload) -> str:
         f"model: {args.n_layer} layers, hidden {args.hidden_size}, {args.n_head} heads, vocab "
         f"{args.vocab_size}: {n / 1e9:.3f}B parameters (bf16 weights {2 * n / me.GiB:.1f} GiB; "
         f"bf16 + fp32 weights + fp32 AdamW {14 * n / 2**40:.2f} TiB)\n"
-        f"layout: dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard} x tp "
-        f"{layout.tp} x pp {layout.pp} = {layout.world_size} devices, zero_stage "
+        f"layout: dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard} x cp "
+        f"{layout.cp} x tp {layout.tp} x pp {layout.pp} = {layout.world_size} devices, zero_stage "
         f"{layout.zero_stage}, sequence_parallel {layout.sequence_parallel}, pp_schedule "
         f"{layout.pp_schedule}\n"
         f"workload: micro batch {workload.micro_batch} x seq {workload.seq_len}, "
@@ -175,11 +184,81 @@ def describe(args, layout: me.Layout, workload: me.Workload) -> str:
     )
 
 
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_layout(known, config: Config, args, par) -> tuple[me.Workload, me.Plan]:
+    """The plan of `config` with the [parallelism] section `par`, with the config's recompute
+    (for mode "auto", the least that fits --device-memory-gib; raises PlanError if none does)."""
+    layout = me.layout_from_config(par, known.world_size)
+    layout = dataclasses.replace(layout, pp_keeps_outputs=known.pp_return_outputs == "true")
+    run = dataclasses.replace(config, parallelism=par)
+    auto = config.activation_checkpoint.mode == "auto"
+    if auto:
+        run = dataclasses.replace(
+            run,
+            activation_checkpoint=dataclasses.replace(config.activation_checkpoint, mode="none"),
+        )
+    workload = me.workload_from_config(
+        run, layout, known.device_type, known.attention_memory, known.dropout
+    )
+    overhead = overhead_from_args(known)
+    if auto:
+        device_bytes = int(known.device_memory_gib * me.GiB)
+        return me.least_recompute_or_raise(
+            args, layout, workload, device_bytes, overhead, known.device_type
+        )
+    return workload, me.estimate(args, layout, workload, overhead, known.device_type)
+
+
+def layouts_table(known, config: Config, args) -> str:
+    """Every dp_shard x cp x tp x pp split of the world (module docstring), fitting ones first."""
+    world = known.world_size
+    rows, refused = [], []
+    for pp in divisors(world):
+        for tp in divisors(world // pp):
+            for cp in divisors(world // (pp * tp)):
+                dp_shard = world // (pp * tp * cp)
+                par = dataclasses.replace(
+                    config.parallelism, dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp
+                )
+                name = f"dp_shard {dp_shard} x cp {cp} x tp {tp} x pp {pp}"
+                try:
+                    workload, plan = plan_layout(known, config, args, par)
+                except (LayoutError, me.PlanError, ValueError) as e:
+                    refused.append(f"  {name}: {e}")
+                    continue
+                recompute = workload.recompute
+                if recompute == "selective":
+                    recompute += f" every {workload.recompute_every}"
+                rows.append((plan.worst.device_bytes, name, recompute))
+    limit = known.device_memory_gib * me.GiB
+    rows.sort(key=lambda r: (r[0] > limit, r[0]))
+    lines = [
+        f"layouts of {world} devices, {known.device_memory_gib:g} GiB each, "
+        f"seq {config.training.seq_len}, micro batch {config.training.micro_batch_size}:",
+        f"  {'layout':<38}{'recompute':<20}{'GiB/device':>11}  fits",
+    ]
+    lines += [
+        f"  {name:<38}{recompute:<20}{nbytes / me.GiB:>11.1f}  {'yes' if nbytes <= limit else 'no'}"
+        for nbytes, name, recompute in rows
+    ]
+    if refused:
+        lines += ["not planned (the trainer or the planner refuses them):", *refused]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         known, config = parse_planner_args(argv)
         args = model_args_from_config(config.model)
+        if known.layouts:
+            if not known.world_size:
+                raise ConfigError("--layouts needs --world-size")
+            print(layouts_table(known, config, args))
+            return 0
         layout = me.layout_from_config(config.parallelism, known.world_size)
         layout = dataclasses.replace(layout, pp_keeps_outputs=known.pp_return_outputs == "true")
         auto = config.activation_checkpoint.mode == "auto"

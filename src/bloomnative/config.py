@@ -176,6 +176,10 @@ class ParallelismConfig:
     """Data-parallel replicas (DDP-like; with dp_shard > 1 this is HSDP)."""
     dp_shard: int = -1
     """FSDP shard group size; -1 takes what is left of the world size."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over this many ranks, which attend to
+    each other's keys through ring attention (docs/parallelism.md). training.seq_len and
+    validation.seq_len must be multiples of 2 * cp. FSDP shards over dp_shard x cp."""
     tp: int = 1
     """Tensor-parallel degree (whole heads per rank)."""
     pp: int = 1

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
 from data_helpers import random_documents, write_documents
 
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
+from bloomnative.parallel import shard_sequence
 
 
 class CountingDataset:
@@ -36,6 +39,21 @@ def test_batches_are_int64_inputs_and_labels_shifted_by_one():
         assert inputs.shape == labels.shape == (2, 8)
         assert torch.equal(inputs[:, 1:], labels[:, :-1])
     assert sample_ids(batch) == [0, 1, 2, 3]
+
+
+def test_context_parallel_ranks_get_their_load_balanced_chunks_of_inputs_and_labels():
+    dataset, cp = CountingDataset(16, seq_len=8), 2
+    whole = PretrainingLoader(dataset, 2, 0, 1, prefetch=False).next_batch(4)
+    for rank, (first, second) in enumerate([(0, 3), (1, 2)]):
+        shard = partial(shard_sequence, cp_rank=rank, cp=cp)
+        loader = PretrainingLoader(dataset, 2, 0, 1, prefetch=False, sequence_shard=shard)
+        for (inputs, labels), (all_inputs, all_labels) in zip(
+            loader.next_batch(4), whole, strict=True
+        ):
+            # Chunks of 2 tokens: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+            columns = [2 * first, 2 * first + 1, 2 * second, 2 * second + 1]
+            assert torch.equal(inputs, all_inputs[:, columns]) and inputs.is_contiguous()
+            assert torch.equal(labels, all_labels[:, columns])
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
@@ -210,3 +228,23 @@ def test_eod_mask_loss_ignores_the_positions_megatron_masks(micro_batch_size):
         assert torch.equal(y == -100, loss_mask == 0), row
         assert torch.equal(y[loss_mask == 1], tokens[row, 1:][loss_mask == 1])
     assert 0 < (labels == -100).sum() < labels.numel()
+
+
+def test_under_context_parallelism_the_eod_mask_follows_the_tokens_it_masks():
+    """Each cp rank's labels are its chunks of the masked labels: the mask is taken on the
+    whole sequence (a chunk's first label depends on the token before it) and then cut."""
+    eod, cp = 3, 2
+    samples = np.random.default_rng(0).integers(0, 6, size=(4, 17))
+    whole = PretrainingLoader(TokenDataset(samples), 2, 0, 1, prefetch=False, eod_mask_id=eod)
+    expected = whole.next_batch(4)
+    for rank in range(cp):
+        shard = partial(shard_sequence, cp_rank=rank, cp=cp)
+        loader = PretrainingLoader(
+            TokenDataset(samples), 2, 0, 1, prefetch=False, eod_mask_id=eod, sequence_shard=shard
+        )
+        for (inputs, labels), (all_inputs, all_labels) in zip(
+            loader.next_batch(4), expected, strict=True
+        ):
+            assert torch.equal(inputs, shard(all_inputs))
+            assert torch.equal(labels, shard(all_labels))
+            assert (labels == -100).any()

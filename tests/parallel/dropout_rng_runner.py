@@ -3,12 +3,13 @@ by test_dropout_rng.py:
 
     torchrun --nproc-per-node 2 tests/parallel/dropout_rng_runner.py OUT_DIR BASE_ARGS...
 
-1. Masks: a BLOOM block stack under tp 2 (with and without sequence parallelism) and under dp 2,
-   seeded as the trainer seeds it; every hidden-dropout mask and the random state each attention
-   call starts from, per rank, as digests in OUT_DIR/masks.json.
-2. Training: tp 2 + SP with dropout for 4 steps; the same run stopped at step 2 and resumed; and
+1. Masks: a BLOOM block stack under tp 2 (with and without sequence parallelism), under dp 2
+   and under cp 2, seeded as the trainer seeds it; every hidden-dropout mask and the random
+   state each attention call starts from, per rank, as digests in OUT_DIR/masks.json.
+2. Training: tp 2 + SP with dropout for 4 steps; the same run stopped at step 2 and resumed;
    tp 2 without SP, after which every replicated (non-sharded) parameter is compared across the
-   tp ranks (OUT_DIR/replicas.json). Metrics go to OUT_DIR/<run>/metrics.jsonl.
+   tp ranks (OUT_DIR/replicas.json); cp 2 with and without full recomputation. Metrics go to
+   OUT_DIR/<run>/metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from bloomnative.config import parse_args
 from bloomnative.model import Bloom, BloomArgs
-from bloomnative.parallel import ParallelDims, apply_tensor_parallel
+from bloomnative.parallel import ParallelDims, apply_context_parallel, apply_tensor_parallel
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
 from bloomnative.train.distributed import exit_process, init_distributed
 from bloomnative.train.trainer import Trainer
@@ -39,11 +40,11 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-def record_masks(tp: int, dp: int, sequence_parallel: bool) -> dict[str, list[str]]:
+def record_masks(tp: int, dp: int, sequence_parallel: bool, cp: int = 1) -> dict[str, list[str]]:
     """One training-mode forward; digests of every dropout mask and of the RNG state each
     attention call begins with, in call order, plus the output's."""
-    dims = ParallelDims.resolve(1, dp, tp, 1, dist.get_world_size())
-    mesh, dp_mesh = dims.build_mesh("cpu")
+    dims = ParallelDims.resolve(1, dp, tp, 1, dist.get_world_size(), cp)
+    mesh, _ = dims.build_mesh("cpu")
     torch.manual_seed(0)  # the same weights on every rank
     model = Bloom(ARGS)
     model.init_weights(seed=0)
@@ -61,11 +62,13 @@ def record_masks(tp: int, dp: int, sequence_parallel: bool) -> dict[str, list[st
             return attend(q, k, v, slopes, dropout_p)
 
         block.self_attention.attend = recorded
+    if cp > 1:  # the ring replaces the recorded attention: only the hidden masks are recorded
+        apply_context_parallel(model, mesh["cp"])
     if tp > 1:
         apply_tensor_parallel(
             model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=False
         )
-    seed_dropout_rng(42, mesh, dp_mesh, sequence_parallel)
+    seed_dropout_rng(42, mesh, dims.loss_mesh(mesh), sequence_parallel)
     model.train()
     tokens = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     out = model(tokens)
@@ -93,6 +96,7 @@ def main() -> None:
         "tp2_sp": dict(tp=2, dp=1, sequence_parallel=True),
         "tp2_no_sp": dict(tp=2, dp=1, sequence_parallel=False),
         "dp2": dict(tp=1, dp=2, sequence_parallel=True),
+        "cp2": dict(tp=1, dp=1, sequence_parallel=True, cp=2),
     }
     masks = {}
     for name, case in cases.items():
@@ -114,6 +118,17 @@ def main() -> None:
             "--parallelism.loss_parallel=false",
             f"--job.dump_folder={out / 'no_sp'}",
         ],
+        **{
+            f"cp2_{mode}": [
+                *base,
+                "--parallelism.cp=2",
+                "--parallelism.dp_shard=1",
+                "--training.steps=2",
+                f"--activation_checkpoint.mode={mode}",
+                f"--job.dump_folder={out / f'cp2_{mode}'}",
+            ]
+            for mode in ("none", "full")
+        },
     }
     for name, argv in runs.items():
         trainer = Trainer(parse_args(argv))

@@ -4,7 +4,10 @@ Driven by test_layouts.py:
 
     torchrun --nproc-per-node N tests/parallel/layout_runner.py OUT_DIR LAYOUTS_JSON BASE_ARGS...
 
-LAYOUTS_JSON maps a layout name to its list of `--section.key=value` overrides.
+LAYOUTS_JSON maps a layout name to its list of `--section.key=value` overrides. A layout named
+`*-resumed` trains to its `checkpoint.interval` and stops, then a second trainer resumes from
+that checkpoint (which must verify) to the end; resumed.json records where it resumed and which
+checkpoints it verified.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from bloomnative.config import parse_args
 from bloomnative.model.state import model_state
 from bloomnative.train.distributed import exit_process
 from bloomnative.train.trainer import Trainer
+
+RESUMED = "-resumed"
 
 
 def gathered_params(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -56,11 +61,22 @@ def live_stage_buffers() -> dict:
 def main() -> None:
     out, layouts, base = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:]
     for name, overrides in layouts.items():
-        config = parse_args([*base, f"--job.dump_folder={out / name}", *overrides])
+        args = [*base, f"--job.dump_folder={out / name}", *overrides]
+        config = parse_args(args)
+        if name.endswith(RESUMED):
+            first = Trainer(parse_args([*args, f"--training.steps={config.checkpoint.interval}"]))
+            first.train()
+            del first
         trainer = Trainer(config)
+        if name.endswith(RESUMED):
+            resumed = {"step": trainer.step, "verified": sorted(trainer.checkpointer.verified)}
+            (out / name / f"resumed_rank{dist.get_rank()}.json").write_text(json.dumps(resumed))
         trainer.train()
         params = gathered_params(trainer)
-        if trainer.dp_mesh.get_local_rank() == 0 and trainer.mesh["tp"].get_local_rank() == 0:
+        mesh = trainer.mesh
+        if trainer.dp_mesh.get_local_rank() == 0 and all(
+            mesh[dim].get_local_rank() == 0 for dim in ("cp", "tp")
+        ):
             torch.save(params, out / name / f"params_pp{trainer.pp_rank}.pt")
         stages = live_stage_buffers()
         (out / name / f"stages_rank{dist.get_rank()}.json").write_text(json.dumps(stages))

@@ -1,7 +1,8 @@
 """Dropout's random streams under parallelism (parallel/dropout_rng.py), on 2 CPU ranks:
 replicated tensors draw the same mask on every tensor-parallel rank, sharded ones (attention
-heads; the residual stream under sequence parallelism) and other data-parallel ranks draw
-different ones; a tp 2 run with dropout follows from its seed and resumes exactly."""
+heads; the residual stream under sequence parallelism) and other data- or context-parallel ranks
+draw different ones; a tp 2 run with dropout follows from its seed and resumes exactly; a cp 2
+run with dropout recomputes its blocks (the ring's seed included) with the forward's masks."""
 
 from __future__ import annotations
 
@@ -72,6 +73,20 @@ def test_under_sp_every_mask_is_per_rank(world):
 def test_data_parallel_ranks_draw_different_masks(world):
     rank0, rank1 = masks(world, "dp2")
     assert all(a != b for a, b in zip(rank0["hidden"], rank1["hidden"], strict=True))
+
+
+def test_context_parallel_ranks_draw_different_hidden_masks(world):
+    rank0, rank1 = masks(world, "cp2")
+    assert len(rank0["hidden"]) == 5
+    assert all(a != b for a, b in zip(rank0["hidden"], rank1["hidden"], strict=True))
+
+
+def test_cp2_run_with_dropout_recomputes_with_the_forward_masks(world):
+    # Full recomputation replays each block's random state, including the draw of the ring's
+    # attention seed (broadcast from the first cp rank): the same losses as without it.
+    plain, recomputed = (losses_by_step(world / f"cp2_{m}") for m in ("none", "full"))
+    assert sorted(plain) == [1, 2]
+    assert recomputed == plain
 
 
 def test_tp2_run_with_dropout_reproduces_from_the_seed_and_resumes_exactly(world):

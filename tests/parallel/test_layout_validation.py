@@ -18,6 +18,9 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"
 BLOOM_176B = next(p for p in CONFIGS if p.name == "bloom-176b.toml")
 
 
+TRITON_DROPOUT = ["--model.attention=triton", "--model.attention_dropout=0.1"]
+
+
 def check(world_size: int, *overrides: str):
     return check_run(parse_args(list(overrides)), world_size)
 
@@ -28,12 +31,12 @@ def check(world_size: int, *overrides: str):
         (
             8,
             ["--parallelism.tp=3"],
-            r"world size 8 is not divisible by dp_replicate\*tp\*pp = 1\*3\*1",
+            r"world size 8 is not divisible by dp_replicate\*cp\*tp\*pp = 1\*1\*3\*1",
         ),
         (
             8,
             ["--parallelism.dp_shard=3", "--parallelism.tp=2"],
-            r"dp_replicate\*dp_shard\*tp\*pp = 1\*3\*2\*1 = 6 but the world size is 8",
+            r"dp_replicate\*dp_shard\*cp\*tp\*pp = 1\*3\*1\*2\*1 = 6 but the world size is 8",
         ),
         (4, ["--parallelism.tp=4"], r"6 heads, not divisible by parallelism.tp = 4"),
         (
@@ -91,6 +94,41 @@ def check(world_size: int, *overrides: str):
             r"fused_kernels is not supported with parallelism.tp > 1",
         ),
         (2, ["--parallelism.tp=2", "--model.fused_loss=true"], r"use parallelism.loss_parallel"),
+        (
+            4,
+            ["--parallelism.cp=2", "--training.seq_len=34"],
+            r"training.seq_len = 34 is not a multiple of 2 \* parallelism.cp = 4: context "
+            r"parallelism cuts every sequence into 2 \* cp equal chunks",
+        ),
+        (
+            4,
+            [
+                "--parallelism.cp=2",
+                "--training.seq_len=32",
+                "--validation.freq=10",
+                "--validation.seq_len=66",
+            ],
+            r"validation.seq_len = 66 is not a multiple of 2 \* parallelism.cp = 4",
+        ),
+        (
+            2,
+            ["--parallelism.cp=2", "--model.attention=flex"],
+            r"model.attention = 'flex' has no context-parallel form .* use triton or sdpa",
+        ),
+        (6, ["--parallelism.cp=4"], r"world size 6 is not divisible by dp_replicate\*cp\*tp\*pp"),
+        (
+            2,
+            [*TRITON_DROPOUT, "--parallelism.cp=2", "--training.seq_len=36"],
+            r"training.seq_len = 36: with model.attention_dropout the Triton kernels draw one "
+            r"random number per 4 keys, so each of the 2 \* cp chunks needs a multiple of 4 "
+            r"tokens; choose a length divisible by 16",
+        ),
+        (
+            8,
+            [*TRITON_DROPOUT, "--parallelism.cp=8", "--training.seq_len=131072"],
+            r"training.seq_len = 131072: with model.attention_dropout the Triton attention "
+            r"kernels draw dropout for positions below 65536 only",
+        ),
     ],
 )
 def test_impossible_layout_is_rejected_with_what_to_change(world, overrides, message):
@@ -107,8 +145,12 @@ def test_valid_layouts_resolve_dp_shard_from_the_world_size():
     dims, args = check(
         8, "--parallelism.tp=2", "--parallelism.pp=2", "--training.global_batch_size=16"
     )
-    assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 1, 2, 2)
+    assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == (2, 1, 2, 1, 2)
     assert args.n_layer == 4
+    dims, _ = check(
+        16, "--parallelism.cp=2", "--parallelism.tp=2", "--training.global_batch_size=16"
+    )
+    assert (dims.dp_shard, dims.cp, dims.fsdp_shards, dims.dp) == (4, 2, 8, 4)
 
 
 def test_preflight_cli_exits_2_with_the_message(capsys):

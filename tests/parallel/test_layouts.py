@@ -1,8 +1,10 @@
-"""Every parallel layout trains and evaluates like the single-process run: in fp32 the same
-loss at every step (relative difference < 1e-4), the same eval_loss at the training and at a
-longer sequence length, and the same final parameters; in bf16 the same losses within the bf16
-tolerance below. A batch-size rampup under an interleaved pipeline leaves exactly the stage
-buffers of a run at the final size, and bf16 crosses the pipeline boundaries. On CPU with gloo.
+"""Every parallel layout (context parallelism included) trains and evaluates like the
+single-process run: in fp32 the same loss at every step (relative difference < 1e-4), the same
+eval_loss at the training and at a longer sequence length, and the same final parameters; in
+bf16 the same losses within the bf16 tolerance below. A batch-size rampup under an interleaved
+pipeline leaves exactly the stage buffers of a run at the final size, and bf16 crosses the
+pipeline boundaries. A context-parallel checkpoint verifies and resumes bit for bit. On CPU with
+gloo.
 
 bf16 tolerance: relative 2e-3 (about 2^-9), half of bf16's unit roundoff u = 2^-8 (bf16 keeps 8
 significant bits): written as bf16 numbers, the two losses would be at most one rounding step
@@ -24,11 +26,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from layout_runner import RESUMED
 
+from bloomnative.checkpoint_integrity import read_record, verify_files
 from bloomnative.config import model_args_from_config, parse_args
 from bloomnative.data import build_gpt_datasets
 from bloomnative.model import Bloom
-from bloomnative.parallel import init_weights
+from bloomnative.parallel import init_weights, shard_sequence
 from training_helpers import EOD_ID, TINY_RUN, build_eod_heavy_corpus, metric_rows, train_env
 
 RUNNER = Path(__file__).with_name("layout_runner.py")
@@ -47,6 +51,7 @@ MASKED_TOLERANCE = 1e-5  # fp32, the layouts with the loss masked at EODs
 # Samples per step 4, 4, 6, 8, 8: three pipeline micro-batch counts (2, 3, 4) under pp = 2.
 RAMPUP = ["--training.rampup_batch_size=4,2,16"]
 INTERLEAVED = ["--parallelism.pp_stages_per_rank=2", "--parallelism.pp_schedule=Interleaved1F1B"]
+CP2 = ["--parallelism.cp=2"]
 # The corpus of training_helpers.build_eod_heavy_corpus with the loss masked at EODs: the
 # data-parallel ranks of a step count very different numbers of tokens (checked below).
 EOD_CORPUS = "{eod_corpus}"
@@ -106,23 +111,46 @@ LAYOUTS = {
             "--activation_checkpoint.mode=selective",
             "--activation_checkpoint.every=2",
         ],
+        "cp2": CP2,
+        # The cp ranks of a sequence count different numbers of tokens too (checked below).
+        "cp2_ac_full_compile_eod": [
+            *EOD,
+            *CP2,
+            "--activation_checkpoint.mode=full",
+            "--compile.enable=true",
+        ],
+        "cp2_ac_selective_fused_loss_eod": [
+            *EOD,
+            *CP2,
+            "--activation_checkpoint.mode=selective",
+            "--model.fused_loss=true",
+        ],
     },
     4: {
         "hsdp_2x2": ["--parallelism.dp_replicate=2", "--parallelism.dp_shard=2"],
         "dp2_pp2_eod": [*EOD, "--parallelism.pp=2"],
+        "dp2_cp2": CP2,
+        "tp2_cp2": [*CP2, "--parallelism.tp=2"],
+        "pp2_cp2": [*CP2, "--parallelism.pp=2"],
+        "dp2_cp2" + RESUMED: [
+            *CP2,
+            "--checkpoint.enable=true",
+            "--checkpoint.interval=3",
+            "--checkpoint.keep_latest_k=0",
+        ],
     },
     8: {"dp2_tp2_pp2": ["--parallelism.tp=2", "--parallelism.pp=2"]},
 }
 # Every layout again in bf16, except the masked-loss ones (the loss's normalisation is the
 # same arithmetic in both dtypes), among them compilation and the fused loss: no layout in them,
 # and on CPU a second Inductor build and three more runs of the Triton interpreter (the fused
-# loss's bf16 numerics are tested against float64 in tests/kernels).
+# loss's bf16 numerics are tested against float64 in tests/kernels), and the resumed one.
 BF16 = "-bf16"
 for world in LAYOUTS.values():
     world |= {
         name + BF16: [*overrides, "--training.dtype=bf16"]
         for name, overrides in world.items()
-        if "eod" not in name
+        if "eod" not in name and not name.endswith(RESUMED)
     }
 REFERENCES = ("single", "single_rampup", "single_eod")
 
@@ -225,6 +253,28 @@ def test_layout_trains_and_evaluates_like_the_single_process(runs, layout):
 
 
 @pytest.mark.multiprocess
+def test_a_context_parallel_checkpoint_verifies_and_resumes_exactly(runs):
+    """dp 2 x cp 2 (FSDP over dp_shard x cp: 4 shards) saves step 3 with its checksum record;
+    a second trainer verifies it, resumes there and ends with the losses, eval losses and
+    parameters of the run that never stopped, bit for bit."""
+    folder = runs / "dp2_cp2-resumed"
+    saved = folder / "checkpoints" / "step-3"
+    record = read_record(saved)
+    assert sorted(name for name in record if name.endswith(".distcp")) == [
+        f"__{rank}_0.distcp" for rank in range(4)
+    ]
+    assert verify_files(saved, record, record) == {}
+    for rank in range(4):
+        resumed = json.loads((folder / f"resumed_rank{rank}.json").read_text())
+        assert resumed == {"step": 3, "verified": [3]}, rank
+    assert metrics(folder) == metrics(runs / "dp2_cp2")
+    got, uninterrupted = params(folder), params(runs / "dp2_cp2")
+    assert set(got) == set(uninterrupted)
+    for name, value in uninterrupted.items():
+        assert torch.equal(got[name], value), name
+
+
+@pytest.mark.multiprocess
 def test_a_rampup_leaves_the_stage_buffers_of_a_run_at_the_final_size(runs):
     """Through a rampup the pipeline schedule is rebuilt for each micro-batch count; only the
     current one is kept, so afterwards each rank holds what a run at the final size holds."""
@@ -296,6 +346,17 @@ def test_data_parallel_ranks_count_very_different_numbers_of_tokens(eod_corpus):
     train, _ = eod_samples(eod_corpus)
     counted = (train[:40, :-1] != EOD_ID).sum(dim=1).view(5, 2, 4).sum(dim=2)  # step, dp rank
     assert (counted.max(dim=1).values >= 3 * counted.min(dim=1).values).any(), counted
+
+
+def test_context_parallel_ranks_count_different_numbers_of_tokens(eod_corpus):
+    """Under cp 2 the ranks of a sequence hold its chunks (0, 3) and (1, 2): in every step of
+    the masked-loss cp layouts they count different numbers of tokens, so matching one process
+    needs the token count summed over the cp ranks (not each rank's own mean, averaged)."""
+    train, _ = eod_samples(eod_corpus)
+    inputs = train[:40, :-1]
+    counted = torch.stack([(shard_sequence(inputs, r, 2) != EOD_ID).sum(1) for r in range(2)], 1)
+    per_step = counted.view(5, 8, 2).sum(dim=1)  # step, cp rank
+    assert (per_step[:, 0] != per_step[:, 1]).all(), per_step
 
 
 @pytest.mark.multiprocess

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bloomnative.model import Bloom, BloomArgs
+from bloomnative.parallel import LayoutError
 from bloomnative.parallel import memory_estimate as me
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,6 +153,40 @@ def test_sequence_parallel_divides_all_but_the_gathered_linear_inputs():
     # Divided by t: LayerNorm inputs 4, q/k/v 6, kernel output 2, projection input 2, GeLU 8 + 8.
     expected = (4 + 6 + 2 + 2 + 8 + 8) * sbh // t + 2 * 2 * sbh + stats + lse
     assert block_bytes(layout, workload(attention="flash")) == expected
+
+
+def test_context_parallel_divides_every_kept_activation_by_cp():
+    # Each cp rank keeps its s/cp tokens' activations; with the ring every backend keeps what a
+    # flash kernel keeps (no s x s term), so a cp-2 rank with sdpa keeps half of flash at cp 1.
+    cp2 = bf16_params_layout(cp=2)
+    flash = block_bytes(bf16_params_layout(), workload(attention="flash"))
+    assert block_bytes(cp2, workload(attention="flash")) * 2 == flash
+    assert block_bytes(cp2, workload(attention="sdpa_efficient")) * 2 == flash
+    loss = me.loss_saved_terms(TINY, cp2, workload(), me.Precision.of(cp2, workload()))
+    assert sum(t.elements for t in loss) == B * S // 2 * TINY.vocab_size
+
+
+def test_context_parallel_shards_model_states_over_dp_shard_times_cp():
+    wl = workload()
+    mixed = me.estimate_rank(TINY, me.Layout(dp_shard=2, cp=2), wl, device_type="cpu")
+    sharded = me.estimate_rank(TINY, me.Layout(dp_shard=4), wl, device_type="cpu")
+    for name in ("fp32 master weights (sharded)", "AdamW moments (sharded)"):
+        assert mixed.component(name).bytes == sharded.component(name).bytes
+    # cp alone shards too (FSDP over the cp ranks), in fp32 as well.
+    assert me.Precision.of(me.Layout(cp=2), workload(precision="fp32")).fsdp
+
+
+def test_ring_attention_buffers_hand_computed():
+    # b*s/cp = 4 local tokens of width h/t = 8: (5.5 x 2 + 22) x 32 bytes; sdpa blocks add
+    # (4b + 1) fp32 [heads, C, C] with C = s / 2cp = 1.
+    cp2 = bf16_params_layout(cp=2)
+    prec = me.Precision.of(cp2, workload())
+    assert me.ring_attention_buffers(TINY, cp2, workload(attention="flash"), prec) == 33 * 32
+    sdpa = me.ring_attention_buffers(TINY, cp2, workload(attention="sdpa_efficient"), prec)
+    assert sdpa == 33 * 32 + 4 * (4 * B + 1) * 2 * 1
+    assert me.ring_attention_buffers(TINY, bf16_params_layout(), workload(), prec) == 0
+    with pytest.raises(LayoutError, match="seq_len = 4 is not a multiple of 2 \\* parallelism.cp"):
+        me.estimate_rank(TINY, me.Layout(cp=4), workload())
 
 
 def test_bf16_activations_do_not_depend_on_the_data_parallel_degree():
@@ -321,6 +356,29 @@ def test_cli_writes_a_plan_as_json(tmp_path, capsys):
     # The preset's activation_checkpoint.mode = "auto" is planned as the trainer resolves it.
     assert 'chosen for activation_checkpoint.mode = "auto"' in printed
     assert plan["workload"]["recompute"] in me.RECOMPUTE_MODES
+
+
+def test_cli_lists_the_layouts_that_fit_bloom_7b1_at_seq_16384_on_8_gpus(capsys):
+    argv = [
+        "--config",
+        str(REPO / "configs/bloom-7b1.toml"),
+        "--model.attention=triton",
+        "--training.seq_len=16384",
+        "--training.micro_batch_size=1",
+        "--world-size=8",
+        "--layouts",
+    ]
+    assert load_cli().main(argv) == 0
+    listed = [line for line in capsys.readouterr().out.splitlines() if "  dp_shard" in line]
+    refused = [line for line in listed if ":" in line]  # with the reason
+    rows = [line.split() for line in listed if ":" not in line]
+    assert len(rows) + len(refused) == 20  # every (dp_shard, cp, tp, pp) with product 8
+    # (dp_shard, cp, tp, pp): (recompute, GiB per device, fits)
+    layouts = {tuple(int(r[i]) for i in (1, 4, 7, 10)): (r[11], float(r[-2]), r[-1]) for r in rows}
+    # Context parallelism alone fits without recomputation; FSDP alone needs it and more memory.
+    assert layouts[(1, 8, 1, 1)][::2] == ("none", "yes")
+    assert layouts[(8, 1, 1, 1)][0] != "none"
+    assert layouts[(1, 8, 1, 1)][1] < layouts[(8, 1, 1, 1)][1]
 
 
 def test_cli_reports_an_impossible_layout(capsys):

@@ -17,6 +17,7 @@ LAYOUTS = {
     "fsdp2": (2, ["--parallelism.dp_shard=2"]),
     "tp2": (2, ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
     "pp2": (2, ["--parallelism.pp=2", "--parallelism.dp_shard=1"]),
+    "cp2": (2, ["--parallelism.cp=2", "--parallelism.dp_shard=1"]),
 }
 
 
@@ -69,6 +70,8 @@ def saved(synthetic_corpus, tmp_path_factory):
         ("tp2", "fsdp2"),
         ("pp2", "fsdp2"),
         ("pp2", "tp2"),
+        ("fsdp2", "cp2"),
+        ("cp2", "single"),
     ],
 )
 def test_resume_under_another_layout_continues_the_losses(

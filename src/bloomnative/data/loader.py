@@ -12,6 +12,7 @@ A loss-spike rollback adds windows of the order to skip (``skip``): sample ``k``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -38,6 +39,10 @@ class PretrainingLoader:
         eod_mask_id: with a token id (the EOD), the label of every position whose input is that
             token becomes ``IGNORE_INDEX``: no loss on predicting what follows the end of a
             document (Megatron's ``--eod-mask-loss`` masks the same positions).
+        sequence_shard: applied to the inputs and the labels of every micro batch (``[micro
+            batch, seq_len]``) on the host, after the EOD masking: the part of each sequence
+            this rank holds under context parallelism
+            (``parallel.context_parallel.shard_sequence``). None: all of it.
     """
 
     def __init__(
@@ -49,6 +54,7 @@ class PretrainingLoader:
         device: torch.device | str = "cpu",
         prefetch: bool = True,
         eod_mask_id: int | None = None,
+        sequence_shard: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
@@ -60,6 +66,7 @@ class PretrainingLoader:
         self.dp_size = dp_size
         self.device = torch.device(device)
         self.eod_mask_id = eod_mask_id
+        self.sequence_shard = sequence_shard
         self._pin = self.device.type == "cuda"
         self.consumed_samples = 0
         self.skipped: list[tuple[int, int]] = []
@@ -70,7 +77,8 @@ class PretrainingLoader:
 
     def next_batch(self, global_batch_size: int) -> Batch:
         """This rank's micro batches of the next step: ``(input_ids, labels)`` pairs of int64
-        ``[micro_batch_size, seq_len]`` tensors on the loader's device."""
+        ``[micro_batch_size, seq_len]`` tensors (this rank's part of the sequence with a
+        ``sequence_shard``) on the loader's device."""
         self._check_batch_size(global_batch_size)
         key = (self.consumed_samples, global_batch_size)
         if self._pending is not None and self._pending[0] == key:
@@ -158,11 +166,14 @@ class PretrainingLoader:
         )
         batch = []
         for micro in tokens:
-            inputs, labels = micro[:, :-1].contiguous(), micro[:, 1:].contiguous()
+            inputs, labels = micro[:, :-1], micro[:, 1:]
             if self.eod_mask_id is not None:
                 # Not in place: with one sample per micro batch, labels and inputs are views
                 # of the same tokens.
                 labels = labels.masked_fill(inputs == self.eod_mask_id, IGNORE_INDEX)
+            if self.sequence_shard is not None:
+                inputs, labels = self.sequence_shard(inputs), self.sequence_shard(labels)
+            inputs, labels = inputs.contiguous(), labels.contiguous()
             if self._pin:
                 inputs, labels = inputs.pin_memory(), labels.pin_memory()
             batch.append((inputs, labels))

@@ -1,17 +1,20 @@
 """Parallelism applied from outside to a plain `Bloom`: device mesh, FSDP2, tensor/sequence/loss
-parallelism, pipeline stages, activation checkpointing and regional compile.
+parallelism, context parallelism (ring attention), pipeline stages, activation checkpointing and
+regional compile.
 
 Each plan is a function of a module, a mesh and plain keyword arguments, applied to the
 meta-device model in this order (each docstring says why):
 
-    split_for_pipeline -> apply_tensor_parallel -> apply_activation_checkpointing
-    -> apply_compile -> apply_fsdp -> to_empty + init_weights -> build_pipeline
+    split_for_pipeline -> apply_context_parallel -> apply_tensor_parallel
+    -> apply_activation_checkpointing -> apply_compile -> apply_fsdp -> to_empty + init_weights
+    -> build_pipeline
 
 See docs/api.md and examples/own_training_loop.py.
 """
 
 from bloomnative.parallel.activation_checkpoint import apply_activation_checkpointing
 from bloomnative.parallel.compile import apply_compile
+from bloomnative.parallel.context_parallel import apply_context_parallel, shard_sequence
 from bloomnative.parallel.dims import LayoutError, ParallelDims
 from bloomnative.parallel.fsdp import apply_fsdp
 from bloomnative.parallel.grad_clip import clip_grad_norm_
@@ -35,10 +38,12 @@ __all__ = [
     "TiedWeightSync",
     "apply_activation_checkpointing",
     "apply_compile",
+    "apply_context_parallel",
     "apply_fsdp",
     "apply_tensor_parallel",
     "build_pipeline",
     "clip_grad_norm_",
     "init_weights",
+    "shard_sequence",
     "split_for_pipeline",
 ]

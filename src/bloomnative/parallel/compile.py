@@ -6,13 +6,16 @@ from __future__ import annotations
 from bloomnative.model import Bloom
 
 
-def apply_compile(model: Bloom) -> None:
+def apply_compile(model: Bloom, *, fullgraph: bool = True) -> None:
     """Compiles each block of `model` (a `Bloom` or a pipeline stage of it) on its own with
-    `torch.compile(fullgraph=True)`, in place; parameter names do not change.
+    `torch.compile`, in place; parameter names do not change. `fullgraph` False lets a block
+    hold a call the compiler cannot trace (context parallelism's ring attention: its
+    point-to-point communication), compiled in the graphs around it.
 
-    Order: after `apply_tensor_parallel` and `apply_activation_checkpointing` (the graphs trace
-    the tensor-parallel block and its recomputation), before `apply_fsdp`, whose per-block
-    all-gathers and reduce-scatters then run between the compiled regions, not inside them.
+    Order: after `apply_context_parallel`, `apply_tensor_parallel` and
+    `apply_activation_checkpointing` (the graphs trace the parallel block and its
+    recomputation), before `apply_fsdp`, whose per-block all-gathers and reduce-scatters then
+    run between the compiled regions, not inside them.
     """
     for block in model.layers.values():
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=fullgraph)

@@ -1,7 +1,8 @@
-"""The parallel layout (dp_replicate x dp_shard x tp x pp) and its device mesh."""
+"""The parallel layout (dp_replicate x dp_shard x cp x tp x pp) and its device mesh."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -16,8 +17,9 @@ class LayoutError(ValueError):
 class ParallelDims:
     """Degrees of each kind of parallelism; their product is the world size.
 
-    Mesh dims, outermost first: pp, dp_replicate, dp_shard, tp (tp innermost so its ranks are
-    neighbours, on one node).
+    Mesh dims, outermost first: pp, dp_replicate, dp_shard, cp, tp (tp innermost so its ranks
+    are neighbours, on one node; cp next, so a sequence's ring stays on a node as long as
+    cp x tp fits one).
     """
 
     dp_replicate: int
@@ -25,50 +27,80 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    cp: int = 1
 
     @classmethod
-    def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int):
+    def resolve(
+        cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int, cp: int = 1
+    ):
         """Fills dp_shard = -1 with what is left of the world size and checks the product."""
-        for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp)):
+        for name, value in (("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp), ("pp", pp)):
             if value < 1:
                 raise LayoutError(f"parallelism.{name} must be >= 1, got {value}")
-        fixed = dp_replicate * tp * pp
+        fixed = dp_replicate * cp * tp * pp
         if dp_shard == -1:
             if world_size % fixed:
                 raise LayoutError(
-                    f"world size {world_size} is not divisible by dp_replicate*tp*pp = "
-                    f"{dp_replicate}*{tp}*{pp} = {fixed}; change NPROC or the degrees"
+                    f"world size {world_size} is not divisible by dp_replicate*cp*tp*pp = "
+                    f"{dp_replicate}*{cp}*{tp}*{pp} = {fixed}; change NPROC or the degrees"
                 )
             dp_shard = world_size // fixed
         if dp_shard < 1:
             raise LayoutError(f"parallelism.dp_shard must be >= 1 or -1, got {dp_shard}")
         if fixed * dp_shard != world_size:
             raise LayoutError(
-                f"dp_replicate*dp_shard*tp*pp = {dp_replicate}*{dp_shard}*{tp}*{pp} = "
+                f"dp_replicate*dp_shard*cp*tp*pp = {dp_replicate}*{dp_shard}*{cp}*{tp}*{pp} = "
                 f"{fixed * dp_shard} but the world size is {world_size}; make the product equal "
                 f"NPROC x nodes (or set parallelism.dp_shard = -1)"
             )
-        return cls(dp_replicate, dp_shard, tp, pp, world_size)
+        return cls(dp_replicate, dp_shard, tp, pp, world_size, cp)
 
     @property
     def dp(self) -> int:
         """Data-parallel degree: how many different batches are processed at once."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks one FSDP unit is sharded over: dp_shard x cp (context-parallel ranks hold the
+        same parameters, so they shard them instead of replicating them, as torchtitan does)."""
+        return self.dp_shard * self.cp
+
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-        """The mesh with named dims ("pp", "dp_replicate", "dp_shard", "tp"; size-1 dims kept so
-        names always resolve), and its data-parallel ranks flattened into one "dp" dim (the
-        ranks that see different batches: the loader's and the loss average's group)."""
-        names = ("pp", "dp_replicate", "dp_shard", "tp")
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        """The mesh with named dims ("pp", "dp_replicate", "dp_shard", "cp", "tp"; size-1 dims
+        kept so names always resolve), and its data-parallel ranks flattened into one "dp" dim
+        (the ranks that see different batches: the loader's group). The flattened meshes of
+        `fsdp_mesh` and `loss_mesh` are created here too, in the same order on every rank."""
+        names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         # Kept, not sliced from the root later: torch deprecates slicing flattened dims.
         dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self.fsdp_mesh(mesh)
+        self.loss_mesh(mesh)
         return mesh, dp_mesh
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """What FSDP2 shards over: dp_shard x cp flattened into "dp_shard_cp", with dp_replicate
+        in front of it (2-D: HSDP) when dp_replicate > 1."""
+        shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if self.dp_replicate == 1:
+            return shard
+        with warnings.catch_warnings():
+            # HSDP needs the 2-D (replicate, shard) mesh, which torch can only slice from the
+            # root; torch warns that slicing a flattened dim will be deprecated.
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return mesh["dp_replicate", "dp_shard_cp"]
+
+    def loss_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The ranks whose tokens make up one global batch of one pipeline stage and tensor
+        rank: dp_replicate x dp_shard x cp flattened ("dp_cp"); losses, token counts and the
+        like are summed over it."""
+        return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
 
     @cached_property
     def summary(self) -> str:
         return (
             f"pp={self.pp} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
-            f"tp={self.tp} (world {self.world_size})"
+            f"cp={self.cp} tp={self.tp} (world {self.world_size})"
         )

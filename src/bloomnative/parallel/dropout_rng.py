@@ -8,10 +8,14 @@ device). The rule, as in Megatron:
   each of them, or the replicas drift apart;
 - a tensor split over the tensor-parallel ranks (the attention heads; the residual stream under
   sequence parallelism) must get a different mask on each, or the shards repeat one pattern;
-- data-parallel ranks and pipeline stages see different data and layers: different streams.
+- data-parallel ranks and pipeline stages see different data and layers, context-parallel ranks
+  different tokens of the same sequences: different streams.
 
-So each rank seeds its default generators from (job seed, pp rank, dp rank) and, with sequence
-parallelism, its tp rank: under SP every random op in the model runs on a sharded tensor.
+So each rank seeds its default generators from (job seed, pp rank, its rank among the ranks
+holding different tokens: dp x cp) and, with sequence parallelism, its tp rank: under SP every
+random op in the model runs on a sharded tensor. Context parallelism's ring attention draws one
+seed per attention call on the first rank of its cp group and broadcasts it: every block then
+draws the keep-mask of its global positions (parallel/context_parallel.py).
 Without SP the hidden dropouts run on replicated tensors (a stream shared by the tp ranks), and
 only attention runs in a per-tp-rank stream, forked around each attention call.
 
@@ -41,12 +45,14 @@ def stream_seed(*parts: int) -> int:
 
 
 def seed_dropout_rng(
-    seed: int, mesh: DeviceMesh, dp_mesh: DeviceMesh, sequence_parallel: bool
+    seed: int, mesh: DeviceMesh, dp_cp_mesh: DeviceMesh, sequence_parallel: bool
 ) -> None:
-    """Seeds this rank's default generators for dropout (see the module docstring)."""
+    """Seeds this rank's default generators for dropout (see the module docstring).
+    `dp_cp_mesh`: the data- and context-parallel ranks flattened (`ParallelDims.loss_mesh`; the
+    data-parallel rank alone without context parallelism)."""
     tp_rank = mesh["tp"].get_local_rank() if sequence_parallel else 0
     torch.manual_seed(
-        stream_seed(seed, mesh["pp"].get_local_rank(), dp_mesh.get_local_rank(), tp_rank)
+        stream_seed(seed, mesh["pp"].get_local_rank(), dp_cp_mesh.get_local_rank(), tp_rank)
     )
 
 

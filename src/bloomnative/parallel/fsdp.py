@@ -34,21 +34,25 @@ def apply_fsdp(
     own unit, the root unit holds the rest (embedding, its LayerNorm, final LayerNorm and the
     head, which shares the embedding's parameter: a tied weight must live in one unit).
 
-    Order: last, after `apply_tensor_parallel`, `apply_activation_checkpointing` and
-    `apply_compile`, and before `to_empty` + `init_weights`. FSDP shards whatever parameters it
-    finds (tensor-parallel DTensors become 2-D shards over dp x tp) and hooks its all-gathers
-    around each block as the model now runs it (checkpointed, compiled), so it has to see the
-    final modules; the model is still on the meta device, so no rank holds it whole.
+    Order: last, after `apply_context_parallel`, `apply_tensor_parallel`,
+    `apply_activation_checkpointing` and `apply_compile`, and before `to_empty` +
+    `init_weights`. FSDP shards whatever parameters it finds (tensor-parallel DTensors become
+    2-D shards over dp x tp) and hooks its all-gathers around each block as the model now runs
+    it (checkpointed, compiled), so it has to see the final modules; the model is still on the
+    meta device, so no rank holds it whole.
 
     `dp_mesh` is 1-D (FSDP, ZeRO), or 2-D (replicate, shard: HSDP, the outer dim replicating).
+    With context parallelism the shard dim is dp_shard x cp flattened (`ParallelDims.fsdp_mesh`):
+    cp ranks hold the same parameters, so they shard them instead of replicating them.
     Parameters are gathered in `param_dtype` (bf16 for mixed precision) while the sharded fp32
     copy is the master weight; gradients are reduce-scattered in `reduce_dtype` and accumulated
     in fp32. They are summed over the data-parallel ranks, not averaged (`sum_gradients`): divide
     each rank's loss by the token count of the whole global batch, over every data-parallel
-    rank, and the sum is the gradient of the global token mean. zero_stage 3 frees the gathered
-    parameters after each unit's forward (re-gathering them for backward); zero_stage 2 keeps
-    them until backward, trading memory for one all-gather per unit. `cpu_offload` keeps the
-    shards, gradients and optimizer step in host memory (ZeRO-Offload).
+    (and context-parallel) rank, and the sum is the gradient of the global token mean.
+    zero_stage 3 frees the gathered parameters after each unit's forward (re-gathering them for
+    backward); zero_stage 2 keeps them until backward, trading memory for one all-gather per
+    unit. `cpu_offload` keeps the shards, gradients and optimizer step in host memory
+    (ZeRO-Offload).
     """
     if zero_stage not in (2, 3):
         raise ValueError(f"apply_fsdp: zero_stage must be 2 or 3, got {zero_stage}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bloomnative.config import ParallelismConfig, TrainingConfig
+from bloomnative.config import ParallelismConfig, TrainingConfig, ValidationConfig
 from bloomnative.data.rampup import rampup_sizes
 from bloomnative.model.args import BloomArgs
 from bloomnative.parallel.dims import LayoutError, ParallelDims
@@ -56,6 +56,58 @@ def check_tensor_parallel(args: BloomArgs, tp: int, fused_loss: bool = False) ->
             "model.fused_loss is for tp = 1; with tensor parallelism use parallelism.loss_parallel "
             "(the logits stay sharded over the vocabulary)"
         )
+
+
+def run_seq_lens(
+    training: TrainingConfig, validation: ValidationConfig | None = None
+) -> dict[str, int]:
+    """Every sequence length the run trains or evaluates at, by config key."""
+    lengths = {"training.seq_len": training.seq_len}
+    if validation is not None and validation.freq and validation.seq_len:
+        lengths["validation.seq_len"] = validation.seq_len
+    return lengths
+
+
+def check_context_parallel(args: BloomArgs, cp: int, seq_lens: dict[str, int]) -> None:
+    """An attention backend with a ring form, and sequences that cut into 2 * cp equal chunks
+    (chunks of a multiple of 4 tokens for the Triton kernels' dropout draws). `args.attention`
+    is "sdpa" for an unresolved "auto", which resolves to a backend with a ring form."""
+    if cp == 1:
+        return
+    if args.attention not in ("triton", "sdpa"):
+        raise LayoutError(
+            f"model.attention = {args.attention!r} has no context-parallel form (FlexAttention's "
+            f"score_mod is not split over ranks); use triton or sdpa with parallelism.cp = {cp}"
+        )
+    for key, length in seq_lens.items():
+        if length % (2 * cp):
+            raise LayoutError(
+                f"{key} = {length} is not a multiple of 2 * parallelism.cp = {2 * cp}: context "
+                f"parallelism cuts every sequence into 2 * cp equal chunks (rank i holds chunks "
+                f"i and 2 cp - 1 - i); choose a length divisible by {2 * cp} or another cp"
+            )
+        if args.attention == "triton" and args.attention_dropout and length % (8 * cp):
+            raise LayoutError(
+                f"{key} = {length}: with model.attention_dropout the Triton kernels draw one "
+                f"random number per 4 keys, so each of the 2 * cp chunks needs a multiple of 4 "
+                f"tokens; choose a length divisible by {8 * cp}"
+            )
+
+
+def check_attention_dropout_positions(args: BloomArgs, seq_lens: dict[str, int]) -> None:
+    """The Triton kernels' dropout stream covers a bounded number of positions (the whole
+    sequence's, also when context parallelism splits it)."""
+    if args.attention != "triton" or not args.attention_dropout:
+        return
+    from bloomnative.kernels.flash_alibi_attention import DROPOUT_MAX_POSITIONS
+
+    for key, length in seq_lens.items():
+        if length > DROPOUT_MAX_POSITIONS:
+            raise LayoutError(
+                f"{key} = {length}: with model.attention_dropout the Triton attention kernels "
+                f"draw dropout for positions below {DROPOUT_MAX_POSITIONS} only; use a shorter "
+                f"length, model.attention_dropout = 0 or model.attention = sdpa"
+            )
 
 
 def check_pipeline_split(
@@ -124,10 +176,15 @@ def check_layout(
     par: ParallelismConfig,
     training: TrainingConfig,
     fused_loss: bool = False,
+    validation: ValidationConfig | None = None,
 ) -> None:
     """Every impossible layout, rejected before anything is allocated, with what to change;
-    batch-size rules are checked for every global batch size the run uses."""
+    batch-size rules are checked for every global batch size the run uses, sequence-length
+    rules for every length it trains or evaluates at (`validation`)."""
     check_tensor_parallel(args, dims.tp, fused_loss)
+    seq_lens = run_seq_lens(training, validation)
+    check_context_parallel(args, dims.cp, seq_lens)
+    check_attention_dropout_positions(args, seq_lens)
     check_pipeline_split(
         args, dims.pp, par.pp_schedule, par.pp_stages_per_rank, par.pp_layers_per_stage
     )

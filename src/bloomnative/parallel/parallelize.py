@@ -1,6 +1,7 @@
 """The trainer's composition of the public plans (bloomnative.parallel) from its config
-sections: tensor parallel -> activation checkpointing -> compile -> FSDP on each pipeline
-stage. Each step is a public function with plain arguments; this file only reads the config."""
+sections: context parallel -> tensor parallel -> activation checkpointing -> compile -> FSDP on
+each pipeline stage. Each step is a public function with plain arguments; this file only reads
+the config."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from bloomnative.config import ActivationCheckpointConfig, ParallelismConfig
 from bloomnative.model import Bloom
 from bloomnative.parallel.activation_checkpoint import apply_activation_checkpointing
 from bloomnative.parallel.compile import apply_compile
+from bloomnative.parallel.context_parallel import apply_context_parallel
 from bloomnative.parallel.dims import ParallelDims
 from bloomnative.parallel.fsdp import apply_fsdp, uses_fsdp
 from bloomnative.parallel.tensor_parallel import apply_tensor_parallel
@@ -26,8 +28,10 @@ def parallelize_part(
     param_dtype: torch.dtype,
 ) -> None:
     """The configured plans on one model part, in place, in the order the public functions'
-    docstrings give. FSDP2 wraps the part with data parallelism and, for bf16, on every layout
-    (`fsdp.uses_fsdp`)."""
+    docstrings give. FSDP2 wraps the part with data or context parallelism and, for bf16, on
+    every layout (`fsdp.uses_fsdp`), sharding over dp_shard x cp (`ParallelDims.fsdp_mesh`)."""
+    if dims.cp > 1:
+        apply_context_parallel(part, mesh["cp"])
     if dims.tp > 1:
         apply_tensor_parallel(
             part,
@@ -37,12 +41,11 @@ def parallelize_part(
         )
     apply_activation_checkpointing(part, ac.mode, ac.every)
     if compile_blocks:
-        apply_compile(part)
-    if uses_fsdp(dims.dp, bf16=param_dtype == torch.bfloat16):
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        apply_compile(part, fullgraph=dims.cp == 1)
+    if uses_fsdp(dims.dp * dims.cp, bf16=param_dtype == torch.bfloat16):
         apply_fsdp(
             part,
-            dp_mesh,
+            dims.fsdp_mesh(mesh),
             param_dtype=param_dtype,
             reduce_dtype=torch.float32,
             zero_stage=par.zero_stage,

@@ -124,6 +124,15 @@ def choose_attention(
     return choice
 
 
+def context_parallel_attention(device: torch.device, log: Callable[[str], None] = print) -> str:
+    """What "auto" means with parallelism.cp > 1, without timing: the ring runs the Triton
+    kernels' blocks on a GPU ("flex" has no ring form; "sdpa"'s materialises each block's
+    scores) and the portable "sdpa" blocks on CPU."""
+    choice = "triton" if device.type == "cuda" else "sdpa"
+    log(f'model.attention = "auto" with context parallelism: "{choice}"')
+    return choice
+
+
 def resolve_auto_attention(
     shape: AttentionShape,
     device: torch.device,

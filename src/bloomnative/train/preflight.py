@@ -87,9 +87,9 @@ def check_data(config: Config, args: BloomArgs) -> str:
 def check_run(config: Config, world_size: int) -> tuple[ParallelDims, BloomArgs]:
     """Resolves and checks the layout for `world_size`; returns it with the model shape."""
     par = config.parallelism
-    dims = ParallelDims.resolve(par.dp_replicate, par.dp_shard, par.tp, par.pp, world_size)
+    dims = ParallelDims.resolve(par.dp_replicate, par.dp_shard, par.tp, par.pp, world_size, par.cp)
     args = model_args_from_config(config.model)
-    check_layout(dims, args, par, config.training, config.model.fused_loss)
+    check_layout(dims, args, par, config.training, config.model.fused_loss, config.validation)
     check_data_files(config)
     return dims, args
 

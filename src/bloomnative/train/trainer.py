@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch
 from bloomnative.model import Bloom
 from bloomnative.model.state import load_model_state, model_state
 from bloomnative.parallel import clip_grad_norm_, init_weights
+from bloomnative.parallel.context_parallel import shard_sequence
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
 from bloomnative.parallel.layout_check import pipeline_microbatches
 from bloomnative.parallel.memory_estimate import compiles_the_loss
@@ -36,7 +38,11 @@ from bloomnative.parallel.pipeline import (
     split_for_pipeline,
 )
 from bloomnative.train import checkpoint as ckpt
-from bloomnative.train.attention_choice import AttentionShape, resolve_auto_attention
+from bloomnative.train.attention_choice import (
+    AttentionShape,
+    context_parallel_attention,
+    resolve_auto_attention,
+)
 from bloomnative.train.distributed import init_distributed, pick_device
 from bloomnative.train.faults import StopRequest
 from bloomnative.train.loss import (
@@ -72,11 +78,12 @@ class Trainer:
         self.dump = Path(job.dump_folder)
         self.mesh, self.dp_mesh = self.dims.build_mesh(self.device.type)
         self.pp_mesh = self.mesh["pp"]  # sliced once: slicing a mesh is host work on every call
-        # The ranks holding different tokens of a batch: the loss's token count and the loss
-        # itself are summed over these groups (train/loss.py).
-        self.batch_groups = [self.dp_mesh.get_group()] if self.dims.dp > 1 else []
+        self.loss_mesh = self.dims.loss_mesh(self.mesh)
+        # The ranks holding different tokens of a batch (data and context parallel): the loss's
+        # token count and the loss itself are summed over these groups (train/loss.py).
+        self.batch_groups = [self.loss_mesh.get_group()] if self.dims.dp * self.dims.cp > 1 else []
 
-        seed_dropout_rng(job.seed, self.mesh, self.dp_mesh, par.sequence_parallel)
+        seed_dropout_rng(job.seed, self.mesh, self.loss_mesh, par.sequence_parallel)
         self.bf16 = train_cfg.dtype == "bf16"
         self._build_model()
         self.loss_context = (
@@ -150,6 +157,8 @@ class Trainer:
     def _resolve_auto_attention(self) -> str:
         """What `model.attention = "auto"` stands for on this run (train.attention_choice)."""
         cfg = self.config
+        if cfg.parallelism.cp > 1:
+            return context_parallel_attention(self.device, self._say)
         args = model_args_from_config(cfg.model)
         shape = AttentionShape(
             batch=cfg.training.micro_batch_size,
@@ -254,6 +263,10 @@ class Trainer:
             cache_dir,
         )
         dp_rank, dp_size = self.dp_mesh.get_local_rank(), self.dims.dp
+        shard = None
+        if self.dims.cp > 1:  # this rank's load-balanced chunks of every sequence
+            cp_rank = self.mesh["cp"].get_local_rank()
+            shard = partial(shard_sequence, cp_rank=cp_rank, cp=self.dims.cp)
         loader = lambda ds: PretrainingLoader(
             ds,
             t.micro_batch_size,
@@ -262,6 +275,7 @@ class Trainer:
             self.device,
             prefetch=cfg.prefetch,
             eod_mask_id=self.eod_mask_id,
+            sequence_shard=shard,
         )
         self.train_loader = loader(train_ds)
         self.make_valid_loader = (lambda: loader(valid_ds)) if valid_ds is not None else None
@@ -414,7 +428,7 @@ class Trainer:
         """Accumulates the gradients of the global batch's mean token loss over this rank's
         micro batches and returns this rank's share of that mean (a 0-d tensor, no host sync;
         0 on pipeline ranks without the last stage): the shares of all ranks sum to the mean,
-        as FSDP sums their gradients."""
+        as FSDP sums their gradients (over data- and context-parallel ranks)."""
         count = global_token_count(micro_batches, self.batch_groups)
         return self._run_micro_batches(micro_batches, token_mean(self._loss_sum, count), True)
 

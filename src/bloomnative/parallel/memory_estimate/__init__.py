@@ -50,6 +50,7 @@ from bloomnative.parallel.memory_estimate.auto_recompute import (
 )
 from bloomnative.parallel.memory_estimate.backward import (
     block_backward_buffers,
+    ring_attention_buffers,
 )
 from bloomnative.parallel.memory_estimate.components import (
     ActivationTerm,
@@ -155,6 +156,7 @@ __all__ = [
     "loss_saved_terms",
     "loss_transient",
     "block_backward_buffers",
+    "ring_attention_buffers",
     "in_flight_microbatches",
     "RankEstimate",
     "activation_terms_for",

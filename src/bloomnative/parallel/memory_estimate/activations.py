@@ -18,19 +18,20 @@ from bloomnative.parallel.memory_estimate.inputs import (
 )
 
 
-def micro_batch_tokens(workload: Workload) -> int:
-    """Tokens of one micro batch (b*s)."""
-    return workload.micro_batch * workload.seq_len
+def micro_batch_tokens(layout: Layout, workload: Workload) -> int:
+    """Tokens of one micro batch on a rank (b*s; b*s/cp with context parallelism: every
+    per-token tensor below shrinks by cp)."""
+    return workload.micro_batch * workload.seq_len // layout.cp
 
 
 def residual_stream_elements(args: BloomArgs, layout: Layout, workload: Workload) -> int:
-    """Elements of one micro batch's residual stream on a rank (b*s*h, /t with SP)."""
-    return micro_batch_tokens(workload) * args.hidden_size // layout.sequence_shards
+    """Elements of one micro batch's residual stream on a rank (b*s*h, /t with SP, /cp)."""
+    return micro_batch_tokens(layout, workload) * args.hidden_size // layout.sequence_shards
 
 
 def layernorm_stat_elements(layout: Layout, workload: Workload) -> int:
-    """Elements of a LayerNorm's fp32 mean and rstd (2sb, /t with SP)."""
-    return 2 * micro_batch_tokens(workload) // layout.sequence_shards
+    """Elements of a LayerNorm's fp32 mean and rstd (2sb, /t with SP, /cp)."""
+    return 2 * micro_batch_tokens(layout, workload) // layout.sequence_shards
 
 
 def attention_terms(
@@ -49,15 +50,19 @@ def attention_terms(
       `workload.dropout` also the attention-dropout mask and output (3as^2b/t). cpu_math: the
       same, but the kernel computes bf16 inputs in fp32, so q, k, v and the probabilities are
       fp32.
+
+    With context parallelism (cp > 1) every backend keeps what flash keeps, for the rank's s/cp
+    tokens: the ring attention saves q, k, v, the merged output and logsumexp, and recomputes
+    its blocks' scores in backward (`backward.ring_attention_buffers` counts those blocks).
     """
-    b, s, c = workload.micro_batch, workload.seq_len, prec.compute
-    tokens = micro_batch_tokens(workload)
+    b, s, c = workload.micro_batch, workload.seq_len // layout.cp, prec.compute
+    tokens = micro_batch_tokens(layout, workload)
     h_local = args.hidden_size // layout.tp
     heads = args.n_head // layout.tp
     qkv = ActivationTerm("q, k, v", 3 * tokens * h_local, c, "K22: QK^T 4sbh + V 2sbh")
     lse = ActivationTerm("softmax logsumexp (fp32)", b * heads * s, FP32, "replaces 2as^2b")
     proj = ActivationTerm("output projection input", tokens * h_local, c, "K22: 2sbh")
-    kind = workload.attention
+    kind = "flash" if layout.cp > 1 else workload.attention
     if kind == "flash":
         kept_output = ActivationTerm(
             "attention output kept by the kernel",
@@ -116,7 +121,7 @@ def block_activation_terms(
     The softmax output (2as^2b) is dropped for flash kernels (see `attention_terms`).
     """
     h, c = args.hidden_size, prec.compute
-    tokens = micro_batch_tokens(workload)
+    tokens = micro_batch_tokens(layout, workload)
     stream = residual_stream_elements(args, layout, workload)
     h4_local = 4 * h // layout.tp
     stats = layernorm_stat_elements(layout, workload)
@@ -152,7 +157,7 @@ def embedding_terms(
 ) -> list[ActivationTerm]:
     """First stage: the token ids (the embedding's backward), and the embedding LayerNorm's
     input (the embedding output, sequence-sharded with SP) and statistics."""
-    tokens = micro_batch_tokens(workload)
+    tokens = micro_batch_tokens(layout, workload)
     stream = residual_stream_elements(args, layout, workload)
     mask = [ActivationTerm("embedding dropout mask", stream, 1, "sbh")] if workload.dropout else []
     return mask + [
@@ -171,7 +176,7 @@ def head_terms(
     args: BloomArgs, layout: Layout, workload: Workload, prec: Precision
 ) -> list[ActivationTerm]:
     """Last stage: the final LayerNorm's input and the head's (gathered) input."""
-    tokens = micro_batch_tokens(workload)
+    tokens = micro_batch_tokens(layout, workload)
     stream = residual_stream_elements(args, layout, workload)
     stats = layernorm_stat_elements(layout, workload)
     return [

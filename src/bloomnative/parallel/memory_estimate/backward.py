@@ -17,15 +17,38 @@ def block_backward_buffers(
 ) -> int:
     """Gradient buffers alive while one block back-propagates (an approximation): the two
     largest activation gradients of the block (the MLP's 4h-wide ones, or the softmax's with
-    materialized attention) and the residual-stream gradient in and out."""
-    tokens = micro_batch_tokens(workload)
+    materialized attention), or the ring attention's buffers with context parallelism, and the
+    residual-stream gradient in and out."""
+    tokens = micro_batch_tokens(layout, workload)
     mlp = 2 * tokens * (4 * args.hidden_size // layout.tp) * prec.compute
     heads = args.n_head // layout.tp
     scores = 2 * workload.micro_batch * heads * workload.seq_len**2 * prec.compute
-    materialized = workload.attention in ("materialized", "cpu_math")
-    widest = max(mlp, scores if materialized else 0)
+    materialized = layout.cp == 1 and workload.attention in ("materialized", "cpu_math")
+    ring = ring_attention_buffers(args, layout, workload, prec)
+    widest = max(mlp, scores if materialized else 0, ring)
     stream = 2 * tokens * args.hidden_size // layout.sequence_shards * prec.compute
     return widest + stream
+
+
+def ring_attention_buffers(
+    args: BloomArgs, layout: Layout, workload: Workload, prec: Precision
+) -> int:
+    """Bytes the ring attention's backward holds at once (parallel/context_parallel.py), with
+    T = b*s/cp local tokens and h/t local width: the local K/V stacked and the next step's
+    received copy (4Th/t, compute dtype), the travelling fp32 dK/dV accumulator and the one
+    received (16Th/t), the fp32 dQ accumulator (4Th/t), one block's dq, dk, dv (1.5Th/t, compute
+    dtype) and the kernel's fp32 dQ buffer for it (2Th/t). The "sdpa" backend's blocks also
+    materialise fp32 scores, probabilities and their gradients, 4 x [b, heads/t, C, C] with
+    C = s/(2cp), plus the bias block. 0 without context parallelism."""
+    if layout.cp == 1:
+        return 0
+    width = micro_batch_tokens(layout, workload) * args.hidden_size // layout.tp
+    total = int((5.5 * prec.compute + 22) * width)
+    if workload.attention != "flash":
+        chunk = workload.seq_len // (2 * layout.cp)
+        heads = args.n_head // layout.tp
+        total += FP32 * (4 * workload.micro_batch + 1) * heads * chunk * chunk
+    return total
 
 
 def backward_transient(

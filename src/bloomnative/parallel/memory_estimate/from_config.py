@@ -8,9 +8,10 @@ from bloomnative.parallel.layout_check import check_layout, pipeline_microbatche
 from bloomnative.parallel.memory_estimate.inputs import Layout, PlanError, Workload
 
 
-def attention_memory_kind(backend: str, device_type: str) -> str:
-    """The memory behaviour of a model.attention backend on a device type."""
-    if backend in ("triton", "flex"):
+def attention_memory_kind(backend: str, device_type: str, cp: int = 1) -> str:
+    """The memory behaviour of a model.attention backend on a device type. With context
+    parallelism "auto" is the Triton ring on a GPU (train.attention_choice)."""
+    if backend in ("triton", "flex") or (backend == "auto" and cp > 1 and device_type == "cuda"):
         return "flash"
     if backend in ("sdpa", "auto"):  # "auto" may resolve to sdpa: plan for its footprint
         return "sdpa_efficient" if device_type == "cuda" else "cpu_math"
@@ -20,13 +21,14 @@ def attention_memory_kind(backend: str, device_type: str) -> str:
 def layout_from_config(par: ParallelismConfig, world_size: int = 0) -> Layout:
     """The layout a [parallelism] section gives on `world_size` devices (needed when dp_shard
     is -1; 0 then means dp_shard = 1)."""
-    fixed = par.dp_replicate * par.tp * par.pp
+    fixed = par.dp_replicate * par.cp * par.tp * par.pp
     if not world_size:
         world_size = fixed * (par.dp_shard if par.dp_shard > 0 else 1)
-    dims = ParallelDims.resolve(par.dp_replicate, par.dp_shard, par.tp, par.pp, world_size)
+    dims = ParallelDims.resolve(par.dp_replicate, par.dp_shard, par.tp, par.pp, world_size, par.cp)
     return Layout(
         dp_replicate=dims.dp_replicate,
         dp_shard=dims.dp_shard,
+        cp=dims.cp,
         tp=dims.tp,
         pp=dims.pp,
         pp_schedule=par.pp_schedule,
@@ -65,9 +67,10 @@ def workload_from_config(
     (`layout_check.check_layout`, every rampup batch size)."""
     t, par = config.training, config.parallelism
     dims = ParallelDims(
-        layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.world_size
+        layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.world_size, layout.cp
     )
-    check_layout(dims, model_args_from_config(config.model), par, t, config.model.fused_loss)
+    args = model_args_from_config(config.model)
+    check_layout(dims, args, par, t, config.model.fused_loss, config.validation)
     samples = local_batch_size(config, layout)
     pp_microbatches = par.pp_microbatches if layout.pp > 1 else 0
     microbatches = pipeline_microbatches(pp_microbatches, samples, t.micro_batch_size)
@@ -81,7 +84,8 @@ def workload_from_config(
         precision=t.dtype,
         recompute=config.activation_checkpoint.mode,
         recompute_every=config.activation_checkpoint.every,
-        attention=attention or attention_memory_kind(config.model.attention, device_type),
+        attention=attention
+        or attention_memory_kind(config.model.attention, device_type, layout.cp),
         fused_loss=config.model.fused_loss,
         compiled_loss=compiles_the_loss(config, layout.tp),
         dropout=dropout or config.model.hidden_dropout > 0 or config.model.attention_dropout > 0,

@@ -29,6 +29,9 @@ class Layout:
 
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
+    """Context parallelism: every sequence split over cp ranks (ring attention); FSDP shards
+    over dp_shard x cp."""
     tp: int = 1
     pp: int = 1
     pp_schedule: str = "1F1B"
@@ -57,7 +60,12 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks each FSDP unit is sharded over: dp_shard x cp."""
+        return self.dp_shard * self.cp
 
     @property
     def num_stages(self) -> int:
@@ -75,6 +83,7 @@ class Workload:
 
     micro_batch: int
     seq_len: int
+    """Tokens per sample (the whole sequence: a context-parallel rank holds seq_len / cp)."""
     microbatches: int = 1
     """Micro batches per optimizer step on one data-parallel rank (gradient accumulation; the
     pipeline's micro batches when pp > 1)."""
@@ -136,5 +145,5 @@ class Precision:
     @classmethod
     def of(cls, layout: Layout, workload: Workload) -> Precision:
         bf16 = workload.precision == "bf16"
-        fsdp = layout.zero_stage in (2, 3) and uses_fsdp(layout.dp, bf16)
+        fsdp = layout.zero_stage in (2, 3) and uses_fsdp(layout.dp * layout.cp, bf16)
         return cls(compute=BF16 if bf16 else FP32, fsdp=fsdp)

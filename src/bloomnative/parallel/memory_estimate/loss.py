@@ -35,7 +35,7 @@ def loss_saved_terms(
     per token (the row max and log-sum-exp), from which its backward recomputes the softmax.
     Fused: the gradients it computes during forward, d_hidden (b*s*h) and d_weight (V/t*h).
     """
-    tokens, vocab, c = micro_batch_tokens(workload), local_vocab(args, layout), prec.compute
+    tokens, vocab, c = micro_batch_tokens(layout, workload), local_vocab(args, layout), prec.compute
     if workload.fused_loss:
         return [
             ActivationTerm("fused loss d_hidden", tokens * args.hidden_size, c, "fused loss"),
@@ -68,7 +68,7 @@ def loss_transient(
     path, off GPU). Compiled: its backward writes the logits' gradient (b*s*V/t in the compute
     dtype) in one pass, with no fp32 copy.
     """
-    tokens, vocab = micro_batch_tokens(workload), local_vocab(args, layout)
+    tokens, vocab = micro_batch_tokens(layout, workload), local_vocab(args, layout)
     if workload.compiled_loss:
         return Component(
             "compiled loss backward: the logits' gradient",

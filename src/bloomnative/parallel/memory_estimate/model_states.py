@@ -23,10 +23,10 @@ def model_state_components(
     """Weights, gradients and AdamW moments (ZeRO paper, section 3.1) under the layout's sharding.
 
     FSDP2 (zero_stage 2/3): fp32 master weights, fp32 gradients (reduce dtype) and the two AdamW
-    moments are sharded over dp_shard (dim 0 of each tensor, padded); the compute-dtype copy of
-    each block is all-gathered when needed; with bf16 this holds without data parallelism too
-    (a size-1 mesh). fp32 without data parallelism: plain fp32 parameters and gradients.
-    zero_stage 1
+    moments are sharded over dp_shard x cp (dim 0 of each tensor, padded); the compute-dtype copy
+    of each block is all-gathered when needed; with bf16 this holds without data or context
+    parallelism too (a size-1 mesh). fp32 without data or context parallelism: plain fp32
+    parameters and gradients. zero_stage 1
     (Megatron-DeepSpeed BF16Optimizer): bf16 weights and bf16 .grad replicated, a full fp32
     gradient-accumulation buffer, fp32 master weights and moments partitioned over all dp ranks.
     """
@@ -65,7 +65,7 @@ def _optimizer_step_temporary(
 def _fsdp_states(
     params: list[ParamTensor], layout: Layout, workload: Workload, prec: Precision, grad_phase: str
 ) -> list[Component]:
-    shards = layout.dp_shard
+    shards = layout.fsdp_shards
     sharded = sum(p.shard_numel(shards) for p in params)
     units = unit_numels(params)
     root = units.get("root", 0)
@@ -82,13 +82,13 @@ def _fsdp_states(
     states = "host" if layout.cpu_offload else "resident"
     step = _optimizer_step_temporary(workload, sharded, max(p.shard_numel(shards) for p in params))
     return [
-        Component("fp32 master weights (sharded)", FP32 * sharded, states, "4 x P/dp_shard"),
-        Component("AdamW moments (sharded)", 2 * FP32 * sharded, states, "2 x 4 x P/dp_shard"),
+        Component("fp32 master weights (sharded)", FP32 * sharded, states, "4 x P/(dp_shard cp)"),
+        Component("AdamW moments (sharded)", 2 * FP32 * sharded, states, "2 x 4 x P/(dp_shard cp)"),
         Component(
             "fp32 gradients (sharded, reduce dtype)",
             FP32 * sharded,
             "host" if layout.cpu_offload else grad_phase,
-            "4 x P/dp_shard",
+            "4 x P/(dp_shard cp)",
         ),
         Component(
             "gathered weights (FSDP all-gather outputs)",

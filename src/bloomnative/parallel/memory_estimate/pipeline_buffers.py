@@ -89,7 +89,7 @@ def pipeline_buffer_components(
             )
         )
     if last and not workload.fused_loss:
-        logits = micro_batch_tokens(workload) * local_vocab(args, layout) * prec.compute
+        logits = micro_batch_tokens(layout, workload) * local_vocab(args, layout) * prec.compute
         if layout.pp_keeps_outputs and not deepspeed:
             components += [
                 Component(

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from bloomnative.model.args import BloomArgs
 from bloomnative.parallel.layout_check import (
+    check_context_parallel,
     check_pipeline_microbatches,
     check_pipeline_split,
     check_tensor_parallel,
@@ -96,6 +97,7 @@ def validate_plan(args: BloomArgs, layout: Layout, workload: Workload) -> None:
     """Rejects what the estimate cannot describe, with what to change: the layout checks are
     the trainer's (`layout_check`, raising LayoutError), the rest the planner's own."""
     check_tensor_parallel(args, layout.tp, workload.fused_loss)
+    check_context_parallel(args, layout.cp, {"seq_len": workload.seq_len})
     check_pipeline_split(
         args, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank, layout.pp_layers_per_stage
     )
@@ -112,6 +114,8 @@ def validate_plan(args: BloomArgs, layout: Layout, workload: Workload) -> None:
     if workload.micro_batch < 1 or workload.seq_len < 1 or workload.microbatches < 1:
         raise PlanError("micro_batch, seq_len and microbatches must be positive")
     check_pipeline_microbatches(workload.microbatches, layout.pp, layout.pp_schedule)
+    if layout.cp > 1 and layout.zero_stage == 1:
+        raise PlanError("zero_stage 1 (Megatron-DeepSpeed) is planned without context parallelism")
 
 
 def estimate_rank(

@@ -79,6 +79,24 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
+def _bwd_row_tile(
+    H, DY, MEAN, RSTD, row0, cols, col_ok, M, stride_h, stride_dy, BLOCK_R: tl.constexpr
+):
+    """The backward's inputs for rows [row0, row0 + BLOCK_R) at `cols`: the rows (also as
+    int64 offsets), their masks,
+    h as stored, dy in fp32, and the forward's mean and rstd."""
+    rows = row0 + tl.arange(0, BLOCK_R)
+    row_ok = rows < M
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    h = tl.load(H + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+    return rows, rows64, row_ok, mask, h, dy.to(tl.float32), mean, rstd
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     DY, H, W, MEAN, RSTD, DH_OUT, DX, DW_PARTIAL, DB_PARTIAL, M, N,
     stride_dy, stride_h, stride_dh_out, stride_dx,
@@ -93,15 +111,9 @@ def _layer_norm_bwd_kernel(
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
     for row0 in range(pid * BLOCK_R, M, tl.num_programs(0) * BLOCK_R):
-        rows = row0 + tl.arange(0, BLOCK_R)
-        row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
-        rows64 = rows.to(tl.int64)
-        h = tl.load(H + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
-        dy = dy.to(tl.float32)
-        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        rows, rows64, row_ok, mask, h, dy, mean, rstd = _bwd_row_tile(
+            H, DY, MEAN, RSTD, row0, cols, col_ok, M, stride_h, stride_dy, BLOCK_R
+        )
         xhat = tl.where(mask, (h.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
         dw += tl.sum(dy * xhat, axis=0)
         db += tl.sum(dy, axis=0)
@@ -158,15 +170,9 @@ def _layer_norm_bwd_wide_kernel(
     dw = tl.zeros([CHUNK], dtype=tl.float32)
     db = tl.zeros([CHUNK], dtype=tl.float32)
     for row0 in range(group * BLOCK_R, M, tl.num_programs(1) * BLOCK_R):
-        rows = row0 + tl.arange(0, BLOCK_R)
-        row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
-        rows64 = rows.to(tl.int64)
-        h = tl.load(H + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
-        dy = dy.to(tl.float32)
-        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        rows, rows64, row_ok, mask, h, dy, mean, rstd = _bwd_row_tile(
+            H, DY, MEAN, RSTD, row0, cols, col_ok, M, stride_h, stride_dy, BLOCK_R
+        )
         c1 = tl.load(ROW_SUMS + 2 * rows, mask=row_ok, other=0.0)
         c2 = tl.load(ROW_SUMS + 2 * rows + 1, mask=row_ok, other=0.0)
         xhat = tl.where(mask, (h.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)

@@ -165,6 +165,10 @@ GPU_TILE_CASES = [
 ]
 
 
+@pytest.mark.skipif(
+    not _dispatch.INTERPRET,
+    reason="forces the interpreter through the GPU tiles; on a GPU the autotuner runs them",
+)
 @pytest.mark.parametrize(
     "fwd_tile, bwd_tile, head_dim, dropout_p",
     GPU_TILE_CASES,
@@ -173,8 +177,6 @@ GPU_TILE_CASES = [
 def test_gpu_tile_shapes_match_reference(
     triton_kernels, monkeypatch, fwd_tile, bwd_tile, head_dim, dropout_p
 ):
-    if not _dispatch.INTERPRET:
-        pytest.skip("on a GPU the autotuner runs these configs itself")
 
     def config(tile):
         return [fa_module.triton.Config({"BLOCK_M": tile[0], "BLOCK_N": tile[1]})]

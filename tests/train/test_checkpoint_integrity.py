@@ -20,7 +20,7 @@ from bloomnative.checkpoint_integrity import RECORD
 from bloomnative.interop import save_native_checkpoint
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.train import checkpoint as ckpt
-from training_helpers import REPO
+from training_helpers import REPO, flip_bytes
 
 # DCP says so when it runs without a process group, as it does here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -52,13 +52,6 @@ def save(folder: Path, steps, keep_latest_k: int = 0, async_mode: bool = False):
         checkpointer.save(step, state(step))
     checkpointer.wait()
     return checkpointer
-
-
-def flip_bytes(path: Path, count: int = 64) -> None:
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 2
-    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
-    path.write_bytes(bytes(data))
 
 
 REFERENCE_SUMS = {

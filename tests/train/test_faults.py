@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from training_helpers import TINY_RUN, metric_rows, train_command, train_env
+from training_helpers import TINY_RUN, metric_rows, run_training, train_env
 
 # Runs the real trainer in a fresh process with forward_backward returning NaN at chosen steps.
 INJECT_NAN = textwrap.dedent(
@@ -128,12 +128,6 @@ def test_consecutive_nonfinite_steps_stop_the_run_with_a_message(tmp_path, synth
 
 
 def test_config_errors_stop_before_any_work_with_exit_code_2(tmp_path):
-    proc = subprocess.run(
-        train_command(["--training.stepz=3"]),
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_training(["--training.stepz=3"], timeout=120, check=False)
     assert proc.returncode == 2
     assert "unknown key 'training.stepz'" in proc.stderr

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from bloomnative.train.preflight import main as preflight
-from training_helpers import REPO, train_command, train_env
+from training_helpers import REPO, run_training
 
 BUNDLED = REPO / "assets" / "pydocs" / "pydocs_text_document"
 
@@ -35,9 +35,7 @@ def test_run_train_sh_stops_on_a_truncated_idx_before_torchrun(tmp_path):
     assert proc.stdout == "" and not dump.exists()
     # Launched without the preflight, the trainer reports it the same way, without a traceback.
     args = [f"--data.blend={prefix}", f"--job.dump_folder={dump}", "--metrics.tensorboard=false"]
-    proc = subprocess.run(
-        train_command(args), env=train_env(), capture_output=True, text=True, timeout=300
-    )
+    proc = run_training(args, timeout=300, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"data error: {idx}: truncated: ")
 

@@ -16,6 +16,7 @@ import pytest
 
 from training_helpers import (
     TINY_RUN,
+    flip_bytes,
     losses_by_step,
     metric_rows,
     run_training,
@@ -155,12 +156,8 @@ def test_stop_request_saves_the_current_step_and_exits_zero(synthetic_corpus, tm
 def test_disk_check_refuses_to_save_and_deletes_nothing(synthetic_corpus, tmp_path):
     run_training(args(tmp_path, synthetic_corpus, "--training.steps=2"))
     before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    proc = subprocess.run(
-        train_command(args(tmp_path, synthetic_corpus, "--checkpoint.min_free_gib=1e9")),
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_training(
+        args(tmp_path, synthetic_corpus, "--checkpoint.min_free_gib=1e9"), timeout=300, check=False
     )
     assert proc.returncode != 0
     assert "not enough disk space to save a checkpoint" in proc.stderr
@@ -211,14 +208,6 @@ def stopped_at_step_4(synthetic_corpus, tmp_path_factory) -> Path:
     return dump
 
 
-def flip_bytes(path: Path, count: int = 64) -> None:
-    """What a bad disk or a broken copy does: `count` bytes in the middle of the file change."""
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 2
-    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
-    path.write_bytes(bytes(data))
-
-
 def truncate(path: Path) -> None:
     with path.open("r+b") as f:
         f.truncate(path.stat().st_size // 2)
@@ -246,12 +235,8 @@ def test_an_explicit_load_step_that_fails_verification_exits_2(
     shutil.copytree(stopped_at_step_4, tmp_path, dirs_exist_ok=True)
     shard = tmp_path / "checkpoints" / "step-4" / "__0_0.distcp"
     flip_bytes(shard)
-    proc = subprocess.run(
-        train_command(args(tmp_path, synthetic_corpus, "--checkpoint.load_step=4")),
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_training(
+        args(tmp_path, synthetic_corpus, "--checkpoint.load_step=4"), timeout=300, check=False
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"checkpoint error: checkpoint.load_step = 4: {shard}: checksum" in proc.stderr

@@ -97,6 +97,21 @@ def _bwd_row_tile(
 
 
 @triton.jit
+def _store_dx(
+    DX, DH_OUT, dx, rows64, cols, mask, stride_dx, stride_dh_out, HAS_DH_OUT: tl.constexpr
+):
+    """Stores dx, plus the gradient reaching the residual sum h directly when there is one."""
+    if HAS_DH_OUT:
+        dh_out = tl.load(
+            DH_OUT + rows64[:, None] * stride_dh_out + cols[None, :], mask=mask, other=0.0
+        )
+        dx += dh_out.to(tl.float32)
+    tl.store(
+        DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask
+    )
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     DY, H, W, MEAN, RSTD, DH_OUT, DX, DW_PARTIAL, DB_PARTIAL, M, N,
     stride_dy, stride_h, stride_dh_out, stride_dx,
@@ -121,14 +136,7 @@ def _layer_norm_bwd_kernel(
         c1 = tl.sum(xhat * wdy, axis=1) / N
         c2 = tl.sum(wdy, axis=1) / N
         dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        if HAS_DH_OUT:
-            dh_out = tl.load(
-                DH_OUT + rows64[:, None] * stride_dh_out + cols[None, :], mask=mask, other=0.0
-            )
-            dx += dh_out.to(tl.float32)
-        tl.store(
-            DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask
-        )
+        _store_dx(DX, DH_OUT, dx, rows64, cols, mask, stride_dx, stride_dh_out, HAS_DH_OUT)
     tl.store(DW_PARTIAL + pid * N + cols, dw, mask=col_ok)
     tl.store(DB_PARTIAL + pid * N + cols, db, mask=col_ok)
 
@@ -179,14 +187,7 @@ def _layer_norm_bwd_wide_kernel(
         dw += tl.sum(dy * xhat, axis=0)
         db += tl.sum(dy, axis=0)
         dx = (w[None, :] * dy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        if HAS_DH_OUT:
-            dh_out = tl.load(
-                DH_OUT + rows64[:, None] * stride_dh_out + cols[None, :], mask=mask, other=0.0
-            )
-            dx += dh_out.to(tl.float32)
-        tl.store(
-            DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask
-        )
+        _store_dx(DX, DH_OUT, dx, rows64, cols, mask, stride_dx, stride_dh_out, HAS_DH_OUT)
     tl.store(DW_PARTIAL + group * N + cols, dw, mask=col_ok)
     tl.store(DB_PARTIAL + group * N + cols, db, mask=col_ok)
 

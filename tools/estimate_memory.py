@@ -11,9 +11,10 @@ Takes the trainer's own config (--config FILE and any --section.key=value), so w
 is what runs. Prints, for the pipeline rank that needs the most memory, every component
 (weights, gradients, AdamW moments, gathered weights, activations, loss buffers, pipeline
 buffers, framework overhead) with its formula, the total, and the largest micro batch that fits
---device-memory-gib. The formulas are in the bloomnative/parallel/memory_estimate/ package (a
-module per component) and docs/performance.md. --layouts instead plans every
-dp_shard x cp x tp x pp split of --world-size devices and lists them, those that fit first.
+--device-memory-gib. The formulas are in the bloomnative/parallel/memory_estimate/ package
+(inputs, model_states, activations, pipeline_buffers, rank_estimate, from_config) and
+docs/performance.md. --layouts instead plans every dp_shard x cp x tp x pp split of
+--world-size devices and lists them, those that fit first.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import sys
 from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
 from bloomnative.parallel import memory_estimate as me
 from bloomnative.parallel.dims import LayoutError
-from bloomnative.parallel.memory_estimate.auto_recompute import with_recompute
 
 
 def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         layout = dataclasses.replace(layout, pp_keeps_outputs=known.pp_return_outputs == "true")
         auto = config.activation_checkpoint.mode == "auto"
         workload = me.workload_from_config(
-            with_recompute(config, None),
+            me.with_recompute(config, None),
             layout,
             known.device_type,
             known.attention_memory,

@@ -22,10 +22,10 @@ from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.context_parallel import shard_sequence
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
 from bloomnative.parallel.layout_check import pipeline_microbatches
-from bloomnative.parallel.memory_estimate import compiles_the_loss
-from bloomnative.parallel.memory_estimate.auto_recompute import (
+from bloomnative.parallel.memory_estimate import (
     RecomputeChoice,
     auto_recompute,
+    compiles_the_loss,
     with_recompute,
 )
 from bloomnative.parallel.parallelize import parallelize_part
@@ -210,7 +210,8 @@ class Trainer:
             for part in parts:
                 part.head_in_loss = True
         # Compiled, the cross-entropy reads the logits in their dtype and keeps them for a
-        # one-pass backward, instead of two fp32 [tokens, vocab] copies (memory_estimate.loss).
+        # one-pass backward, instead of two fp32 [tokens, vocab] copies
+        # (memory_estimate.loss_transient).
         self._cross_entropy_sum = (
             torch.compile(cross_entropy_sum)
             if compiles_the_loss(cfg, self.dims.tp)

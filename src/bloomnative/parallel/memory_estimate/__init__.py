@@ -29,47 +29,31 @@ Sources
 Checked against CPU measurements within 15% (tests/perf/test_memory_measured.py) and against
 BLOOM-176B's published figures (docs/performance.md).
 
-Modules: `inputs` (layout, workload, overhead, precision), `from_config`, `parameters`,
-`components`, `recompute`, `model_states`, `activations`, `loss`, `backward`,
-`pipeline_buffers`, `stage_activations`, `rank_estimate` (assembly, `estimate`), `search`
-(largest micro batch, least recompute) and `auto_recompute` (activation_checkpoint.mode =
-"auto"). Everything public is re-exported here.
+Modules: `inputs` (layout, workload, overhead, precision, components), `model_states`
+(parameters and their ZeRO/FSDP sharding), `activations` (per-micro-batch terms and the loss),
+`pipeline_buffers`, `rank_estimate` (assembly, `estimate`, and the searches for the largest
+micro batch and the least recompute that fit) and `from_config` (a config's layout and workload,
+and activation_checkpoint.mode = "auto"). Exported here: what the trainer, preflight, the tools
+and the tests use.
 """
 
 from bloomnative.parallel.memory_estimate.activations import (
-    attention_terms,
     block_activation_terms,
-    checkpointed_block_terms,
-    embedding_terms,
-    head_terms,
-)
-from bloomnative.parallel.memory_estimate.auto_recompute import (
-    RecomputeChoice,
-    choose_recompute,
-    least_recompute_or_raise,
-)
-from bloomnative.parallel.memory_estimate.backward import (
-    block_backward_buffers,
-    ring_attention_buffers,
-)
-from bloomnative.parallel.memory_estimate.components import (
-    ActivationTerm,
-    Component,
+    loss_saved_terms,
+    loss_transient,
 )
 from bloomnative.parallel.memory_estimate.from_config import (
-    attention_memory_kind,
+    RecomputeChoice,
+    auto_recompute,
     compiles_the_loss,
     layout_from_config,
+    least_recompute_or_raise,
     local_batch_size,
+    with_recompute,
     workload_from_config,
 )
 from bloomnative.parallel.memory_estimate.inputs import (
     ATTENTION_MEMORY,
-    BF16,
-    FP32,
-    INT64,
-    OPTIMIZER_IMPLS,
-    PIPELINE_SCHEDULES,
     RECOMPUTE_MODES,
     GiB,
     Layout,
@@ -77,25 +61,13 @@ from bloomnative.parallel.memory_estimate.inputs import (
     PlanError,
     Precision,
     Workload,
-)
-from bloomnative.parallel.memory_estimate.loss import (
-    fused_loss_chunk_rows,
-    local_vocab,
-    loss_saved_terms,
-    loss_transient,
+    recompute_options,
 )
 from bloomnative.parallel.memory_estimate.model_states import (
-    gradients_persist,
-    model_state_components,
-)
-from bloomnative.parallel.memory_estimate.parameters import (
     ParamTensor,
     block_parameters,
     rank_parameters,
-    rank_stage_ids,
     stage_blocks,
-    stage_parameters,
-    unit_numels,
 )
 from bloomnative.parallel.memory_estimate.pipeline_buffers import (
     in_flight_microbatches,
@@ -103,71 +75,44 @@ from bloomnative.parallel.memory_estimate.pipeline_buffers import (
 from bloomnative.parallel.memory_estimate.rank_estimate import (
     Plan,
     RankEstimate,
-    activation_terms_for,
     estimate,
     estimate_rank,
-    validate_plan,
-)
-from bloomnative.parallel.memory_estimate.recompute import (
-    recompute_options,
-)
-from bloomnative.parallel.memory_estimate.search import (
     largest_fitting_micro_batch,
     least_recompute_that_fits,
+    ring_attention_buffers,
 )
 
 __all__ = [
-    "GiB",
-    "FP32",
-    "BF16",
-    "INT64",
-    "RECOMPUTE_MODES",
-    "ATTENTION_MEMORY",
-    "OPTIMIZER_IMPLS",
-    "PIPELINE_SCHEDULES",
-    "PlanError",
-    "Layout",
-    "Workload",
-    "Overhead",
-    "attention_memory_kind",
-    "compiles_the_loss",
-    "layout_from_config",
-    "local_batch_size",
-    "workload_from_config",
-    "ParamTensor",
-    "block_parameters",
-    "stage_blocks",
-    "stage_parameters",
-    "rank_stage_ids",
-    "rank_parameters",
-    "unit_numels",
-    "Component",
-    "ActivationTerm",
-    "Precision",
-    "model_state_components",
-    "gradients_persist",
-    "attention_terms",
     "block_activation_terms",
-    "checkpointed_block_terms",
-    "embedding_terms",
-    "head_terms",
-    "local_vocab",
-    "fused_loss_chunk_rows",
     "loss_saved_terms",
     "loss_transient",
-    "block_backward_buffers",
-    "ring_attention_buffers",
-    "in_flight_microbatches",
-    "RankEstimate",
-    "activation_terms_for",
-    "validate_plan",
-    "estimate_rank",
-    "Plan",
-    "estimate",
-    "largest_fitting_micro_batch",
-    "recompute_options",
-    "least_recompute_that_fits",
     "RecomputeChoice",
-    "choose_recompute",
+    "auto_recompute",
+    "compiles_the_loss",
+    "layout_from_config",
     "least_recompute_or_raise",
+    "local_batch_size",
+    "with_recompute",
+    "workload_from_config",
+    "ATTENTION_MEMORY",
+    "RECOMPUTE_MODES",
+    "GiB",
+    "Layout",
+    "Overhead",
+    "PlanError",
+    "Precision",
+    "Workload",
+    "recompute_options",
+    "ParamTensor",
+    "block_parameters",
+    "rank_parameters",
+    "stage_blocks",
+    "in_flight_microbatches",
+    "Plan",
+    "RankEstimate",
+    "estimate",
+    "estimate_rank",
+    "largest_fitting_micro_batch",
+    "least_recompute_that_fits",
+    "ring_attention_buffers",
 ]

@@ -1,5 +1,6 @@
-"""What the planner is given: the layout over devices, the workload of one data-parallel rank,
-the framework overhead, and the bytes per element they imply."""
+"""What the planner is given and what an estimate is made of: the layout over devices, the
+workload of one data-parallel rank, the framework overhead, the bytes per element they imply,
+which blocks are recomputed, and the named components and activation terms an estimate lists."""
 
 from __future__ import annotations
 
@@ -147,3 +148,49 @@ class Precision:
         bf16 = workload.precision == "bf16"
         fsdp = layout.zero_stage in (2, 3) and uses_fsdp(layout.dp * layout.cp, bf16)
         return cls(compute=BF16 if bf16 else FP32, fsdp=fsdp)
+
+
+@dataclass(frozen=True)
+class Component:
+    """A named amount of memory, the moment it is counted in, and how it was computed."""
+
+    name: str
+    bytes: int
+    phase: str
+    """"resident", "fwd_bwd" (the forward/backward peak), "step_end" (after the backward:
+    merged pipeline outputs, clipping, the optimizer step) or "host" (offloaded to CPU memory,
+    not counted in the device's)."""
+    formula: str
+
+    @property
+    def gib(self) -> float:
+        return self.bytes / GiB
+
+
+@dataclass(frozen=True)
+class ActivationTerm:
+    """One tensor kept for backward, per micro batch: elements x bytes per element."""
+
+    name: str
+    elements: int
+    bytes_per_element: int
+    source: str
+    """Korthikanti et al. 2022's term it corresponds to, or why it is added."""
+
+    @property
+    def bytes(self) -> int:
+        return self.elements * self.bytes_per_element
+
+
+def is_checkpointed(index: int, workload: Workload) -> bool:
+    """Mirrors `apply_activation_checkpointing`: every block, or indices divisible by every."""
+    if workload.recompute == "full":
+        return True
+    return workload.recompute == "selective" and index % workload.recompute_every == 0
+
+
+def recompute_options(n_layer: int) -> list[tuple[str, int]]:
+    """From least to most recompute: none, selective every n_layer ... every 2, full."""
+    options = [("none", 0)]
+    options += [("selective", every) for every in range(n_layer, 1, -1)]
+    return options + [("full", 1)]

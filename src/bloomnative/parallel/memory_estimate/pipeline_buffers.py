@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from bloomnative.model.args import BloomArgs
 from bloomnative.parallel.memory_estimate.activations import (
+    local_vocab,
     micro_batch_tokens,
     residual_stream_elements,
 )
-from bloomnative.parallel.memory_estimate.components import Component
 from bloomnative.parallel.memory_estimate.inputs import (
     PIPELINE_SCHEDULES,
+    Component,
     Layout,
     PlanError,
     Precision,
     Workload,
 )
-from bloomnative.parallel.memory_estimate.loss import local_vocab
 
 
 def in_flight_microbatches(layout: Layout, microbatches: int, pp_rank: int) -> list[int]:

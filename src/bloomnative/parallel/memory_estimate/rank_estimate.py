@@ -1,11 +1,15 @@
-"""The per-rank estimate: every component of one pipeline rank's memory, its peak, and the
-plan of all ranks."""
+"""The per-rank estimate: one stage's stored activations and the backward's working set, every
+component of one pipeline rank's memory and its peak, the plan of all ranks, and the searches
+over it (the largest micro batch that fits, the least activation checkpointing that fits)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from bloomnative.model.args import BloomArgs
+from bloomnative.parallel.dims import LayoutError
 from bloomnative.parallel.layout_check import (
     check_context_parallel,
     check_pipeline_microbatches,
@@ -17,26 +21,181 @@ from bloomnative.parallel.memory_estimate.activations import (
     checkpointed_block_terms,
     embedding_terms,
     head_terms,
+    loss_saved_terms,
+    loss_transient,
+    micro_batch_tokens,
 )
-from bloomnative.parallel.memory_estimate.backward import backward_transient
-from bloomnative.parallel.memory_estimate.components import ActivationTerm, Component
 from bloomnative.parallel.memory_estimate.inputs import (
+    FP32,
     OPTIMIZER_IMPLS,
     RECOMPUTE_MODES,
+    ActivationTerm,
+    Component,
     Layout,
     Overhead,
     PlanError,
     Precision,
     Workload,
+    is_checkpointed,
+    recompute_options,
 )
-from bloomnative.parallel.memory_estimate.loss import loss_saved_terms
-from bloomnative.parallel.memory_estimate.model_states import model_state_components
-from bloomnative.parallel.memory_estimate.parameters import rank_parameters, rank_stage_ids
+from bloomnative.parallel.memory_estimate.model_states import (
+    ParamTensor,
+    gradients_persist,
+    model_state_components,
+    rank_parameters,
+    rank_stage_ids,
+    stage_blocks,
+    unit_numels,
+)
 from bloomnative.parallel.memory_estimate.pipeline_buffers import (
     in_flight_microbatches,
     pipeline_buffer_components,
 )
-from bloomnative.parallel.memory_estimate.stage_activations import stage_activation_components
+
+
+def _sum(terms: Iterable[ActivationTerm]) -> int:
+    return sum(t.bytes for t in terms)
+
+
+def stage_activation_components(
+    args: BloomArgs,
+    layout: Layout,
+    workload: Workload,
+    prec: Precision,
+    stage_id: int,
+    in_flight: int,
+    terms: dict[str, list[ActivationTerm]],
+) -> tuple[list[Component], int]:
+    """Stored activations of one stage for its in-flight micro batches, and the stage's
+    backward working set (one recomputed block, if any, plus gradient buffers)."""
+    first, last = stage_id == 0, stage_id == layout.num_stages - 1
+    blocks = stage_blocks(args, layout, stage_id)
+    recomputed = sum(is_checkpointed(i, workload) for i in blocks)
+    full = len(blocks) - recomputed
+    block_bytes = _sum(terms["block"])
+    ckpt_bytes = _sum(terms["checkpointed block"])
+    per_microbatch = full * block_bytes + recomputed * ckpt_bytes
+    detail = f"{in_flight} micro batch(es) x ({full} blocks x {block_bytes / 2**20:.1f} MiB"
+    if recomputed:
+        detail += f" + {recomputed} checkpointed x {ckpt_bytes / 2**20:.1f} MiB"
+    detail += ")"
+    components = [
+        Component(
+            f"activations: stage {stage_id} blocks", in_flight * per_microbatch, "fwd_bwd", detail
+        )
+    ]
+    if first:
+        components.append(
+            Component(
+                "activations: embedding",
+                in_flight * _sum(terms["embedding"]),
+                "fwd_bwd",
+                "token ids + embedding LayerNorm input",
+            )
+        )
+    if last:
+        components.append(
+            Component(
+                "activations: final LayerNorm + head input",
+                in_flight * _sum(terms["head"]),
+                "fwd_bwd",
+                "ln_f input + lm_head input",
+            )
+        )
+        # In a pipeline the logits are the stage's output, held by the schedule (see
+        # `pipeline_buffers.pipeline_buffer_components`); without one, the trainer holds them.
+        loss_terms = [t for t in terms["loss"] if layout.pp == 1 or t.name != "logits"]
+        components.append(
+            Component(
+                "loss: " + " + ".join(t.name for t in loss_terms),
+                in_flight * _sum(loss_terms),
+                "fwd_bwd",
+                f"{in_flight} x (" + " + ".join(t.source for t in loss_terms) + ")",
+            )
+        )
+    working = block_backward_buffers(args, layout, workload, prec)
+    if recomputed:
+        working += block_bytes
+    return components, working
+
+
+def block_backward_buffers(
+    args: BloomArgs, layout: Layout, workload: Workload, prec: Precision
+) -> int:
+    """Gradient buffers alive while one block back-propagates (an approximation): the two
+    largest activation gradients of the block (the MLP's 4h-wide ones, or the softmax's with
+    materialized attention), or the ring attention's buffers with context parallelism, and the
+    residual-stream gradient in and out."""
+    tokens = micro_batch_tokens(layout, workload)
+    mlp = 2 * tokens * (4 * args.hidden_size // layout.tp) * prec.compute
+    heads = args.n_head // layout.tp
+    scores = 2 * workload.micro_batch * heads * workload.seq_len**2 * prec.compute
+    materialized = layout.cp == 1 and workload.attention in ("materialized", "cpu_math")
+    ring = ring_attention_buffers(args, layout, workload, prec)
+    widest = max(mlp, scores if materialized else 0, ring)
+    stream = 2 * tokens * args.hidden_size // layout.sequence_shards * prec.compute
+    return widest + stream
+
+
+def ring_attention_buffers(
+    args: BloomArgs, layout: Layout, workload: Workload, prec: Precision
+) -> int:
+    """Bytes the ring attention's backward holds at once (parallel/context_parallel.py), with
+    T = b*s/cp local tokens and h/t local width: the local K/V stacked and the next step's
+    received copy (4Th/t, compute dtype), the travelling fp32 dK/dV accumulator and the one
+    received (16Th/t), the fp32 dQ accumulator (4Th/t), one block's dq, dk, dv (1.5Th/t, compute
+    dtype) and the kernel's fp32 dQ buffer for it (2Th/t). The "sdpa" backend's blocks also
+    materialise fp32 scores, probabilities and their gradients, 4 x [b, heads/t, C, C] with
+    C = s/(2cp), plus the bias block. 0 without context parallelism."""
+    if layout.cp == 1:
+        return 0
+    width = micro_batch_tokens(layout, workload) * args.hidden_size // layout.tp
+    total = int((5.5 * prec.compute + 22) * width)
+    if workload.attention != "flash":
+        chunk = workload.seq_len // (2 * layout.cp)
+        heads = args.n_head // layout.tp
+        total += FP32 * (4 * workload.micro_batch + 1) * heads * chunk * chunk
+    return total
+
+
+def backward_transient(
+    args: BloomArgs,
+    layout: Layout,
+    workload: Workload,
+    prec: Precision,
+    params: list[ParamTensor],
+    stage_ids: list[int],
+    block_working: int,
+    device_type: str,
+) -> Component:
+    """The larger of the loss's buffers (last stage) and the block backward working set. The
+    latter also holds the root unit's gradients (produced by the head, first in backward) and,
+    under FSDP, one block's unsharded gradient plus its fp32 reduce-scatter input."""
+    units = unit_numels(params)
+    root_grad_bytes = prec.compute if prec.fsdp or layout.zero_stage == 1 else FP32
+    working = block_working
+    parts = ["block backward buffers"]
+    if prec.fsdp or not gradients_persist(layout, workload):
+        working += root_grad_bytes * units.get("root", 0)
+        parts.append("root-unit grads")
+    if prec.fsdp:
+        largest_block = max((n for u, n in units.items() if u != "root"), default=0)
+        working += (prec.compute + FP32) * largest_block
+        parts.append("one block's unsharded grad + fp32 reduce-scatter input")
+        if layout.zero_stage == 3:
+            working += 2 * prec.compute * largest_block
+            parts.append("current + prefetched block re-gathered")
+    candidates = [Component("backward working set", working, "fwd_bwd", " + ".join(parts))]
+    if layout.num_stages - 1 in stage_ids:
+        candidates.append(loss_transient(args, layout, workload, prec, device_type))
+    worst = max(candidates, key=lambda c: c.bytes)
+    return Component(
+        f"backward transient: {worst.name}",
+        worst.bytes,
+        "fwd_bwd",
+        worst.formula + " (largest of: " + ", ".join(c.name for c in candidates) + ")",
+    )
 
 
 @dataclass
@@ -172,3 +331,54 @@ def estimate(
     return Plan(
         [estimate_rank(args, layout, workload, r, overhead, device_type) for r in range(layout.pp)]
     )
+
+
+def largest_fitting_micro_batch(
+    args: BloomArgs,
+    layout: Layout,
+    workload: Workload,
+    device_bytes: int,
+    local_batch: int,
+    overhead: Overhead | None = None,
+    device_type: str = "cuda",
+) -> tuple[int, Plan | None]:
+    """The largest micro batch dividing `local_batch` (samples per data-parallel rank per step)
+    whose worst rank fits in `device_bytes`, and its plan; (0, None) if none fits."""
+    best: tuple[int, Plan | None] = (0, None)
+    for micro in range(1, local_batch + 1):
+        if local_batch % micro:
+            continue
+        try:
+            check_pipeline_microbatches(local_batch // micro, layout.pp, layout.pp_schedule)
+        except LayoutError:
+            continue
+        candidate = dataclasses.replace(
+            workload, micro_batch=micro, microbatches=local_batch // micro
+        )
+        plan = estimate(args, layout, candidate, overhead, device_type)
+        if plan.worst.device_bytes <= device_bytes:
+            best = (micro, plan)
+    return best
+
+
+def least_recompute_that_fits(
+    args: BloomArgs,
+    layout: Layout,
+    workload: Workload,
+    device_bytes: int,
+    overhead: Overhead | None = None,
+    device_type: str = "cuda",
+) -> tuple[Workload, Plan] | None:
+    """The activation-checkpointing setting with the least recomputation that fits: recompute
+    costs a forward per checkpointed block, so fewer checkpointed blocks is faster."""
+    seen_counts = set()
+    for mode, every in recompute_options(args.n_layer):
+        candidate = dataclasses.replace(workload, recompute=mode, recompute_every=max(every, 1))
+        checkpointed = sum(is_checkpointed(i, candidate) for i in range(args.n_layer))
+        if checkpointed in seen_counts:
+            continue  # same blocks checkpointed as a cheaper option already tried
+        seen_counts.add(checkpointed)
+        plan = estimate(args, layout, candidate, overhead, device_type)
+        if plan.worst.device_bytes <= device_bytes:
+            return candidate, plan
+    return None

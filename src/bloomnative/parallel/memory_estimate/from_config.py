@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bloomnative.config import Config, ParallelismConfig, model_args_from_config
-from bloomnative.model.args import BloomArgs
+from bloomnative.model.args import ATTENTION_BACKENDS, BloomArgs
 from bloomnative.parallel.dims import ParallelDims
 from bloomnative.parallel.layout_check import check_layout, pipeline_microbatches
 from bloomnative.parallel.memory_estimate.inputs import GiB, Layout, Overhead, PlanError, Workload
@@ -22,7 +22,8 @@ def attention_memory_kind(backend: str, device_type: str, cp: int = 1) -> str:
         return "flash"
     if backend in ("sdpa", "auto"):  # "auto" may resolve to sdpa: plan for its footprint
         return "sdpa_efficient" if device_type == "cuda" else "cpu_math"
-    raise PlanError(f"unknown attention backend {backend!r}; valid: sdpa, flex, triton, auto")
+    valid = ", ".join((*ATTENTION_BACKENDS, "auto"))
+    raise PlanError(f"unknown attention backend {backend!r}; valid: {valid}")
 
 
 def layout_from_config(par: ParallelismConfig, world_size: int = 0) -> Layout:

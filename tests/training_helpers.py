@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,21 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from bloomnative.data import IndexedDatasetBuilder
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_tool(name: str):
+    """tools/<name>.py as a module, importable as `python tools/<name>.py` runs it: tools/ is on
+    sys.path (for its siblings) and the module is in sys.modules (dataclasses resolve their
+    annotations through it)."""
+    tools = str(REPO / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 # A 4-block model small enough for 8 CPU processes; fp32; no validation, no TensorBoard.
 TINY_RUN = [

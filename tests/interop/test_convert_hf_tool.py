@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,21 +12,14 @@ from hf_testing import make_hf_bloom, relative_error, save_hf_bloom, tokens, tra
 from bloomnative.interop import CheckpointFormatError, load_hf_model, load_native_model
 from bloomnative.model.state import load_model_state, model_state
 from bloomnative.train import checkpoint as ckpt
+from training_helpers import load_tool
 
-REPO = Path(__file__).resolve().parents[2]
 SHAPE = dict(hidden_size=96, n_head=3, n_layer=2, vocab_size=120)
 # The trainer's checkpoint functions, used here without a process group, say so.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("convert_hf", REPO / "tools" / "convert_hf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-convert_hf = load_tool()
+convert_hf = load_tool("convert_hf")
 
 
 @pytest.fixture

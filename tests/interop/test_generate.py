@@ -4,7 +4,6 @@ by save_pretrained_hf), against transformers' own generate for greedy decoding."
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 
@@ -19,21 +18,14 @@ from bloomnative.generate import (
     next_token,
     print_final_sample,
 )
-from training_helpers import REPO, SAMPLE_PROMPT
+from training_helpers import REPO, SAMPLE_PROMPT, load_tool
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 PROMPT = SAMPLE_PROMPT
 SAMPLE_FLAGS = ["--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "40"]
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("generate_tool", REPO / "tools" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-generate_tool = load_tool()
+generate_tool = load_tool("generate")
 
 
 def run_tool(args: list[str], capsys) -> tuple[int, str, str]:

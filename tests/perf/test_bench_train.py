@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -12,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from training_helpers import REPO, load_tool
+
 SMALL_RUN = [
     "--training.seq_len=128",
     "--training.global_batch_size=8",
@@ -131,17 +131,8 @@ def test_bench_train_reports_torchtitan_llama3_with_its_own_flops(tmp_path):
     )
 
 
-def load_tool():
-    sys.path.insert(0, str(REPO / "tools"))  # bench_train imports its sibling train_baselines
-    spec = importlib.util.spec_from_file_location("bench_train", REPO / "tools/bench_train.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bench_train_rejects_bad_flags(capsys):
-    bench = load_tool()
+    bench = load_tool("bench_train")
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--steps=0"])
     assert exit_info.value.code == 2

@@ -4,10 +4,7 @@ real model's parameters."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +12,7 @@ import torch
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.parallel import LayoutError
 from bloomnative.parallel import memory_estimate as me
-
-REPO = Path(__file__).resolve().parents[2]
+from training_helpers import REPO, load_tool
 
 # h = 8: a block has 12h^2 + 13h = 872 parameters; embedding 16 x 8 = 128; each LayerNorm 16.
 TINY = BloomArgs(n_layer=4, hidden_size=8, n_head=2, vocab_size=16)
@@ -323,19 +319,10 @@ def test_bloom_176b_as_trained_matches_the_published_figures():
 # ----------------------------------------------------------------------------- the CLI
 
 
-def load_cli():
-    path = REPO / "tools" / "estimate_memory.py"
-    spec = importlib.util.spec_from_file_location("estimate_memory", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_cli_writes_a_plan_as_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     argv = ["--config", str(REPO / "configs/bloom-1b7.toml"), "--model.attention=triton"]
-    assert load_cli().main(argv + ["--world-size=8", "--json", str(out)]) == 0
+    assert load_tool("estimate_memory").main(argv + ["--world-size=8", "--json", str(out)]) == 0
     plan = json.loads(out.read_text())
     assert plan["layout"]["dp_shard"] == 8
     worst = plan["worst_rank"]
@@ -368,7 +355,7 @@ def test_cli_lists_the_layouts_that_fit_bloom_7b1_at_seq_16384_on_8_gpus(capsys)
         "--world-size=8",
         "--layouts",
     ]
-    assert load_cli().main(argv) == 0
+    assert load_tool("estimate_memory").main(argv) == 0
     listed = [line for line in capsys.readouterr().out.splitlines() if "  dp_shard" in line]
     refused = [line for line in listed if ":" in line]  # with the reason
     rows = [line.split() for line in listed if ":" not in line]
@@ -383,5 +370,5 @@ def test_cli_lists_the_layouts_that_fit_bloom_7b1_at_seq_16384_on_8_gpus(capsys)
 
 def test_cli_reports_an_impossible_layout(capsys):
     argv = ["--config", str(REPO / "configs/bloom-1b7.toml"), "--parallelism.tp=3"]
-    assert load_cli().main(argv) == 2
+    assert load_tool("estimate_memory").main(argv) == 2
     assert "tp = 3" in capsys.readouterr().err

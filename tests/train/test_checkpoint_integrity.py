@@ -5,7 +5,6 @@ aside, and tools/verify_checkpoint.py reports one line per file."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import zlib
@@ -20,17 +19,10 @@ from bloomnative.checkpoint_integrity import RECORD
 from bloomnative.interop import save_native_checkpoint
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.train import checkpoint as ckpt
-from training_helpers import REPO, flip_bytes
+from training_helpers import flip_bytes, load_tool
 
 # DCP says so when it runs without a process group, as it does here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 verify_checkpoint = load_tool("verify_checkpoint")

@@ -133,19 +133,6 @@ def train_command(args: list[str], nproc: int = 0, max_restarts: int = 0) -> lis
     return [sys.executable, "-m", "bloomnative.train.main", *args]
 
 
-def worker_pids(launcher_pid: int) -> list[int]:
-    """The live child processes of a torchrun launcher (its workers), by ascending pid."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:  # the process ended while we looked
-            continue
-        if int(fields[1]) == launcher_pid and fields[0] != "Z":
-            children.append(int(stat.parent.name))
-    return sorted(children)
-
-
 def run_training(
     args: list[str], nproc: int = 0, timeout: int = 600, check: bool = True
 ) -> subprocess.CompletedProcess:

@@ -36,7 +36,7 @@ from bloomnative.data import (
     build_sample_index,
     check_indexed_dataset,
 )
-from bloomnative.data.indexed_format import HEADER, MAGIC, VERSION, dtype_code
+from bloomnative.data.indexed_format import write_index
 from bloomnative.data.preprocess import PreprocessConfig, preprocess
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "pydocs"
@@ -204,15 +204,8 @@ def write_synthetic_dataset(prefix: str, sizes: np.ndarray, dtype: np.dtype, voc
         for start in range(0, total, 1 << 26):
             count = min(1 << 26, total - start)
             f.write(rng.integers(0, vocab, count, dtype=np.int64).astype(dtype).tobytes())
-    pointers = np.zeros(len(sizes), np.int64)
-    np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
-    pointers *= np.dtype(dtype).itemsize
-    header = HEADER.pack(MAGIC, VERSION, dtype_code(dtype), len(sizes), len(sizes) + 1)
     with open(prefix + ".idx", "wb") as f:
-        f.write(header)
-        f.write(sizes.astype("<i4").tobytes())
-        f.write(pointers.astype("<i8").tobytes())
-        f.write(np.arange(len(sizes) + 1, dtype="<i8").tobytes())
+        write_index(f, sizes, np.arange(len(sizes) + 1), np.dtype(dtype))
 
 
 def evict_from_page_cache(prefix: str) -> None:
@@ -225,7 +218,6 @@ def evict_from_page_cache(prefix: str) -> None:
 
 def bench_check(folder: str | None) -> None:
     sizes = synthetic_sizes(2_000_000, 1_000_000_000)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     print(
         "| tokens | dtype, vocab | .bin GB | check, page cache (s) | check, from disk (s) | "
         "preflight command, page cache (s) |\n| --- | --- | --- | --- | --- | --- |"
@@ -243,9 +235,7 @@ def bench_check(folder: str | None) -> None:
                 sys.executable, "-m", "bloomnative.train.preflight", f"--data.blend={prefix}",
                 f"--model.vocab_size={vocab}", "--data.tokenizer=",
             ]  # fmt: skip
-            whole = timed(
-                lambda c=command: subprocess.run(c, env=env, check=True, capture_output=True), 3
-            )
+            whole = timed(lambda c=command: subprocess.run(c, check=True, capture_output=True), 3)
             gb = os.path.getsize(prefix + ".bin") / 1e9
             print(
                 f"| {int(sizes.sum()):,} | {dtype}, {vocab:,} | {gb:.1f} | {warm:.2f} | "
@@ -253,12 +243,13 @@ def bench_check(folder: str | None) -> None:
             )
 
 
+# Each section, given the parsed command line.
 SECTIONS = {
-    "preprocess": None,
-    "index": bench_index,
-    "blend": bench_blend,
-    "loader": bench_loader,
-    "check": None,
+    "preprocess": lambda args: bench_preprocess(args.workers),
+    "index": lambda args: bench_index(),
+    "blend": lambda args: bench_blend(),
+    "loader": lambda args: bench_loader(),
+    "check": lambda args: bench_check(args.tmp),
 }
 
 
@@ -279,12 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for section in args.only:
         print(f"### {section}\n")
-        if section == "preprocess":
-            bench_preprocess(args.workers)
-        elif section == "check":
-            bench_check(args.tmp)
-        else:
-            SECTIONS[section]()
+        SECTIONS[section](args)
         print()
     return 0
 

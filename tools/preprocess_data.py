@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-# Run from a checkout without installing: the package lives in ../src.
 from bloomnative.data.preprocess import (
     BadLineError,
     PreprocessConfig,

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -182,14 +183,7 @@ def write_record(folder: Path, sums: dict[str, FileSum]) -> None:
             name: {"bytes": s.size, "checksum": s.hex()} for name, s in sorted(files.items())
         },
     }
-    temporary = folder / f"{RECORD}.tmp"
-    with open(temporary, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    temporary.rename(folder / RECORD)
-    _fsync_dir(folder)
+    write_json_durably(folder / RECORD, record)
 
 
 def read_record(folder: Path) -> dict[str, FileSum] | None:
@@ -270,6 +264,33 @@ def share_of_files(record: dict[str, FileSum], rank: int, world_size: int) -> li
         if owner == rank:
             mine.append(name)
     return mine
+
+
+def gather_sums(
+    sums: dict[str, FileSum], group: dist.ProcessGroup | None = None
+) -> dict[str, FileSum] | None:
+    """Every rank's file sums (each rank's own files) merged on rank 0, for `write_record`; None
+    on the other ranks. Without a process group, `sums` itself. Collective over `group`."""
+    if not dist.is_initialized():
+        return sums
+    every_rank = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(sums, every_rank, dst=0, group=group)
+    if every_rank is None:
+        return None
+    return {name: s for rank_sums in every_rank for name, s in rank_sums.items()}
+
+
+def write_json_durably(path: Path, obj: object) -> None:
+    """Writes `obj` as JSON to `path` so that a crash leaves the old file or the new one, never
+    a torn one: a temporary file, fsync, rename, fsync of the folder."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    temporary.rename(path)
+    _fsync_dir(path.parent)
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -40,13 +40,13 @@ import pytest
 import torch
 
 from bloomnative.interop import load_native_model
+from bloomnative.train.launch import children
 from training_helpers import (
     REPO,
     metric_rows,
     run_training,
     train_command,
     train_env,
-    worker_pids,
 )
 
 STEPS = 8
@@ -176,7 +176,7 @@ def test_recipe_killed_mid_rampup_resumes_under_torchrun_with_identical_losses(r
             assert time.monotonic() < deadline, "the resumed job did not reach step 5"
             time.sleep(0.05)
         assert not (dump / "checkpoints" / "step-6").exists()
-        os.kill(worker_pids(launcher.pid)[5], signal.SIGKILL)  # while step 6 trains
+        os.kill(children(launcher.pid)[5], signal.SIGKILL)  # while step 6 trains
         _, stderr = launcher.communicate(timeout=600)
     finally:
         if launcher.poll() is None:

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from training_helpers import TINY_RUN, losses_by_step, train_command, train_env, worker_pids
+from bloomnative.train.launch import children
+from training_helpers import TINY_RUN, losses_by_step, train_command, train_env
 
 STEPS = 4
 # Far above what a dead rank may cost: waiting for the collective timeout, or for torchrun's
@@ -52,10 +53,10 @@ def test_a_killed_rank_ends_the_attempt_in_seconds_and_torchrun_resumes(tmp_path
     try:
         wait = lambda predicate: _wait_for(predicate, launcher, lines)
         wait(lambda: (tmp_path / "checkpoints" / "step-2").is_dir())
-        workers = worker_pids(launcher.pid)
+        workers = children(launcher.pid)
         killed_at = time.monotonic()
         os.kill(workers[1], signal.SIGKILL)  # a middle rank, mid-step
-        wait(lambda: not set(workers) & set(worker_pids(launcher.pid)))
+        wait(lambda: not set(workers) & set(children(launcher.pid)))
         teardown = time.monotonic() - killed_at
         wait(lambda: any("resumed from" in line for _, line in lines))
         resumed = time.monotonic() - killed_at

@@ -13,13 +13,11 @@ import numpy as np
 
 from bloomnative.data.indexed_dataset import IndexedDataset
 from bloomnative.data.indexed_format import (
-    HEADER,
-    MAGIC,
-    VERSION,
     bin_path,
     dtype_code,
     idx_path,
     optimal_token_dtype,
+    write_index,
 )
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -54,7 +52,7 @@ class IndexedDatasetBuilder:
         if dtype is None:
             dtype = optimal_token_dtype(vocab_size) if vocab_size else np.int32
         self.dtype = np.dtype(dtype)
-        self._code = dtype_code(self.dtype)
+        dtype_code(self.dtype)  # rejects a dtype the format cannot store, before any file exists
         self._sizes = array("i")  # int32 sequence lengths
         self._doc_index = array("q", [0])  # int64 first sequence of each document
         directory = os.path.dirname(os.path.abspath(self.prefix))
@@ -190,15 +188,7 @@ class IndexedDatasetBuilder:
 
     def _write_index(self, stream) -> None:
         sizes = np.frombuffer(self._sizes, dtype=np.int32) if self._sizes else np.empty(0, np.int32)
-        pointers = np.zeros(len(sizes), dtype=np.int64)
-        if len(sizes) > 1:
-            np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
-        pointers *= self.dtype.itemsize
-        doc_index = np.frombuffer(self._doc_index, dtype=np.int64)
-        stream.write(HEADER.pack(MAGIC, VERSION, self._code, len(sizes), len(doc_index)))
-        stream.write(sizes.astype("<i4", copy=False).tobytes())
-        stream.write(pointers.astype("<i8", copy=False).tobytes())
-        stream.write(doc_index.astype("<i8", copy=False).tobytes())
+        write_index(stream, sizes, np.frombuffer(self._doc_index, dtype=np.int64), self.dtype)
 
     def _as_token_array(self, tokens: np.ndarray | list[int]) -> np.ndarray:
         source = np.asarray(tokens)

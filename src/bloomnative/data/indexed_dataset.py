@@ -19,6 +19,7 @@ from bloomnative.data.indexed_format import (
     bin_path,
     idx_path,
     index_file_size,
+    sequence_pointers,
 )
 
 # The magic of Megatron's older non-mmap ("lazy"/"cached") index format.
@@ -231,9 +232,7 @@ def check_indexed_dataset(
             "stored as integers (dtype codes 1-5 and 8)"
         )
     sizes, pointers = dataset.sequence_lengths, dataset.sequence_pointers
-    expected = np.zeros(len(sizes), dtype=np.int64)
-    np.cumsum(sizes[:-1], dtype=np.int64, out=expected[1:])
-    expected *= dataset.dtype.itemsize
+    expected = sequence_pointers(sizes, dataset.dtype.itemsize)
     mismatch = np.flatnonzero(pointers != expected)
     if len(mismatch):
         i = int(mismatch[0])

@@ -65,6 +65,24 @@ def optimal_token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < UINT16_VOCAB_LIMIT else np.dtype(np.int32)
 
 
+def sequence_pointers(sizes: np.ndarray, itemsize: int) -> np.ndarray:
+    """The .idx pointers: each sequence's byte offset in the .bin (int64), the sizes before it
+    times the token size."""
+    pointers = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])
+    return pointers * itemsize
+
+
+def write_index(stream, sizes: np.ndarray, doc_index: np.ndarray, dtype: np.dtype) -> None:
+    """Writes a .idx file to `stream`: header, sizes (int32), pointers (int64) and document
+    index (int64), little-endian."""
+    stream.write(HEADER.pack(MAGIC, VERSION, dtype_code(dtype), len(sizes), len(doc_index)))
+    stream.write(sizes.astype("<i4", copy=False).tobytes())
+    pointers = sequence_pointers(sizes, np.dtype(dtype).itemsize)
+    stream.write(pointers.astype("<i8", copy=False).tobytes())
+    stream.write(doc_index.astype("<i8", copy=False).tobytes())
+
+
 def index_file_size(num_sequences: int, document_index_length: int) -> int:
     """The exact size in bytes of a well-formed .idx file with these counts."""
     return HEADER.size + num_sequences * (4 + 8) + document_index_length * 8

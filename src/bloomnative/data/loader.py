@@ -151,7 +151,7 @@ class PretrainingLoader:
     def _host_batch(self, consumed: int, global_batch_size: int) -> Batch:
         per_rank = global_batch_size // self.dp_size
         if not self._fits(consumed, global_batch_size):
-            last = int(self._positions(consumed + global_batch_size - 1, 1)[0])
+            last = self.position(consumed + global_batch_size - 1)
             skipped = f" (up to position {last}, past skipped windows)" if self.skipped else ""
             raise IndexError(
                 f"the step after {consumed} samples needs samples [{consumed}, "
@@ -189,7 +189,7 @@ class PretrainingLoader:
             )
 
     def _fits(self, consumed: int, global_batch_size: int) -> bool:
-        return self._positions(consumed + global_batch_size - 1, 1)[0] < len(self.dataset)
+        return self.position(consumed + global_batch_size - 1) < len(self.dataset)
 
     def __del__(self) -> None:
         executor = getattr(self, "_executor", None)

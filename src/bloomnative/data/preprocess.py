@@ -107,12 +107,6 @@ def preprocess(
     Raises:
         BadLineError: a bad line without ``skip_bad_lines``; nothing is written in that case.
     """
-    progress = _Progress(
-        progress_stream or sys.stderr,
-        config.log_interval,
-        sum(os.path.getsize(path) for path in config.inputs if os.path.isfile(path)),
-    )
-    log = progress.interrupting(log or _print_to_stderr)
     if config.workers < 1:
         raise ValueError(f"workers must be at least 1, got {config.workers}")
     if not config.json_keys:
@@ -120,6 +114,9 @@ def preprocess(
     for path in config.inputs:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"input file {path!r} does not exist")
+    total_bytes = sum(os.path.getsize(path) for path in config.inputs)
+    progress = _Progress(progress_stream or sys.stderr, config.log_interval, total_bytes)
+    log = progress.interrupting(log or _print_to_stderr)
     tokenizer = load_tokenizer(config.tokenizer, config.eod_token)  # fail early, in this process
     dtype = optimal_token_dtype(tokenizer.vocab_size)
     encoder_args = _EncoderArgs(
@@ -380,9 +377,7 @@ class _Progress:
     def finish(self, summary: PreprocessSummary) -> None:
         """Shows the final state and ends the line, so what follows starts on a new one."""
         if self.enabled and self.last_shown is not None:
-            self.last_shown = None
-            self.maybe_show(summary, self.position)
-            self.stream.write("\n")
+            self.stream.write("\r" + self.describe(summary, self.elapsed()) + "\x1b[K\n")
             self.stream.flush()
             self.last_shown = None
 

@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from bloomnative.checkpoint_integrity import ChecksummingWriter, write_record
+from bloomnative.checkpoint_integrity import ChecksummingWriter, gather_sums, write_record
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.model.args import PRESETS
 from bloomnative.model.state import EMBEDDING, TIED_HEAD, model_state
@@ -250,12 +250,11 @@ def _save_sharded(state: dict, args: BloomArgs, out_dir: Path, overwrite: bool) 
             )
             writer = ChecksummingWriter(staging)
             dcp.save(state, storage_writer=writer, process_group=group)
-            every_rank = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-            dist.gather_object(writer.sums, every_rank, dst=0, group=group)
+            merged = gather_sums(writer.sums, group)
 
             def complete() -> None:
                 _write_args_file(args, staging)
-                write_record(staging, {n: s for sums in every_rank for n, s in sums.items()})
+                write_record(staging, merged)
                 on_rank0.close()  # staged_output_dir renames the folder to out_dir
 
             _from_rank0(complete, group)

@@ -41,6 +41,7 @@ from bloomnative.checkpoint_integrity import (
     FileSum,
     IntegrityError,
     complete_steps,
+    gather_sums,
     read_record,
     share_of_files,
     uncheckable,
@@ -101,13 +102,9 @@ def saved_shapes(path: Path) -> dict[str, torch.Size | None]:
     return {key: getattr(entry, "size", None) for key, entry in metadata.items()}
 
 
-def saved_keys(path: Path) -> set[str]:
-    return set(saved_shapes(path))
-
-
 def is_model_only(path: Path) -> bool:
     """True for a checkpoint with weights but no training state (tools/convert_hf.py to-native)."""
-    return not any(k.startswith("optimizer.") for k in saved_keys(path))
+    return not any(k.startswith("optimizer.") for k in saved_shapes(path))
 
 
 def load(path: Path, state: dict) -> None:
@@ -134,7 +131,6 @@ class _PendingSave:
     step: int
     writer: ChecksummingWriter
     check: Future  # -> this rank's problems reading its files back: {file: problem}
-    complete: bool  # renamed to step-<N> (async saves are completed by `wait`)
 
 
 class Checkpointer:
@@ -180,12 +176,12 @@ class Checkpointer:
         if self.async_mode:
             write = dcp.async_save(state, storage_writer=writer, process_group=self.group)
             check = self._checker.submit(_written_then_read_back, write, writer, partial)
-            self._pending = _PendingSave(step, writer, check, complete=False)
+            self._pending = _PendingSave(step, writer, check)
         else:
             dcp.save(state, storage_writer=writer)
             self._complete(step, writer.sums)
             check = self._checker.submit(_read_back, self.path(step), writer.sums)
-            self._pending = _PendingSave(step, writer, check, complete=True)
+            self._pending = _PendingSave(step, writer, check)
 
     def wait(self) -> None:
         """Blocks until the last save is written (async) and read back; marks it complete, takes
@@ -194,7 +190,7 @@ class Checkpointer:
             return
         pending, self._pending = self._pending, None
         problems = pending.check.result()  # raises what a background write raised
-        if not pending.complete:
+        if self.async_mode:  # a synchronous save was completed by `save` itself
             self._complete(pending.step, pending.writer.sums)
         self._judge(pending.step, problems, "reading it back after the save")
         if self.rank == 0:
@@ -204,11 +200,8 @@ class Checkpointer:
     def _complete(self, step: int, sums: dict[str, FileSum]) -> None:
         """Rank 0 writes the completion record from every rank's file sums, then renames
         step-<N>.partial to step-<N>."""
-        every_rank = self._gather_to_rank0(sums)
-        if self.rank == 0:
-            merged: dict[str, FileSum] = {}
-            for rank_sums in every_rank:
-                merged.update(rank_sums)
+        merged = gather_sums(sums, self.group)
+        if merged is not None:
             partial, final = self.folder / f"step-{step}.partial", self.path(step)
             write_record(partial, merged)
             if final.exists():
@@ -355,13 +348,6 @@ class Checkpointer:
     def _barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)
-
-    def _gather_to_rank0(self, obj) -> list:
-        if not self.distributed:
-            return [obj]
-        out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
-        return out or []
 
     def _all_problems(self, problems: dict[str, str]) -> dict[str, str]:
         if not self.distributed:

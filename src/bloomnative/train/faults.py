@@ -32,11 +32,11 @@ class _Signals:
         cls.received = cls.received or signal.Signals(signum).name
 
 
-def catch_stop_signals() -> None:
+def catch_stop_signals() -> dict[int, object]:
     """Turns the stop signals into a stop request from now on (main() calls this first, so a
-    signal that arrives while the model is being built still leads to a clean stop)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, _Signals.on_signal)
+    signal that arrives while the model is being built still leads to a clean stop). Returns
+    the handlers it replaced."""
+    return {sig: signal.signal(sig, _Signals.on_signal) for sig in STOP_SIGNALS}
 
 
 class StopRequest:
@@ -49,7 +49,7 @@ class StopRequest:
         if dist.is_initialized() and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")
         self.reason: str | None = None
-        self._previous = {sig: signal.signal(sig, _Signals.on_signal) for sig in STOP_SIGNALS}
+        self._previous = catch_stop_signals()
 
     def should_stop(self) -> bool:
         """Collective: True on every rank if any rank got a signal or sees the STOP file."""

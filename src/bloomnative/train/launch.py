@@ -31,19 +31,17 @@ _RESEND_S = 1.0
 
 
 def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux /proc)."""
+    """The live (not zombie) processes whose parent is `pid`, by ascending pid (Linux /proc)."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            stat = (entry / "stat").read_text()
+            # "pid (command) state ppid ...": the command may contain spaces and parentheses.
+            state, ppid = stat.read_text().rpartition(")")[2].split()[:2]
         except OSError:
             continue  # exited meanwhile
-        # "pid (command) state ppid ...": the command may contain spaces and parentheses.
-        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-            found.append(int(entry.name))
-    return found
+        if int(ppid) == pid and state != "Z":
+            found.append(int(stat.parent.name))
+    return sorted(found)
 
 
 def _signal_workers(sig: signal.Signals) -> None:

@@ -52,20 +52,19 @@ class StepProfiler:
     def window(self) -> str:
         return f"steps-{self.first}-{self.last}"
 
-    def start(self, step: int, last_step: int) -> StepProfiler:
+    def start(self, step: int, last_step: int) -> None:
         """`step`: the optimizer steps already done (0 for a fresh run); `last_step`: the step
         the run ends at (training.steps)."""
         if not self.enabled:
-            return self
+            return
         self.last = min(self.last, last_step)
         if step >= self.first:
             self._say(f"profiling: the run starts after step {self.first}, nothing is profiled")
-            return self
+            return
         self._begin = max(step + 1, self.first - 1)
         if self.cuda:
             self._record_memory_history()
         self.after_step(step)
-        return self
 
     def after_step(self, step: int) -> None:
         """`step`: the number of the optimizer step that just finished."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from bloomnative.checkpoint_integrity import write_json_durably
 from bloomnative.config import CheckpointConfig, SpikesConfig
 
 if TYPE_CHECKING:
@@ -163,16 +163,10 @@ class RollbackLog:
         return [r.skipped for r in self.rollbacks]
 
     def add(self, rollback: Rollback) -> None:
-        """Records a rollback durably (temporary file, fsync, rename) before training goes on."""
+        """Records a rollback durably (`write_json_durably`) before training goes on."""
         self.rollbacks.append(rollback)
-        if not self.writer:
-            return
-        temporary = self.path.with_suffix(".tmp")
-        with open(temporary, "w") as f:
-            json.dump({"rollbacks": [asdict(r) for r in self.rollbacks]}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        temporary.rename(self.path)
+        if self.writer:
+            write_json_durably(self.path, {"rollbacks": [asdict(r) for r in self.rollbacks]})
 
 
 class SpikeRecovery:
@@ -201,14 +195,11 @@ class SpikeRecovery:
         if self.detector:
             self.detector.load_state_dict(state.get("spikes"))
 
-    def rolled_back(self, loss: torch.Tensor, grad_norm: torch.Tensor, log_step: bool) -> bool:
-        """Feeds the step's global loss and gradient norm to the detector; at log steps and
-        checkpoint steps (where the host reads the device anyway) rolls back if it fired."""
-        t = self.trainer
-        self.detector.observe(t.step, loss, grad_norm)
-        c = t.config.checkpoint
-        checkpoint_step = t.step % c.interval == 0 or t.step == t.config.training.steps
-        if not (log_step or checkpoint_step):
+    def rolled_back(self, loss: torch.Tensor, grad_norm: torch.Tensor, read_now: bool) -> bool:
+        """Feeds the step's global loss and gradient norm to the detector; when `read_now` (log
+        and checkpoint steps, where the host reads the device anyway) rolls back if it fired."""
+        self.detector.observe(self.trainer.step, loss, grad_norm)
+        if not read_now:
             return False
         trigger = self.detector.fired()
         if trigger is None:

@@ -82,6 +82,7 @@ class Trainer:
         # The ranks holding different tokens of a batch (data and context parallel): the loss's
         # token count and the loss itself are summed over these groups (train/loss.py).
         self.batch_groups = [self.loss_mesh.get_group()] if self.dims.dp * self.dims.cp > 1 else []
+        self.pp_group = self.pp_mesh.get_group() if self.dims.pp > 1 else None
 
         seed_dropout_rng(job.seed, self.mesh, self.loss_mesh, par.sequence_parallel)
         self.bf16 = train_cfg.dtype == "bf16"
@@ -481,7 +482,7 @@ class Trainer:
         grad_norm = clip_grad_norm_(
             self.params,
             self.config.training.max_norm,
-            pp_group=self.pp_mesh.get_group() if self.dims.pp > 1 else None,
+            pp_group=self.pp_group,
             not_counted=self.untied_copies,
         )
         applied = self.nonfinite.step(loss, grad_norm, lr)  # skips the update on NaN/inf
@@ -500,7 +501,7 @@ class Trainer:
         """The loss (or a tensor of losses) every rank agrees on, left on the device: this
         rank's shares summed over the pipeline ranks (only the last stage holds one) and the
         ranks of `batch_groups` (each share is already divided by the global token count)."""
-        pp_group = [self.pp_mesh.get_group()] if self.dims.pp > 1 else []
+        pp_group = [self.pp_group] if self.pp_group is not None else []
         return sum_over_ranks(value.detach().clone(), pp_group + self.batch_groups)
 
     def _max_over_ranks(self, value: float) -> float:
@@ -553,19 +554,22 @@ class Trainer:
                 profiler.after_step(self.step)
                 self.interval_losses.append(loss)
                 self.throughput.add_tokens(gbs * t.seq_len)
+                log_step = self._is_log_step()
+                checkpoint_step = ckpt_cfg.enable and (
+                    self.step % ckpt_cfg.interval == 0 or self.step == t.steps
+                )
                 if self.spikes.detector and self.spikes.rolled_back(
-                    self._global_loss(loss), grad_norm, self._is_log_step()
+                    self._global_loss(loss), grad_norm, read_now=log_step or checkpoint_step
                 ):
                     self.interval_losses = []  # steps that were undone are not logged
                     continue
-                if self._is_log_step():
+                if log_step:
                     self.nonfinite.check(self.step)
                     self._log_step(grad_norm, lr, gbs)
                 if v.freq and self.make_valid_loader and self.step % v.freq == 0:
                     self._log_eval()
                 stopping = stop.should_stop()
-                last = self.step == t.steps
-                if ckpt_cfg.enable and (self.step % ckpt_cfg.interval == 0 or last or stopping):
+                if checkpoint_step or (ckpt_cfg.enable and stopping):
                     self.save_checkpoint()
                 if stopping:
                     self._say(f"stopping at step {self.step}: {stop.reason}")

@@ -87,7 +87,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Bloom:
 
 def load_tokenizer_for(path: str | Path, tokenizer: str | Path | None = None) -> TextTokenizer:
     """`tokenizer` when given, else the one that goes with the checkpoint at `path`: a Hugging
-    Face folder's tokenizer.json, or the `data.tokenizer` of the run's config.toml."""
+    Face folder's tokenizer.json, or the `data.tokenizer` of the run's config.toml, with the
+    run's `data.eod_token` (the EOD the run trained with, where it names one)."""
     if tokenizer is not None:
         return TextTokenizer(str(tokenizer))
     path = Path(path)
@@ -104,10 +105,11 @@ def load_tokenizer_for(path: str | Path, tokenizer: str | Path | None = None) ->
             f"no run config ({run_config}) says which tokenizer {path} was trained with; "
             "pass --tokenizer"
         )
-    name = Path(_run_config(run_config).data.tokenizer)
+    data = _run_config(run_config).data
+    name = Path(data.tokenizer)
     for candidate in (name, REPO_ROOT / name):
         if candidate.is_file():
-            return TextTokenizer(str(candidate))
+            return TextTokenizer(str(candidate), data.eod_token or None)
     raise FileNotFoundError(
         f"data.tokenizer = {str(name)!r} of {run_config} does not exist (looked relative to "
         f"the current folder and to {REPO_ROOT}); pass --tokenizer"

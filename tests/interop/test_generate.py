@@ -15,10 +15,11 @@ from bloomnative.generate import (
     Sampling,
     generate,
     load_model,
+    load_tokenizer_for,
     next_token,
     print_final_sample,
 )
-from training_helpers import REPO, SAMPLE_PROMPT, load_tool
+from training_helpers import REPO, SAMPLE_PROMPT, load_tool, write_word_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 PROMPT = SAMPLE_PROMPT
@@ -107,6 +108,14 @@ def test_bad_arguments_and_paths_are_one_line_errors(tmp_path, capsys):
     assert code == 2 and "no complete checkpoint" in err
     code, _, err = run_tool(["--checkpoint", str(empty_run), "--top-p", "0"], capsys)
     assert code == 2 and "top_p must be in (0, 1]" in err
+
+
+def test_the_sample_stops_on_the_eod_token_the_run_trained_with(tmp_path):
+    tokenizer = write_word_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "config.toml").write_text(f'[data]\ntokenizer = "{tokenizer}"\n')
+    assert load_tokenizer_for(tmp_path).eod_token == "<|endoftext|>"  # found by name
+    (tmp_path / "config.toml").write_text(f'[data]\ntokenizer = "{tokenizer}"\neod_token = "w5"\n')
+    assert load_tokenizer_for(tmp_path).eod_id == 5
 
 
 def test_a_sample_that_cannot_be_made_is_reported_not_raised(fsdp_run, tmp_path, capsys):

@@ -546,6 +546,7 @@ class Trainer:
         ckpt_cfg = self.config.checkpoint
         stop = StopRequest(self.dump / "STOP")
         self.throughput.read_and_reset()
+        self.peak_memory.reset()  # the first row's peak: the steps', not the set-up's
         profiler = StepProfiler(self.config.profiling, self.dump, self.rank, self.device)
         try:
             profiler.start(self.step, t.steps)
@@ -598,7 +599,7 @@ class Trainer:
             "global_batch_size": gbs,
             "consumed_samples": self.consumed_samples,
             **self.throughput.read_and_reset(),
-            "mem_peak_gib": self._max_over_ranks(self.peak_memory.peak_gib()),
+            "mem_peak_gib": self._max_over_ranks(self.peak_memory.interval_peak_gib()),
             "nonfinite_skipped": self.nonfinite.skipped,
         }
         self.metrics.log(row)

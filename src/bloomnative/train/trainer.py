@@ -55,6 +55,7 @@ from bloomnative.train.loss import (
     token_mean,
 )
 from bloomnative.train.lr_schedule import LRSchedule
+from bloomnative.train.matmul_precision import apply_tf32
 from bloomnative.train.metrics import MetricsLogger, PeakMemory, Throughput, device_peak_tflops
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
@@ -68,6 +69,7 @@ class Trainer:
         self.config = config
         job, train_cfg = config.job, config.training
         self.device = pick_device(job.device)
+        apply_tf32(train_cfg.tf32, self.device)
         self.rank, self.world_size = init_distributed(self.device, job.collective_timeout_s)
         par = config.parallelism
         if config.model.attention == "auto":

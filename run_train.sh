@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trains with torchrun. No arguments: configs/debug.toml on the bundled corpus.
 #   ./run_train.sh --config configs/bloom-560m.toml --training.steps=100
-#   NPROC=8 ./run_train.sh --parallelism.tp=2 --parallelism.pp=2
+#   NPROC=8 ./run_train.sh --parallelism.tp=2 --parallelism.pp=2 --training.micro_batch_size=1
 # NPROC (default 1) is the number of processes on this node (NNODES nodes; multi-node runs also
 # set RDZV_ENDPOINT=host:port); MAX_RESTARTS (default 3) is passed to torchrun so a crashed rank
 # restarts the job, which resumes from the newest checkpoint that verifies.

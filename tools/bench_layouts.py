@@ -1,8 +1,9 @@
 """Peak memory per rank and throughput of one model under several parallel layouts.
 
 Each layout is a separate `torchrun` of the real trainer for a few steps; the figures are the
-last logged row of its metrics.jsonl (`mem_peak_gib` is the largest over ranks: peak allocated
-CUDA memory on GPU, peak resident memory of the process on CPU).
+last logged row of its metrics.jsonl, except the peak memory: the largest `mem_peak_gib` of its
+rows (each row's is the peak since the row before, the largest over ranks: peak allocated CUDA
+memory on GPU, peak resident memory of the process on CPU).
 
     python tools/bench_layouts.py --steps 6 --json outputs/bench_layouts.json [--section.key=v ...]
 """
@@ -55,7 +56,8 @@ def run_layout(nproc: int, overrides: list[str], steps: int, extra: list[str], d
         raise RuntimeError(f"{' '.join(overrides)} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
-    return {k: last[k] for k in ("loss", "mem_peak_gib", "tokens_per_sec", "tflops")}
+    figures = {k: last[k] for k in ("loss", "tokens_per_sec", "tflops")}
+    return {**figures, "mem_peak_gib": max(row["mem_peak_gib"] for row in rows)}
 
 
 def main() -> None:

@@ -103,6 +103,10 @@ class TrainingConfig:
     evenly over `samples` consumed samples (Megatron's rampup). Empty: no rampup."""
     dtype: Literal["bf16", "fp32"] = "bf16"
     """"bf16" (bf16 compute, fp32 master weights, fp32 gradient reduction) or "fp32"."""
+    tf32: bool = True
+    """On CUDA, fp32 matmuls and convolutions use TF32 tensor cores: several times faster, their
+    inputs rounded to 10 mantissa bits (relative error up to 2^-11, fp32's is 2^-24), sums kept
+    in fp32. false: full fp32. bf16 compute does not change; no effect on CPU."""
     max_norm: float = 1.0
     """Clip gradients to this global L2 norm (0 disables)."""
     max_nonfinite_steps: int = 5

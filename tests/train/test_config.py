@@ -134,6 +134,17 @@ def test_wrong_type_on_the_command_line():
         parse_args(["--compile.enable=maybe"])
 
 
+def test_tf32_is_on_by_default_and_takes_only_a_boolean(tmp_path):
+    assert parse_args([]).training.tf32 is True
+    assert parse_args(["--training.tf32=false"]).training.tf32 is False
+    with pytest.raises(ConfigError, match=r"training.tf32: expected true or false, got 'fp32'"):
+        parse_args(["--training.tf32=fp32"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[training]\ntf32 = "yes"\n')
+    with pytest.raises(ConfigError, match=r"training.tf32: expected true or false, got 'yes'"):
+        load_toml(Config(), bad)
+
+
 def test_global_batch_not_divisible_by_micro_batch_is_rejected():
     with pytest.raises(
         ConfigError,

@@ -66,6 +66,57 @@ def test_a_run_resumed_after_the_window_or_disabled_profiles_nothing(tmp_path, c
     assert not (tmp_path / "a" / "profile").exists() and not (tmp_path / "b" / "profile").exists()
 
 
+class FakeAllocatorHistory:
+    """Stands in for the CUDA allocator's history recording (torch.cuda.memory's private
+    functions, as StepProfiler calls them): what is recording at each moment, and the snapshots
+    dumped."""
+
+    def __init__(self, monkeypatch):
+        self.recording = False
+        self.snapshots: list[str] = []
+        self.out_of_memory = None
+        memory = torch.cuda.memory
+        monkeypatch.setattr(memory, "_record_memory_history", self.record)
+        monkeypatch.setattr(memory, "_dump_snapshot", self.snapshots.append)
+        monkeypatch.setattr(
+            torch._C, "_cuda_attach_out_of_memory_observer", self.attach, raising=False
+        )
+
+    def record(self, enabled="all", **kwargs) -> None:
+        self.recording = enabled is not None
+
+    def attach(self, observer) -> None:
+        self.out_of_memory = observer
+
+
+@pytest.mark.parametrize("stopped_at", [6, 2])  # the window is steps 2-3; stopped inside it
+def test_cuda_memory_history_is_recorded_until_the_window_ends_and_no_longer(
+    tmp_path, monkeypatch, stopped_at
+):
+    history = FakeAllocatorHistory(monkeypatch)
+    cfg = ProfilingConfig(enable=True, start_step=2, steps=2)
+    profiler = StepProfiler(cfg, tmp_path, 0, torch.device("cuda"))
+    profiler.start(0, 6)
+    recording_after = {}
+    for step in range(1, stopped_at + 1):
+        torch.ones(8, 8) @ torch.ones(8, 8)
+        profiler.after_step(step)
+        recording_after[step] = history.recording
+    history.out_of_memory(0, 1 << 40, 0, 0)
+    if stopped_at == 6:
+        assert recording_after == {1: True, 2: True, 3: False, 4: False, 5: False, 6: False}
+        # after the window there is no history to show: no snapshot
+        assert [Path(p).name for p in history.snapshots] == [
+            "rank0.steps-2-3.memory_snapshot.pickle"
+        ]
+    else:
+        assert recording_after == {1: True, 2: True}
+        assert [Path(p).name for p in history.snapshots] == ["rank0.oom.memory_snapshot.pickle"]
+    profiler.close()  # ends the window cut short by a stop request
+    assert not history.recording
+    assert Path(history.snapshots[-1]).name == "rank0.steps-2-3.memory_snapshot.pickle"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory snapshots need a GPU")
 def test_cuda_memory_snapshots_after_the_window_and_on_out_of_memory(tmp_path):
     device = torch.device("cuda")

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -52,6 +53,10 @@ from bloomnative.checkpoint_integrity import (
 from bloomnative.model.state import canonical_key, owns_head_copy
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+# torch 2.11's DefaultStager closes itself at the end of each staging, so it serves one save
+# (pytorch/pytorch#183413, fixed for 2.13): there every async save stages through a new one.
+_STAGER_SERVES_MANY_SAVES = torch.__version__ >= "2.13"
 
 
 class CheckpointError(RuntimeError):
@@ -124,6 +129,24 @@ def local_bytes(state: dict) -> int:
     return total
 
 
+def host_stager() -> DefaultStager:
+    """How an async save copies the state to host memory before `save` returns (DCP's stager).
+    With CUDA the copy is pinned memory and the device-to-host copies are issued non-blocking,
+    then waited for together; on a CPU-only machine it is ordinary memory (pinning needs CUDA).
+    The host copy is kept for the next save through the same stager, which copies into it again
+    (the previous write has ended by then: `save` waits for it), so only the first save
+    allocates and pins it."""
+    cuda = torch.cuda.is_available()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=False,  # the writer is a thread of this process
+            use_async_staging=False,  # staged before `save` returns: training may change it
+            use_non_blocking_copy=cuda,
+        )
+    )
+
+
 @dataclass
 class _PendingSave:
     """A save whose files are written (or being written, async) but not yet judged."""
@@ -136,7 +159,8 @@ class _PendingSave:
 class Checkpointer:
     """Saves, verifies and prunes the checkpoints of one folder; optionally in the background.
 
-    With `async_mode`, `save` returns once the state is staged in host memory; the files are
+    With `async_mode`, `save` returns once the state is staged in host memory (`host_stager`:
+    pinned on CUDA, so the step waits only for the device-to-host copies); the files are
     written by a background thread over a separate gloo group (so its collectives never
     interleave with training's), and the checkpoint is marked complete by the next `save` or
     `wait`. Either way each rank then reads its files back (from the disk, not the page cache,
@@ -154,6 +178,7 @@ class Checkpointer:
         # Collective when distributed: every rank constructs its Checkpointer at the same point.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self.async_mode = async_mode
+        self._stager = host_stager() if async_mode else None
         self.verified: set[int] = set()
         """Steps whose files matched their record in this process (after saving or loading)."""
         self._pending: _PendingSave | None = None
@@ -174,7 +199,11 @@ class Checkpointer:
         self._barrier()
         writer = ChecksummingWriter(partial)
         if self.async_mode:
-            write = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            if not _STAGER_SERVES_MANY_SAVES:
+                self._stager = host_stager()
+            write = dcp.async_save(
+                state, storage_writer=writer, process_group=self.group, async_stager=self._stager
+            )
             check = self._checker.submit(_written_then_read_back, write, writer, partial)
             self._pending = _PendingSave(step, writer, check)
         else:

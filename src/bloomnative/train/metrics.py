@@ -46,7 +46,8 @@ def device_peak_tflops(device: torch.device, override: float = 0.0) -> float | N
 
 class PeakMemory:
     """Peak allocated/reserved bytes on CUDA; peak resident set size of the process on CPU
-    (VmHWM, reset through /proc/self/clear_refs where Linux allows it)."""
+    (VmHWM, reset through /proc/self/clear_refs where Linux allows it). The peaks are those
+    since the last `reset` (on CPU where it cannot be reset: since the process started)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -62,9 +63,11 @@ class PeakMemory:
         except OSError:
             self.rss_resettable = False
 
-    def peak_gib(self) -> float:
-        """The training log's `mem_peak_gib`: peak allocated bytes (CUDA) or peak RSS (CPU)."""
+    def interval_peak_gib(self) -> float:
+        """The training log's `mem_peak_gib`: peak allocated bytes (CUDA) or peak RSS (CPU)
+        since the last call (or `reset`); the next interval starts here."""
         read = self.read()
+        self.reset()
         return read["peak_allocated_gib" if self.device.type == "cuda" else "peak_rss_gib"]
 
     def read(self) -> dict[str, float | None]:

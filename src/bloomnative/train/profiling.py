@@ -5,7 +5,8 @@ Files, under <dump_folder>/profile/:
 - steps-<a>-<b>/rank<r>.<time>.pt.trace.json: Chrome trace format; open it in ui.perfetto.dev
   (or chrome://tracing), or point TensorBoard with the torch-tb-profiler plugin at profile/.
 - rank<r>.steps-<a>-<b>.memory_snapshot.pickle, rank<r>.oom.memory_snapshot.pickle (CUDA):
-  drag into pytorch.org/memory_viz.
+  drag into pytorch.org/memory_viz. The allocator records its history from the run's first step
+  to the end of the window only: recording costs host time on every allocation.
 """
 
 from __future__ import annotations
@@ -112,12 +113,10 @@ class StepProfiler:
 
     def close(self) -> None:
         """Ends a window cut short (the trace of the steps done is still written) and stops
-        recording memory history."""
+        recording memory history (a run that ends before the window, or resumes after it)."""
         if self._profiler is not None:
             self._finish()
-        if self._recording_memory:
-            torch.cuda.memory._record_memory_history(enabled=None)
-            self._recording_memory = False
+        self._stop_memory_history()
 
     def _finish(self) -> None:
         self._end_step_range()
@@ -126,18 +125,28 @@ class StepProfiler:
         self._begin = None
         if self._recording_memory:
             self._dump_memory_snapshot(f"rank{self.rank}.{self.window}.memory_snapshot.pickle")
+            self._stop_memory_history()
         self._say(f"profiling: wrote the trace of {self.window} to {self.folder / self.window}")
 
     def _record_memory_history(self) -> None:
-        """From the start of the run, so an out-of-memory error in any step has its history."""
+        """From the start of the run to the end of the window, so an out-of-memory error in any
+        of those steps has its history."""
         torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
         self._recording_memory = True
 
         def on_out_of_memory(device, alloc, device_alloc, device_free) -> None:
+            if not self._recording_memory:  # the observer cannot be detached
+                return
             path = self._dump_memory_snapshot(f"rank{self.rank}.oom.memory_snapshot.pickle")
             print(f"[bloomnative] rank {self.rank}: out of memory; snapshot {path}", flush=True)
 
         torch._C._cuda_attach_out_of_memory_observer(on_out_of_memory)
+
+    def _stop_memory_history(self) -> None:
+        """Recording costs host time on every allocation: it ends with the window."""
+        if self._recording_memory:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._recording_memory = False
 
     def _dump_memory_snapshot(self, name: str) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,7 @@ from bloomnative.train.loss import (
     token_mean,
 )
 from bloomnative.train.lr_schedule import LRSchedule
+from bloomnative.train.matmul_precision import apply_tf32
 from bloomnative.train.metrics import MetricsLogger, PeakMemory, Throughput, device_peak_tflops
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
@@ -68,6 +69,7 @@ class Trainer:
         self.config = config
         job, train_cfg = config.job, config.training
         self.device = pick_device(job.device)
+        apply_tf32(train_cfg.tf32, self.device)
         self.rank, self.world_size = init_distributed(self.device, job.collective_timeout_s)
         par = config.parallelism
         if config.model.attention == "auto":
@@ -546,6 +548,7 @@ class Trainer:
         ckpt_cfg = self.config.checkpoint
         stop = StopRequest(self.dump / "STOP")
         self.throughput.read_and_reset()
+        self.peak_memory.reset()  # the first row's peak: the steps', not the set-up's
         profiler = StepProfiler(self.config.profiling, self.dump, self.rank, self.device)
         try:
             profiler.start(self.step, t.steps)
@@ -598,7 +601,7 @@ class Trainer:
             "global_batch_size": gbs,
             "consumed_samples": self.consumed_samples,
             **self.throughput.read_and_reset(),
-            "mem_peak_gib": self._max_over_ranks(self.peak_memory.peak_gib()),
+            "mem_peak_gib": self._max_over_ranks(self.peak_memory.interval_peak_gib()),
             "nonfinite_skipped": self.nonfinite.skipped,
         }
         self.metrics.log(row)

@@ -40,6 +40,7 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 import torch  # noqa: E402
 import triton  # noqa: E402
 from gpu_route import Sm90CompileOnlyDriver  # noqa: E402
+from sm90_tables import TABLE_END, TABLE_START, markdown_tables  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -185,10 +186,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all-configs", action="store_true", help="every autotune config")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--markdown", action="store_true", help="print docs/kernels.md's tables (sm90_tables)"
+    )
     args = parser.parse_args()
     results = compile_all(args.all_configs)
     if args.json:
         print(json.dumps(results))
+    elif args.markdown:
+        print(
+            f"{TABLE_START}python tests/kernels/sm90_compile_check.py --all-configs --markdown, ",
+            end="",
+        )
+        print(f"Triton {triton.__version__} -->")
+        print(markdown_tables(results))
+        print(TABLE_END)
     else:
         print(f"triton {triton.__version__}, torch {torch.__version__}, target sm_90a")
         for r in results:

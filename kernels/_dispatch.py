@@ -50,24 +50,29 @@ INTERPRET: bool = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
 
 
-def _make_interpreter_bf16_match_gpu() -> None:
-    """Make Triton's interpreter compute with bf16 the way the GPU does.
+def _make_interpreter_match_gpu() -> None:
+    """Make Triton's interpreter run the kernels as the GPU does where it falls short.
 
-    The interpreter stores bf16 as raw uint16 words (numpy has no bf16) and gets two things
-    wrong with them: ``tl.dot`` hands the words straight to ``np.matmul`` (multiplying bit
-    patterns as integers), and fp32 -> bf16 casts truncate instead of rounding to nearest even
-    as the GPU's ``cvt.rn.bf16.f32`` does. Widen dot operands to fp32 (exact: a bf16 is the top
-    half of an fp32; the tensor cores likewise accumulate bf16 products in fp32) and round casts
-    to nearest even. Only the interpreter is touched, and only for bf16.
+    * bf16: the interpreter stores bf16 as raw uint16 words (numpy has no bf16) and gets two
+      things wrong with them: ``tl.dot`` hands the words straight to ``np.matmul`` (multiplying
+      bit patterns as integers), and fp32 -> bf16 casts truncate instead of rounding to nearest
+      even as the GPU's ``cvt.rn.bf16.f32`` does. Widen dot operands to fp32 (exact: a bf16 is
+      the top half of an fp32; the tensor cores likewise accumulate bf16 products in fp32) and
+      round casts to nearest even. Only bf16 is touched.
+    * TMA reductions: ``desc.atomic_add`` (``tt.descriptor_reduce``, what sm_90 does with
+      ``cp.reduce.async.bulk``) is missing. Emulate it as the hardware defines it: an atomic add
+      of every element of the box, elements outside the tensor skipped. The attention backward's
+      dQ accumulation then runs the same code under the interpreter as on an H100.
     """
     import numpy as np
     from triton.runtime import interpreter
 
     builder_cls = interpreter.InterpreterBuilder
-    if getattr(builder_cls, "_bloomnative_bf16_fixed", False):
+    if getattr(builder_cls, "_bloomnative_matches_gpu", False):
         return
     original_create_dot = builder_cls.create_dot
     original_cast_impl = builder_cls.cast_impl
+    ir = interpreter._ir
 
     def widen(handle: Any) -> Any:
         if handle.dtype.scalar != tl.bfloat16:
@@ -88,13 +93,23 @@ def _make_interpreter_bf16_match_gpu() -> None:
         words = np.where(np.isnan(values), quiet_nan, rounded).astype(np.uint16)
         return interpreter.TensorHandle(words, tl.bfloat16)
 
+    def create_descriptor_reduce(self, kind, desc, value, indices):  # type: ignore[no-untyped-def]
+        if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
+            raise NotImplementedError(f"bloomnative emulates only TMA add reductions, not {kind}")
+        ptrs, in_bounds = desc.materialize_pointers(indices)
+        op = ir.ATOMIC_OP.FADD if value.dtype.scalar.is_floating() else ir.ATOMIC_OP.ADD
+        self.create_atomic_rmw(
+            op, ptrs, value, in_bounds, ir.MEM_SEMANTIC.RELAXED, ir.MEM_SYNC_SCOPE.GPU
+        )
+
     builder_cls.create_dot = create_dot
     builder_cls.cast_impl = cast_impl
-    builder_cls._bloomnative_bf16_fixed = True
+    builder_cls.create_descriptor_reduce = create_descriptor_reduce
+    builder_cls._bloomnative_matches_gpu = True
 
 
 if INTERPRET:
-    _make_interpreter_bf16_match_gpu()
+    _make_interpreter_match_gpu()
 
 _KERNELS_ENV = os.environ.get("BLOOMNATIVE_KERNELS", "auto").strip().lower()
 if _KERNELS_ENV not in ("auto", "torch"):
@@ -137,6 +152,61 @@ def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
         kernel[grid](*args, **kwargs)
     else:
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+class _ProcessWideAllocator:
+    """Stands in for the ContextVar in which Triton keeps its scratch allocator.
+
+    Kernels that build TMA descriptors on the device need a little global scratch per program,
+    which Triton's launcher requests from ``triton.set_allocator``'s allocator. Triton keeps that
+    allocator in a ContextVar, and a thread starts with its own empty context: torch's autograd
+    engine runs backward passes on its own threads, so a kernel launched there (always the case
+    for a compiled backward, whose launches never pass through code of ours) finds no allocator
+    and fails. This holder has the ContextVar's ``get``/``set`` but one value for the whole
+    process, so ``triton.set_allocator`` keeps working for every thread.
+    """
+
+    def __init__(self, allocator: Callable[..., Any]) -> None:
+        self._allocator = allocator
+
+    def get(self) -> Callable[..., Any]:
+        return self._allocator
+
+    def set(self, allocator: Callable[..., Any]) -> None:
+        self._allocator = allocator
+
+
+def _cuda_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def install_tma_allocator() -> None:
+    """Give Triton a scratch allocator that every thread sees (``_ProcessWideAllocator``):
+    CUDA memory from torch's caching allocator. Idempotent; an allocator set before with
+    ``triton.set_allocator`` in this thread is kept. Called by ops whose kernels build TMA
+    descriptors, eagerly and while torch.compile traces them (before compiled code runs)."""
+    from triton.runtime import _allocation
+
+    holder = _allocation._allocator
+    if isinstance(holder, _ProcessWideAllocator):
+        return
+    current = holder.get()
+    keep = current if not isinstance(current, _allocation.NullAllocator) else _cuda_scratch
+    _allocation._allocator = _ProcessWideAllocator(keep)
+
+
+@triton.jit
+def declare_written(ptr):
+    """Name ``ptr`` as written by the calling kernel to torch.compile, for writes its analysis
+    cannot see.
+
+    torch.compile learns what a user kernel writes from the ``tt.store`` and ``tt.atomic_*`` ops
+    of its Triton IR; it does not know TMA reductions (``tt.descriptor_reduce``). A kernel that
+    writes a tensor only through them would look read-only, and compiled code could then read the
+    tensor before the kernel ran. This store is never executed (a program id is never negative)
+    but it is in the IR, so the analysis sees the write."""
+    if tl.program_id(0) < 0:
+        tl.store(ptr, tl.load(ptr))
 
 
 def autotune(
@@ -224,7 +294,9 @@ __all__ = [
     "check_float_dtype",
     "dot_precision",
     "empty",
+    "declare_written",
     "empty_like",
+    "install_tma_allocator",
     "kernel_op",
     "launch",
     "num_programs_for_device",

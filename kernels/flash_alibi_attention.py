@@ -52,14 +52,17 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ._dispatch import (
     INTERPRET,
     autotune,
     check_float_dtype,
+    declare_written,
     dot_precision,
     empty,
     empty_like,
+    install_tma_allocator,
     kernel_op,
     launch,
     tl,
@@ -84,13 +87,15 @@ def _configs(*specs: tuple[int, int, int, int]) -> list:
 
 # H100 search spaces, (BLOCK_M, BLOCK_N, num_warps, num_stages), kept short: every config is
 # compiled and timed once per (seq bucket, head_dim, causal, dropout) key. All compile for sm_90
-# without spills at head_dim 64, 80, 96 and 128 (tests/kernels/sm90_compile_check.py).
+# without spills at head_dim 64, 80, 96 and 128, with and without dropout, under Triton 3.6 (the
+# oldest supported) and the newest (tests/kernels/sm90_compile_check.py).
 _FWD_CONFIGS = _configs((128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3))
 _FWD_DROPOUT_CONFIGS = _configs((128, 64, 8, 3), (64, 64, 4, 3))  # + Philox state per score
 # Backward: BLOCK_M walks queries, BLOCK_N is the key block a program owns. The program holds
-# K, V and the fp32 dK, dV of its key block, so wide heads need the shorter query tiles.
+# K, V and the fp32 dK, dV of its key block, so wide heads need the shorter query tiles or the
+# smaller key blocks (Triton 3.6 spills 32x128 and 32x64 with 4 warps at head_dim 96 and 128).
 _BWD_CONFIGS_NARROW = _configs((64, 128, 8, 2), (32, 128, 8, 2), (32, 64, 4, 3))  # head_dim <= 80
-_BWD_CONFIGS_WIDE = _configs((32, 128, 8, 3), (16, 128, 8, 2), (32, 64, 4, 3))
+_BWD_CONFIGS_WIDE = _configs((16, 128, 8, 2), (32, 64, 8, 3), (64, 64, 8, 2))
 _BWD_DROPOUT_CONFIGS = _configs((32, 64, 8, 2))
 # Small tiles for the interpreter, with BLOCK_M != BLOCK_N so the ragged-diagonal code runs.
 _INTERPRETER_FWD = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16})
@@ -464,6 +469,8 @@ def _flash_alibi_bwd_kernel(
     DT: tl.constexpr = D1 if D1 > 0 else 16
     TAIL_TMA: tl.constexpr = USE_TMA and D1 > 0
 
+    if DQ_TMA:  # dQ is written by TMA reductions only, which torch.compile cannot see
+        declare_written(DQ_ACC)
     n0 = tl.program_id(0) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     slope2 = tl.load(SLOPES + h) * 1.4426950408889634
@@ -610,39 +617,42 @@ def _seq_bucket(seq: int) -> int:
 
 def _tma_compatible(*tensors: torch.Tensor) -> bool:
     """Whether every tensor can be read through a TMA descriptor of its [seq, head_dim] slices:
-    unit last stride, 16-byte aligned base and row/head/batch strides."""
+    unit last stride, 16-byte aligned first element and row/head/batch strides."""
     for t in tensors:
         size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16:
+        if t.stride(-1) != 1 or not _aligned_16(t):
             return False
         if any((stride * size) % 16 for stride in t.stride()[:-1]):
             return False
     return True
 
 
+def _aligned_16(t: torch.Tensor) -> bool:
+    """Whether ``t``'s first element is 16-byte aligned. A tensor torch.compile is tracing has
+    no memory (it is fake): it is judged by its offset into its storage, as storages come from
+    allocators that align them to at least 16 bytes (torch's caching allocator and Inductor's
+    buffers)."""
+    if is_fake(t):
+        return (t.storage_offset() * t.element_size()) % 16 == 0
+    return t.data_ptr() % 16 == 0
+
+
+def _device_has_tma(device: torch.device) -> bool:
+    """TMA descriptors: Hopper (sm_90) and newer GPUs, and the interpreter, which emulates
+    them (the TMA reduction with `_dispatch`'s help)."""
+    if device.type == "cpu":
+        return INTERPRET
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _use_tma(head_dim: int, *tensors: torch.Tensor) -> bool:
-    """TMA descriptors on Hopper and newer (and under the interpreter, which emulates them);
-    pointer loads on older GPUs, for padded head dims and for layouts TMA cannot describe."""
-    if head_dim_split(head_dim)[0] > head_dim:
-        return False
-    if not _tma_compatible(*tensors):
-        return False
-    if INTERPRET:
-        return tensors[0].device.type == "cpu"
-    return torch.cuda.get_device_capability(tensors[0].device)[0] >= 9
-
-
-def _allocate_tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    # Device-side tensor descriptors live in a small global scratch buffer per program.
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _set_tma_allocator(use_tma: bool) -> None:
-    # Triton keeps its allocator in a context variable, unset in autograd's backward threads:
-    # set it before every launch that creates descriptors (torch.compile's launcher provides the
-    # scratch itself).
-    if use_tma and not INTERPRET and not torch.compiler.is_compiling():
-        triton.set_allocator(_allocate_tma_scratch)
+    """TMA descriptors where the device has them; pointer loads on older GPUs, for padded
+    head dims and for layouts TMA cannot describe."""
+    return (
+        head_dim_split(head_dim)[0] <= head_dim
+        and _tma_compatible(*tensors)
+        and _device_has_tma(tensors[0].device)
+    )
 
 
 def _dropout_threshold(dropout_p: float) -> int:
@@ -673,7 +683,8 @@ def _flash_alibi_fwd(
     out = empty_like(q)
     lse = empty((batch, heads, seq), torch.float32, q.device)
     use_tma = _use_tma(head_dim, q, k, v, out)
-    _set_tma_allocator(use_tma)
+    if use_tma and not INTERPRET:
+        install_tma_allocator()
 
     def grid(meta):
         return (triton.cdiv(seq, meta["BLOCK_M"]), batch * heads)
@@ -725,7 +736,8 @@ def _flash_alibi_bwd(
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=_PREPROCESS_BLOCK_M,
     )  # fmt: skip
     use_tma = _use_tma(head_dim, q, k, v, grad_out, dk, dv)
-    _set_tma_allocator(use_tma)
+    if use_tma and not INTERPRET:
+        install_tma_allocator()
 
     def grid(meta):
         return (triton.cdiv(seq, meta["BLOCK_N"]), batch * heads)
@@ -737,7 +749,7 @@ def _flash_alibi_bwd(
         softmax_scale, _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), q_offset, k_offset,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
         _seq_bucket(seq), CAUSAL=causal, HEAD_DIM=head_dim, D0=d0, D1=d1,
-        DROPOUT=dropout_p > 0, USE_TMA=use_tma, DQ_TMA=use_tma and not INTERPRET,
+        DROPOUT=dropout_p > 0, USE_TMA=use_tma, DQ_TMA=use_tma,
         PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     return dq_acc.to(q.dtype), dk, dv

@@ -79,21 +79,15 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
-def _bwd_row_tile(
-    H, DY, MEAN, RSTD, row0, cols, col_ok, M, stride_h, stride_dy, BLOCK_R: tl.constexpr
-):
-    """The backward's inputs for rows [row0, row0 + BLOCK_R) at `cols`: the rows (also as
-    int64 offsets), their masks,
-    h as stored, dy in fp32, and the forward's mean and rstd."""
-    rows = row0 + tl.arange(0, BLOCK_R)
-    row_ok = rows < M
-    mask = row_ok[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)
+def _bwd_row_tile(H, DY, MEAN, RSTD, rows, rows64, row_ok, cols, mask, stride_h, stride_dy):
+    """The backward's inputs for the tile of `rows` x `cols`: h as stored, dy in fp32, and the
+    forward's mean and rstd. Returns values only: torch.compile's write analysis attributes a
+    helper's results to every pointer passed in, so store addresses are computed by the caller."""
     h = tl.load(H + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
     dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
     mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
     rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-    return rows, rows64, row_ok, mask, h, dy.to(tl.float32), mean, rstd
+    return h, dy.to(tl.float32), mean, rstd
 
 
 @triton.jit
@@ -126,8 +120,12 @@ def _layer_norm_bwd_kernel(
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
     for row0 in range(pid * BLOCK_R, M, tl.num_programs(0) * BLOCK_R):
-        rows, rows64, row_ok, mask, h, dy, mean, rstd = _bwd_row_tile(
-            H, DY, MEAN, RSTD, row0, cols, col_ok, M, stride_h, stride_dy, BLOCK_R
+        rows = row0 + tl.arange(0, BLOCK_R)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        h, dy, mean, rstd = _bwd_row_tile(
+            H, DY, MEAN, RSTD, rows, rows64, row_ok, cols, mask, stride_h, stride_dy
         )
         xhat = tl.where(mask, (h.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
         dw += tl.sum(dy * xhat, axis=0)
@@ -178,8 +176,12 @@ def _layer_norm_bwd_wide_kernel(
     dw = tl.zeros([CHUNK], dtype=tl.float32)
     db = tl.zeros([CHUNK], dtype=tl.float32)
     for row0 in range(group * BLOCK_R, M, tl.num_programs(1) * BLOCK_R):
-        rows, rows64, row_ok, mask, h, dy, mean, rstd = _bwd_row_tile(
-            H, DY, MEAN, RSTD, row0, cols, col_ok, M, stride_h, stride_dy, BLOCK_R
+        rows = row0 + tl.arange(0, BLOCK_R)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        h, dy, mean, rstd = _bwd_row_tile(
+            H, DY, MEAN, RSTD, rows, rows64, row_ok, cols, mask, stride_h, stride_dy
         )
         c1 = tl.load(ROW_SUMS + 2 * rows, mask=row_ok, other=0.0)
         c2 = tl.load(ROW_SUMS + 2 * rows + 1, mask=row_ok, other=0.0)

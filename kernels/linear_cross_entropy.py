@@ -29,6 +29,7 @@ target logit (SUM, one call), and d_hidden (partial over the shard) is all-reduc
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -163,6 +164,16 @@ def _has_fp32_out_addmm(device_type: str) -> bool:
         return False
 
 
+@functools.cache
+def _warn_rounded_products(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    warnings.warn(
+        f"linear_cross_entropy: this torch has no fp32-output addmm for {dtype} on CUDA, so each "
+        f"chunk's {list(shape)} weight-gradient product goes through a temporary in {dtype} "
+        "(memory, and one rounding per chunk) before the fp32 accumulation",
+        stacklevel=3,
+    )
+
+
 def _matmul_fp32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
     """``out (+)= a @ b`` for an fp32 ``out`` and ``a``, ``b`` in the input dtype.
 
@@ -174,10 +185,13 @@ def _matmul_fp32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulat
         torch.addmm(out, a, b, beta=beta, out=out)
     elif _has_fp32_out_addmm(out.device.type):
         torch.addmm(out, a, b, out_dtype=torch.float32, beta=beta, out=out)
-    elif accumulate:
-        out += a @ b
     else:
-        out.copy_(a @ b)
+        if out.is_cuda:
+            _warn_rounded_products(tuple(out.shape), a.dtype)
+        if accumulate:
+            out += a @ b
+        else:
+            out.copy_(a @ b)
 
 
 def _auto_chunk_size(vocab: int, dtype: torch.dtype) -> int:

@@ -39,26 +39,14 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from gpu_route import Sm90CompileOnlyDriver  # noqa: E402
+from sm90_tables import TABLE_END, TABLE_START, markdown_tables  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 ATTENTION_HEAD_DIMS = (64, 80, 96, 128)
 LAYER_NORM_SIZES = (1024, 4096, 8192, 14336)
-
-
-class _Sm90CompileOnlyDriver:
-    """Just enough of a Triton driver for ``JITFunction.run(..., warmup=True)``."""
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
 
 
 def _ptxas() -> str:
@@ -139,16 +127,14 @@ def compile_all(all_configs: bool) -> list[dict]:
         for config in self.configs if all_configs else self.configs[:1]:
             self.fn.run(*args, **kwargs, **config.all_kwargs())
 
-    driver.set_active(_Sm90CompileOnlyDriver())
+    driver.set_active(Sm90CompileOnlyDriver())
     JITFunction.run = compile_only_run
     Autotuner.run = compile_configs_run
 
     dispatch = importlib.import_module("bloomnative.kernels._dispatch")
     dispatch.INTERPRET = True  # route CPU tensors to the (compile-only) Triton path
     attention = importlib.import_module("bloomnative.kernels.flash_alibi_attention")
-    attention._use_tma = lambda head_dim, *tensors: (
-        attention.head_dim_split(head_dim)[0] <= head_dim and attention._tma_compatible(*tensors)
-    )  # as on an H100
+    attention._device_has_tma = lambda device: True  # as on an H100
     from bloomnative.kernels import (
         bias_gelu,
         flash_alibi_attention,
@@ -160,17 +146,14 @@ def compile_all(all_configs: bool) -> list[dict]:
         torch.autograd.grad(out, leaves, torch.zeros_like(out), allow_unused=True)
 
     dtype = torch.bfloat16
-    for head_dim in ATTENTION_HEAD_DIMS:
-        q, k, v = (
-            torch.zeros(1, 2, 256, head_dim, dtype=dtype, requires_grad=True) for _ in range(3)
-        )
-        out = flash_alibi_attention(q, k, v, torch.ones(2), causal=True)
-        backward(out, q, k, v)
-    # Dropout (Philox in both kernels), once, at BLOOM-176B's head_dim.
-    q, k, v = (torch.zeros(1, 2, 256, 128, dtype=dtype, requires_grad=True) for _ in range(3))
     seed = torch.zeros((), dtype=torch.int64)
-    out = flash_alibi_attention(q, k, v, torch.ones(2), dropout_p=0.1, rng_seed=seed)
-    backward(out, q, k, v)
+    for head_dim in ATTENTION_HEAD_DIMS:
+        for dropout_p in (0.0, 0.1):  # dropout: Philox in both kernels, other search spaces
+            q, k, v = (
+                torch.zeros(1, 2, 256, head_dim, dtype=dtype, requires_grad=True) for _ in range(3)
+            )
+            out = flash_alibi_attention(q, k, v, torch.ones(2), dropout_p=dropout_p, rng_seed=seed)
+            backward(out, q, k, v)
     for hidden in LAYER_NORM_SIZES:
         x = torch.zeros(8, hidden, dtype=dtype, requires_grad=True)
         w = torch.ones(hidden, dtype=dtype, requires_grad=True)
@@ -203,10 +186,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all-configs", action="store_true", help="every autotune config")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--markdown", action="store_true", help="print docs/kernels.md's tables (sm90_tables)"
+    )
     args = parser.parse_args()
     results = compile_all(args.all_configs)
     if args.json:
         print(json.dumps(results))
+    elif args.markdown:
+        print(
+            f"{TABLE_START}python tests/kernels/sm90_compile_check.py --all-configs --markdown, ",
+            end="",
+        )
+        print(f"Triton {triton.__version__} -->")
+        print(markdown_tables(results))
+        print(TABLE_END)
     else:
         print(f"triton {triton.__version__}, torch {torch.__version__}, target sm_90a")
         for r in results:

@@ -1,8 +1,6 @@
 """linear_cross_entropy (chunked, Triton softmax/grad via the interpreter) against float64."""
 
 import importlib
-import os
-import socket
 
 import pytest
 import torch
@@ -140,15 +138,12 @@ def test_invalid_arguments_are_reported():
         linear_cross_entropy(h, w, targets, chunk_size=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _vocab_parallel_worker(rank, world_size, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _vocab_parallel_worker(rank, world_size, init_file):
+    # A file store, not a picked free port: another process may take the port before rank 0
+    # listens on it (EADDRINUSE on a loaded machine).
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
     try:
         torch.manual_seed(0)  # identical hidden, weight and targets on every rank
         tokens, hidden, vocab = 23, 16, 90
@@ -180,5 +175,5 @@ def _vocab_parallel_worker(rank, world_size, port):
 
 
 @pytest.mark.multiprocess
-def test_vocab_parallel_on_two_gloo_ranks_matches_unsharded_loss():
-    mp.spawn(_vocab_parallel_worker, args=(2, _free_port()), nprocs=2, join=True)
+def test_vocab_parallel_on_two_gloo_ranks_matches_unsharded_loss(tmp_path):
+    mp.spawn(_vocab_parallel_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)

@@ -170,9 +170,16 @@ class Trainer:
             head_dim=args.head_dim,
             dtype="bfloat16" if cfg.training.dtype == "bf16" else "float32",
             dropout_p=cfg.model.attention_dropout,
+            compiled=cfg.compile.enable,
         )
         return resolve_auto_attention(
-            shape, self.device, Path(cfg.job.dump_folder), self.rank, self.world_size, self._say
+            shape,
+            self.device,
+            Path(cfg.job.dump_folder),
+            self.rank,
+            self.world_size,
+            cfg.job.collective_timeout_s,
+            self._say,
         )
 
     def _build_model(self) -> None:

@@ -13,4 +13,20 @@ TEST_CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/bloomnative-test-cache.XXXXXX")"
 trap 'rm -rf "$TEST_CACHE_DIR"' EXIT
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$TEST_CACHE_DIR/inductor}"
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$TEST_CACHE_DIR/triton}"
+# Which stack this run tests (CI runs two).
+"$BLOOMNATIVE_PYTHON" - <<'PY'
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+
+def installed(name: str) -> str:
+    try:
+        return f"{name} {version(name)}"
+    except PackageNotFoundError:
+        return f"no {name}"
+
+
+stack = ", ".join(installed(name) for name in ("torch", "triton", "transformers", "numpy"))
+print(f"[tests] Python {platform.python_version()}: {stack}")
+PY
 "$BLOOMNATIVE_PYTHON" -m pytest -q "$@"

@@ -1,3 +1,5 @@
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,11 @@ from training_helpers import (
     run_training,
     write_word_tokenizer,
 )
+
+# Whatever a test starts that sources scripts/ensure_env.sh (run_train.sh, run_tests.sh) runs
+# under this Python, the stack under test, also when pytest was started without run_tests.sh:
+# left unset, ensure_env.sh would pick or make another environment (.venv, another torch).
+os.environ["BLOOMNATIVE_PYTHON"] = sys.executable
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ TINY_MODEL = "debug,n_layer=4,hidden_size=32,n_head=4,vocab_size=128"
 
 def run(command: list[str], extra_env: dict[str, str] | None = None) -> str:
     """Runs from the repo root with the package on PYTHONPATH; returns stdout and stderr."""
-    env = {**train_env(), "BLOOMNATIVE_PYTHON": sys.executable, **(extra_env or {})}
+    env = {**train_env(), **(extra_env or {})}
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise AssertionError(

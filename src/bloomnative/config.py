@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 import json
 import math
-import sys
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +22,6 @@ from bloomnative.model.args import AttentionBackend
 
 if TYPE_CHECKING:
     from bloomnative.model.args import BloomArgs
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "debug.toml"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.pipelining.stage import _PipelineStageBase, _RecvInfo
 from torch.distributed.tensor import DTensor
 
 from bloomnative.config import parse_args
@@ -48,7 +48,9 @@ def live_stage_buffers() -> dict:
     for stage in stages:
         for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
             for info in infos:
-                if info.buffer is not None:
+                # Model inputs have no buffer: torch 2.11 holds a _RootArgPlaceholder for them,
+                # 2.13 a _RecvInfo whose buffer is None.
+                if isinstance(info, _RecvInfo) and info.buffer is not None:
                     buffers[info.buffer.untyped_storage().data_ptr()] = info.buffer
     return {
         "stages": len(stages),

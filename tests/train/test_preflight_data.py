@@ -3,14 +3,13 @@ it, exit code 2, before torchrun starts."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 
 import pytest
 
 from bloomnative.train.preflight import main as preflight
-from training_helpers import REPO, run_training
+from training_helpers import REPO, run_training, train_env
 
 BUNDLED = REPO / "assets" / "pydocs" / "pydocs_text_document"
 
@@ -24,7 +23,7 @@ def test_run_train_sh_stops_on_a_truncated_idx_before_torchrun(tmp_path):
     proc = subprocess.run(
         [str(REPO / "run_train.sh"), f"--data.blend={prefix}", f"--job.dump_folder={dump}"],
         cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=train_env(),
         capture_output=True,
         text=True,
         timeout=300,

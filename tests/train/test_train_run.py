@@ -3,7 +3,6 @@ same seed gives the same run; training can start from a Hugging Face folder."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -40,7 +39,7 @@ def test_run_train_sh_writes_metrics_tensorboard_and_a_checkpoint(tmp_path):
             f"--job.dump_folder={tmp_path}",
         ],
         cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
+        env={**train_env(), "OMP_NUM_THREADS": "2"},
         capture_output=True,
         text=True,
         timeout=600,

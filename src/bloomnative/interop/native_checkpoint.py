@@ -20,7 +20,7 @@ import os
 import re
 import secrets
 import shutil
-import sys
+import tomllib
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,11 +35,6 @@ from bloomnative.checkpoint_integrity import ChecksummingWriter, gather_sums, wr
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.model.args import PRESETS
 from bloomnative.model.state import EMBEDDING, TIED_HEAD, model_state
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 MODEL_KEY = "model"
 """The entry of a DCP checkpoint that holds the model's canonical state dict."""

@@ -208,6 +208,32 @@ class Pipeline:
         return losses
 
 
+class _Stage(PipelineStage):
+    """torch's `PipelineStage` without two behaviours of torch 2.11 that torch 2.13 changed
+    (there the overrides change nothing):
+
+    - A schedule's first step warms up the point-to-point links with a send to, and a receive
+      from, the rank of each neighbouring stage. Under ZBVZeroBubble's V placement stages pp-1
+      and pp share a rank, which gloo refuses to send to; 2.13 replaced that warm-up. Dropping
+      the ops whose peer is this rank drops matched pairs (this rank sends and receives both),
+      and a rank hands activations between its own stages without them.
+    - The first step infers the stages' shapes with a forward on zeros, in training mode, so it
+      draws dropout masks from the default generators. The trainer builds a schedule for each
+      micro-batch count (batch-size rampup), so those draws would come at different steps in a
+      run resumed mid-rampup than in the uninterrupted one. 2.13 forks the generators around
+      the inference; this does it on every version.
+    """
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        ops = super()._get_init_p2p_neighbors_ops()
+        return [op for op in ops if op.group_peer != self.group_rank]
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        devices = [self.device] if self.device.type != "cpu" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+
 def build_pipeline(
     placement: PipelineStages, n_microbatches: int, device: torch.device
 ) -> Pipeline:
@@ -226,7 +252,7 @@ def build_pipeline(
     schedule can run.)
     """
     stages = [
-        PipelineStage(part, sid, placement.num_stages, device, group=placement.group)
+        _Stage(part, sid, placement.num_stages, device, group=placement.group)
         for part, sid in zip(placement.parts, placement.stage_ids, strict=True)
     ]
     cls = get_schedule_class(placement.schedule)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from bloomnative.config import ParallelismConfig, TrainingConfig, ValidationConfig
 from bloomnative.data.rampup import rampup_sizes
+from bloomnative.kernels.flash_alibi_attention import DROPOUT_MAX_POSITIONS
 from bloomnative.model.args import BloomArgs
 from bloomnative.parallel.dims import LayoutError, ParallelDims
 from bloomnative.parallel.pipeline import SCHEDULES, is_interleaved, is_multi_stage
@@ -99,8 +100,6 @@ def check_attention_dropout_positions(args: BloomArgs, seq_lens: dict[str, int])
     sequence's, also when context parallelism splits it)."""
     if args.attention != "triton" or not args.attention_dropout:
         return
-    from bloomnative.kernels.flash_alibi_attention import DROPOUT_MAX_POSITIONS
-
     for key, length in seq_lens.items():
         if length > DROPOUT_MAX_POSITIONS:
             raise LayoutError(

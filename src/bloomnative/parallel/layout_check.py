@@ -2,7 +2,7 @@
 
 `check_layout` is called by preflight (before torchrun starts), by every rank of the trainer
 (before anything is allocated) and by the memory planner's config path
-(`memory_estimate.workload_from_config`: tools/estimate_memory.py, activation_checkpoint "auto"),
+(`planner.workload_from_config`: tools/estimate_memory.py, activation_checkpoint "auto"),
 so the planner never says "fits" about a run that the trainer refuses. With batch-size rampup
 it checks every global batch size the run steps through, not only the final one.
 """

@@ -22,12 +22,6 @@ from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.context_parallel import shard_sequence
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
 from bloomnative.parallel.layout_check import pipeline_microbatches
-from bloomnative.parallel.memory_estimate import (
-    RecomputeChoice,
-    auto_recompute,
-    compiles_the_loss,
-    with_recompute,
-)
 from bloomnative.parallel.parallelize import parallelize_part
 from bloomnative.parallel.pipeline import (
     Pipeline,
@@ -36,6 +30,12 @@ from bloomnative.parallel.pipeline import (
     build_pipeline,
     pipeline_forward_loss,
     split_for_pipeline,
+)
+from bloomnative.planner import (
+    RecomputeChoice,
+    auto_recompute,
+    compiles_the_loss,
+    with_recompute,
 )
 from bloomnative.train import checkpoint as ckpt
 from bloomnative.train.attention_choice import (

@@ -4,12 +4,12 @@ and the schedule's receive buffers and kept outputs."""
 from __future__ import annotations
 
 from bloomnative.model.args import BloomArgs
-from bloomnative.parallel.memory_estimate.activations import (
+from bloomnative.planner.activations import (
     local_vocab,
     micro_batch_tokens,
     residual_stream_elements,
 )
-from bloomnative.parallel.memory_estimate.inputs import (
+from bloomnative.planner.inputs import (
     PIPELINE_SCHEDULES,
     Component,
     Layout,

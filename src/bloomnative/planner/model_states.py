@@ -9,7 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bloomnative.model.args import BloomArgs
-from bloomnative.parallel.memory_estimate.inputs import (
+from bloomnative.parallel.pipeline import stage_ids_of_rank, stage_layer_counts
+from bloomnative.planner.inputs import (
     BF16,
     FP32,
     Component,
@@ -17,7 +18,6 @@ from bloomnative.parallel.memory_estimate.inputs import (
     Precision,
     Workload,
 )
-from bloomnative.parallel.pipeline import stage_ids_of_rank, stage_layer_counts
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from bloomnative import planner
 from bloomnative.config import ConfigError, parse_args
 from bloomnative.parallel import LayoutError
 from bloomnative.parallel.layout_check import run_batch_sizes
-from bloomnative.parallel.pipeline import stage_layer_counts
+from bloomnative.parallel.schedules import stage_layer_counts
 from bloomnative.train.preflight import check_run, main
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))

@@ -20,13 +20,13 @@ from bloomnative.parallel.fsdp import apply_fsdp
 from bloomnative.parallel.grad_clip import clip_grad_norm_
 from bloomnative.parallel.init import init_weights
 from bloomnative.parallel.pipeline import (
-    SCHEDULES,
     Pipeline,
     PipelineStages,
     TiedWeightSync,
     build_pipeline,
     split_for_pipeline,
 )
+from bloomnative.parallel.schedules import SCHEDULES
 from bloomnative.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = [

@@ -16,7 +16,7 @@ from bloomnative.data.rampup import rampup_sizes
 from bloomnative.kernels.flash_alibi_attention import DROPOUT_MAX_POSITIONS
 from bloomnative.model.args import BloomArgs
 from bloomnative.parallel.dims import LayoutError, ParallelDims
-from bloomnative.parallel.pipeline import SCHEDULES, is_interleaved, is_multi_stage
+from bloomnative.parallel.schedules import SCHEDULES, is_interleaved, is_multi_stage
 
 
 def run_batch_sizes(training: TrainingConfig) -> list[int]:

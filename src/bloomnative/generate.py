@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bloomnative.checkpoint_integrity import latest_step
+from bloomnative.checkpoint.integrity import latest_step
 from bloomnative.config import DEFAULT_CONFIG, ConfigError, load_toml
 from bloomnative.config import Config as RunConfig
 from bloomnative.data.tokenizer import TextTokenizer

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from bloomnative.train.checkpoint import BadCheckpointError
+    from bloomnative.checkpoint.checkpointer import BadCheckpointError
     from bloomnative.train.trainer import Trainer
 
     try:

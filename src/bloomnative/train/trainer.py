@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.config import Config, model_args_from_config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.model import Bloom
@@ -37,7 +38,6 @@ from bloomnative.planner import (
     compiles_the_loss,
     with_recompute,
 )
-from bloomnative.train import checkpoint as ckpt
 from bloomnative.train.attention_choice import (
     AttentionShape,
     context_parallel_attention,

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from bloomnative.checkpoint_integrity import (
+from bloomnative.checkpoint.integrity import (
     RECORD,
     ChecksummingWriter,
     FileSum,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,11 +110,28 @@ def test_the_module_graph_has_no_cycle():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
-def test_the_model_and_the_kernels_stand_alone():
-    graph = package_graph()
-    assert graph["kernels"] == set()
-    assert graph["model"] == {"kernels", _unit(FACADE[1])}
-    assert not graph["interop"] & {"train", "parallel", "planner", "data"}
+def documented_imports() -> dict[str, set[str]]:
+    """docs/architecture.md's table: package -> the packages it may import ("all of the above":
+    every package of an earlier row)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| `bloomnative\.(\w+)`[^|]*\|[^|]*\|([^|]*)\|$", text, flags=re.MULTILINE)
+    allowed: dict[str, set[str]] = {}
+    for unit, imports in rows:
+        earlier = set(allowed)
+        named = set(re.findall(r"`(\w+)`", imports)) & {u for u, _ in rows}
+        allowed[unit] = earlier if "all of the above" in imports else named
+    return allowed
+
+
+def test_every_package_imports_only_what_docs_architecture_allows():
+    graph = {unit: deps for unit, deps in package_graph().items() if unit != "__init__"}
+    allowed = documented_imports()
+    assert sorted(allowed) == sorted(graph), "docs/architecture.md's table lists other packages"
+    extra = {
+        unit: sorted(deps - allowed[unit]) for unit, deps in graph.items() if deps - allowed[unit]
+    }
+    assert not extra, f"imports docs/architecture.md does not allow: {extra}"
+    assert allowed["kernels"] == allowed["data"] == set()
 
 
 def test_the_kernels_are_found_through_the_package():

@@ -90,12 +90,8 @@ def split_for_pipeline(
     the stage modules and where every stage runs. With a pp mesh of size 1 the one stage is
     `model` itself.
 
-    Order: first, on the meta-device model, before `apply_tensor_parallel`,
-    `apply_activation_checkpointing`, `apply_compile` and `apply_fsdp`, which are then applied
-    to each stage module (`.parts`): a stage is a copy of the model with the layers of other
-    stages removed, so each plan and FSDP's root unit see only what the stage owns. Then
-    `to_empty` and `init_weights` per stage, and last `build_pipeline` for the schedule, which
-    runs the parallelised, materialised stages.
+    Where it goes among the plans (first, the others then applied to each of `.parts`), and
+    why: docs/architecture.md (the order of the parallel plans).
 
     `schedule` is a torch.distributed.pipelining schedule name (SCHEDULES); multi-stage ones
     (Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble) need `stages_per_rank` >= 2 (ZBV
@@ -198,9 +194,9 @@ def build_pipeline(
     micro batches per step: call `pipeline.step(inputs, labels, loss_fn)` on every pipeline
     rank (all pass the same batch; the first stage reads the inputs, the last the labels).
 
-    Order: last, once every stage module is parallelised, materialised and initialised: the
-    torch stages run the modules as they are then. Build another for another micro-batch
-    count (batch-size rampup); each holds receive buffers sized for its count.
+    Where it goes among the plans (last), and why: docs/architecture.md (the order of the
+    parallel plans). Build another for another micro-batch count (batch-size rampup); each
+    holds receive buffers sized for its count.
 
     Each step's `loss_fn(output, labels)` is called per micro batch and its value is
     backpropagated as it is (the schedule does not divide by the micro-batch count): return

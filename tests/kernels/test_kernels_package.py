@@ -31,28 +31,32 @@ PROBE = textwrap.dedent(
     assert not twice, f"kernel modules imported a second time: {twice}"
     top = sys.modules.get("kernels")
     assert top is None or top.layer_norm is bloomnative.kernels.layer_norm
-    print(bloomnative.kernels.layer_norm.__module__, bloomnative.kernels.__file__)
+    print(bloomnative.kernels.layer_norm.__module__, bloomnative.kernels.__file__, top is not None)
     """
 )
 
 
 @pytest.mark.parametrize("path", ["src:.", "src"])
-def test_a_source_tree_imports_the_kernels_once(path):
+def test_a_source_tree_imports_the_kernels_once(path, tmp_path):
     """As the GPU machines run it (PYTHONPATH=src:.) and with src alone, transformers' probe
-    for Hugging Face's `kernels` first."""
+    for Hugging Face's `kernels` first. Run from another folder, so that only PYTHONPATH puts
+    the repository root on sys.path."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in path.split(":"))}
     proc = subprocess.run(
         [sys.executable, "-c", PROBE],
-        cwd=REPO,
+        cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    module, init = proc.stdout.split()
+    module, init, probed = proc.stdout.split()
     assert module == "bloomnative.kernels.layer_norm"
     assert init == str(REPO / "src" / "bloomnative" / "kernels" / "__init__.py")
+    # With the root on sys.path the probe did import the folder as `kernels`: the check above
+    # is not vacuous.
+    assert probed == str(path == "src:.")
 
 
 def _setuptools_version() -> tuple[int, ...]:

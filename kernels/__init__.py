@@ -3,36 +3,31 @@
 Every op runs its Triton kernel on CUDA tensors (and on CPU under ``TRITON_INTERPRET=1``) and
 its torch reference otherwise, so model code calls them unconditionally; see
 :mod:`bloomnative.kernels._dispatch` for the rule and ``docs/kernels.md`` for the math.
+
+This folder is the package ``bloomnative.kernels`` through the link ``src/bloomnative/kernels``
+(docs/architecture.md). Its modules are imported by their full names: where the repository root
+is on ``sys.path``, transformers imports this folder as a top-level ``kernels`` (probing for
+Hugging Face's kernel hub package), and that name then refers to these same ops instead of
+loading and registering a second copy of each.
 """
 
-import sys as _sys
-
-if __name__ != "bloomnative.kernels":
-    # This folder is the package bloomnative.kernels. A repo checkout on sys.path also makes it
-    # importable as a top-level `kernels`, the name of Hugging Face's kernel hub package, which
-    # transformers probes for: answer with the real package instead of a second copy that would
-    # register every op twice.
-    import importlib as _importlib
-
-    _sys.modules[__name__] = _importlib.import_module("bloomnative.kernels")
-else:
-    from ._dispatch import poison_outputs, use_triton
-    from .bias_gelu import bias_gelu, bias_gelu_reference
-    from .flash_alibi_attention import (
-        alibi_attention_block_backward_reference,
-        alibi_attention_block_reference,
-        flash_alibi_attention,
-        flash_alibi_attention_block,
-        flash_alibi_attention_block_backward,
-        flash_alibi_attention_reference,
-    )
-    from .flex_alibi_attention import causal_block_mask, flex_alibi_attention
-    from .layer_norm import layer_norm, layer_norm_reference
-    from .linear_cross_entropy import (
-        linear_cross_entropy,
-        linear_cross_entropy_reference,
-        vocab_parallel_linear_cross_entropy,
-    )
+from bloomnative.kernels._dispatch import poison_outputs, use_triton
+from bloomnative.kernels.bias_gelu import bias_gelu, bias_gelu_reference
+from bloomnative.kernels.flash_alibi_attention import (
+    alibi_attention_block_backward_reference,
+    alibi_attention_block_reference,
+    flash_alibi_attention,
+    flash_alibi_attention_block,
+    flash_alibi_attention_block_backward,
+    flash_alibi_attention_reference,
+)
+from bloomnative.kernels.flex_alibi_attention import causal_block_mask, flex_alibi_attention
+from bloomnative.kernels.layer_norm import layer_norm, layer_norm_reference
+from bloomnative.kernels.linear_cross_entropy import (
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+    vocab_parallel_linear_cross_entropy,
+)
 
 __all__ = [
     "alibi_attention_block_backward_reference",

@@ -29,8 +29,9 @@ def synthetic_corpus(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def fsdp_run(tmp_path_factory, synthetic_corpus) -> tuple[Path, str]:
     """(dump folder, stdout) of one 2-process FSDP run of 3 steps on the synthetic corpus with
-    its word tokenizer, that profiles steps 2-3 and prints a sample from its final checkpoint.
-    Shared by the generation and profiling tests (one torchrun world for both)."""
+    its word tokenizer, that profiles steps 2-3, prints a sample from its final checkpoint and
+    writes per-rank log files to <dump folder>/logs. Shared by the generation, profiling and
+    logging tests (one torchrun world for all)."""
     root = tmp_path_factory.mktemp("fsdp_run")
     tokenizer = write_word_tokenizer(root / "tokenizer.json")
     dump = root / "run"
@@ -49,5 +50,6 @@ def fsdp_run(tmp_path_factory, synthetic_corpus) -> tuple[Path, str]:
             "--profiling.steps=2",
         ],
         nproc=2,
+        env={"BLOOMNATIVE_LOG_DIR": str(dump / "logs")},
     )
     return dump, proc.stdout

@@ -14,7 +14,7 @@ import pytest
 from training_helpers import REPO, train_env
 
 API_DOC = REPO / "docs" / "api.md"
-PACKAGES = ["model", "kernels", "parallel", "data", "interop", "train"]
+PACKAGES = ["model", "kernels", "parallel", "planner", "data", "interop", "train"]
 
 
 def sections() -> dict[str, str]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from bloomnative.checkpoint_integrity import read_record, unrecorded_files, verify_files
+from bloomnative.checkpoint.integrity import read_record, unrecorded_files, verify_files
 from bloomnative.interop import load_native_model
 from bloomnative.model import Bloom
 from training_helpers import REPO, TINY_RUN, metric_rows, train_env

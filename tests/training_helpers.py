@@ -134,12 +134,17 @@ def train_command(args: list[str], nproc: int = 0, max_restarts: int = 0) -> lis
 
 
 def run_training(
-    args: list[str], nproc: int = 0, timeout: int = 600, check: bool = True
+    args: list[str],
+    nproc: int = 0,
+    timeout: int = 600,
+    check: bool = True,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Runs the trainer to its end; `check`: a non-zero exit fails the test with the output."""
+    """Runs the trainer to its end (`env`: variables added to `train_env()`'s); `check`: a
+    non-zero exit fails the test with the output."""
     proc = subprocess.run(
         train_command(args, nproc),
-        env=train_env(),
+        env={**train_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -28,10 +28,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from bloomnative import checkpoint_integrity as integrity
+from bloomnative.checkpoint import checkpointer as ckpt
+from bloomnative.checkpoint import integrity
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.model.state import model_state
-from bloomnative.train import checkpoint as ckpt
 
 ALGORITHMS = ["xxh3_64", "crc32"] if integrity.xxhash is not None else ["crc32"]
 WRITERS = {"plain": None, **{a: a for a in ALGORITHMS}}

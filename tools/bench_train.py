@@ -53,7 +53,7 @@ import torch
 from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.model import BloomArgs
 from bloomnative.parallel.dims import LayoutError
-from bloomnative.parallel.memory_estimate import PlanError
+from bloomnative.planner import PlanError
 from bloomnative.train.distributed import exit_process
 from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import PeakMemory, device_peak_tflops
@@ -541,19 +541,19 @@ def main(argv: list[str] | None = None) -> int:
 def planned_memory(config: Config, args: BloomArgs, device: torch.device) -> dict | None:
     """The planner's prediction for this run on global rank 0 (pipeline rank 0), next to which
     the measured peak is reported: every GPU benchmark also checks the planner."""
-    from bloomnative.parallel import memory_estimate as me
+    from bloomnative import planner
 
     try:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        layout = me.layout_from_config(config.parallelism, world)
-        workload = me.workload_from_config(config, layout, device.type)
-        overhead = me.Overhead() if device.type == "cuda" else me.Overhead.none()
-        rank0 = me.estimate(args, layout, workload, overhead, device.type).ranks[0]
-    except me.PlanError as e:
+        layout = planner.layout_from_config(config.parallelism, world)
+        workload = planner.workload_from_config(config, layout, device.type)
+        overhead = planner.Overhead() if device.type == "cuda" else planner.Overhead.none()
+        rank0 = planner.estimate(args, layout, workload, overhead, device.type).ranks[0]
+    except planner.PlanError as e:
         return {"error": str(e)}
     return {
-        "allocated_peak_gib": rank0.allocated_peak / me.GiB,
-        "device_gib": rank0.device_bytes / me.GiB,
+        "allocated_peak_gib": rank0.allocated_peak / planner.GiB,
+        "device_gib": rank0.device_bytes / planner.GiB,
         "peak_phase": rank0.peak_phase,
     }
 

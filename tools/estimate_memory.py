@@ -11,7 +11,7 @@ Takes the trainer's own config (--config FILE and any --section.key=value), so w
 is what runs. Prints, for the pipeline rank that needs the most memory, every component
 (weights, gradients, AdamW moments, gathered weights, activations, loss buffers, pipeline
 buffers, framework overhead) with its formula, the total, and the largest micro batch that fits
---device-memory-gib. The formulas are in the bloomnative/parallel/memory_estimate/ package
+--device-memory-gib. The formulas are in the bloomnative/planner/ package
 (inputs, model_states, activations, pipeline_buffers, rank_estimate, from_config) and
 docs/performance.md. --layouts instead plans every dp_shard x cp x tp x pp split of
 --world-size devices and lists them, those that fit first.
@@ -24,8 +24,8 @@ import dataclasses
 import json
 import sys
 
+from bloomnative import planner
 from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
-from bloomnative.parallel import memory_estimate as me
 from bloomnative.parallel.dims import LayoutError
 
 
@@ -51,7 +51,7 @@ def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     )
     parser.add_argument(
         "--attention-memory",
-        choices=me.ATTENTION_MEMORY,
+        choices=planner.ATTENTION_MEMORY,
         help="what attention keeps for backward (default: from model.attention and the device)",
     )
     parser.add_argument(
@@ -95,10 +95,10 @@ def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
 
 
 def gib(nbytes: int) -> str:
-    return f"{nbytes / me.GiB:>10.3f}"
+    return f"{nbytes / planner.GiB:>10.3f}"
 
 
-def format_rank(rank: me.RankEstimate) -> str:
+def format_rank(rank: planner.RankEstimate) -> str:
     """A table of one rank's components (name, when it is counted, GiB, formula) and totals."""
     phases = {"resident": "resident", "fwd_bwd": "fwd/bwd", "step_end": "step end", "host": "host"}
     width = max(len(c.name) for c in rank.components) + 2
@@ -117,7 +117,7 @@ def format_rank(rank: me.RankEstimate) -> str:
             "framework overhead (assumed)",
             "",
             gib(rank.overhead_bytes),
-            f"context {overhead.context_bytes / me.GiB:.2f} GiB + "
+            f"context {overhead.context_bytes / planner.GiB:.2f} GiB + "
             f"{overhead.fragmentation:.0%} fragmentation",
         ),
         row("device memory needed", "", gib(rank.device_bytes)),
@@ -125,7 +125,7 @@ def format_rank(rank: me.RankEstimate) -> str:
     return "\n".join(lines)
 
 
-def format_activation_terms(rank: me.RankEstimate) -> str:
+def format_activation_terms(rank: planner.RankEstimate) -> str:
     """The per-micro-batch activation terms (the Korthikanti-style breakdown)."""
     lines = []
     for part, terms in rank.activation_terms.items():
@@ -138,7 +138,7 @@ def format_activation_terms(rank: me.RankEstimate) -> str:
     return "\n".join(lines)
 
 
-def rank_to_dict(rank: me.RankEstimate) -> dict:
+def rank_to_dict(rank: planner.RankEstimate) -> dict:
     return {
         "pp_rank": rank.pp_rank,
         "components": [dataclasses.asdict(c) | {"gib": c.gib} for c in rank.components],
@@ -149,7 +149,7 @@ def rank_to_dict(rank: me.RankEstimate) -> dict:
         "allocated_peak_bytes": rank.allocated_peak,
         "overhead_bytes": rank.overhead_bytes,
         "device_bytes": rank.device_bytes,
-        "device_gib": rank.device_bytes / me.GiB,
+        "device_gib": rank.device_bytes / planner.GiB,
         "activation_terms": {
             part: [dataclasses.asdict(t) | {"bytes": t.bytes} for t in terms]
             for part, terms in rank.activation_terms.items()
@@ -157,18 +157,21 @@ def rank_to_dict(rank: me.RankEstimate) -> dict:
     }
 
 
-def overhead_from_args(known: argparse.Namespace) -> me.Overhead:
-    default = me.Overhead() if known.device_type == "cuda" else me.Overhead.none()
-    context = default.context_bytes if known.overhead_gib is None else known.overhead_gib * me.GiB
+def overhead_from_args(known: argparse.Namespace) -> planner.Overhead:
+    default = planner.Overhead() if known.device_type == "cuda" else planner.Overhead.none()
+    context = (
+        default.context_bytes if known.overhead_gib is None else known.overhead_gib * planner.GiB
+    )
     frag = default.fragmentation if known.fragmentation is None else known.fragmentation
-    return me.Overhead(context_bytes=int(context), fragmentation=frag)
+    return planner.Overhead(context_bytes=int(context), fragmentation=frag)
 
 
-def describe(args, layout: me.Layout, workload: me.Workload) -> str:
+def describe(args, layout: planner.Layout, workload: planner.Workload) -> str:
     n = args.num_params()
     return (
         f"model: {args.n_layer} layers, hidden {args.hidden_size}, {args.n_head} heads, vocab "
-        f"{args.vocab_size}: {n / 1e9:.3f}B parameters (bf16 weights {2 * n / me.GiB:.1f} GiB; "
+        f"{args.vocab_size}: {n / 1e9:.3f}B parameters "
+        f"(bf16 weights {2 * n / planner.GiB:.1f} GiB; "
         f"bf16 + fp32 weights + fp32 AdamW {14 * n / 2**40:.2f} TiB)\n"
         f"layout: dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard} x cp "
         f"{layout.cp} x tp {layout.tp} x pp {layout.pp} = {layout.world_size} devices, zero_stage "
@@ -188,10 +191,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan_layout(known, config: Config, args, par) -> tuple[me.Workload, me.Plan]:
+def plan_layout(known, config: Config, args, par) -> tuple[planner.Workload, planner.Plan]:
     """The plan of `config` with the [parallelism] section `par`, with the config's recompute
     (for mode "auto", the least that fits --device-memory-gib; raises PlanError if none does)."""
-    layout = me.layout_from_config(par, known.world_size)
+    layout = planner.layout_from_config(par, known.world_size)
     layout = dataclasses.replace(layout, pp_keeps_outputs=known.pp_return_outputs == "true")
     run = dataclasses.replace(config, parallelism=par)
     auto = config.activation_checkpoint.mode == "auto"
@@ -200,16 +203,16 @@ def plan_layout(known, config: Config, args, par) -> tuple[me.Workload, me.Plan]
             run,
             activation_checkpoint=dataclasses.replace(config.activation_checkpoint, mode="none"),
         )
-    workload = me.workload_from_config(
+    workload = planner.workload_from_config(
         run, layout, known.device_type, known.attention_memory, known.dropout
     )
     overhead = overhead_from_args(known)
     if auto:
-        device_bytes = int(known.device_memory_gib * me.GiB)
-        return me.least_recompute_or_raise(
+        device_bytes = int(known.device_memory_gib * planner.GiB)
+        return planner.least_recompute_or_raise(
             args, layout, workload, device_bytes, overhead, known.device_type
         )
-    return workload, me.estimate(args, layout, workload, overhead, known.device_type)
+    return workload, planner.estimate(args, layout, workload, overhead, known.device_type)
 
 
 def layouts_table(known, config: Config, args) -> str:
@@ -226,14 +229,14 @@ def layouts_table(known, config: Config, args) -> str:
                 name = f"dp_shard {dp_shard} x cp {cp} x tp {tp} x pp {pp}"
                 try:
                     workload, plan = plan_layout(known, config, args, par)
-                except (LayoutError, me.PlanError, ValueError) as e:
+                except (LayoutError, planner.PlanError, ValueError) as e:
                     refused.append(f"  {name}: {e}")
                     continue
                 recompute = workload.recompute
                 if recompute == "selective":
                     recompute += f" every {workload.recompute_every}"
                 rows.append((plan.worst.device_bytes, name, recompute))
-    limit = known.device_memory_gib * me.GiB
+    limit = known.device_memory_gib * planner.GiB
     rows.sort(key=lambda r: (r[0] > limit, r[0]))
     lines = [
         f"layouts of {world} devices, {known.device_memory_gib:g} GiB each, "
@@ -241,7 +244,8 @@ def layouts_table(known, config: Config, args) -> str:
         f"  {'layout':<38}{'recompute':<20}{'GiB/device':>11}  fits",
     ]
     lines += [
-        f"  {name:<38}{recompute:<20}{nbytes / me.GiB:>11.1f}  {'yes' if nbytes <= limit else 'no'}"
+        f"  {name:<38}{recompute:<20}{nbytes / planner.GiB:>11.1f}  "
+        f"{'yes' if nbytes <= limit else 'no'}"
         for nbytes, name, recompute in rows
     ]
     if refused:
@@ -259,39 +263,39 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("--layouts needs --world-size")
             print(layouts_table(known, config, args))
             return 0
-        layout = me.layout_from_config(config.parallelism, known.world_size)
+        layout = planner.layout_from_config(config.parallelism, known.world_size)
         layout = dataclasses.replace(layout, pp_keeps_outputs=known.pp_return_outputs == "true")
         auto = config.activation_checkpoint.mode == "auto"
-        workload = me.workload_from_config(
-            me.with_recompute(config, None),
+        workload = planner.workload_from_config(
+            planner.with_recompute(config, None),
             layout,
             known.device_type,
             known.attention_memory,
             known.dropout,
         )  # "auto" is planned as the trainer resolves it (below): the least recompute that fits
         overhead = overhead_from_args(known)
-        device_bytes = int(known.device_memory_gib * me.GiB)
+        device_bytes = int(known.device_memory_gib * planner.GiB)
         if auto:
-            workload, _ = me.least_recompute_or_raise(
+            workload, _ = planner.least_recompute_or_raise(
                 args, layout, workload, device_bytes, overhead, known.device_type
             )
-        plan = me.estimate(args, layout, workload, overhead, known.device_type)
-    except (ConfigError, LayoutError, me.PlanError, ValueError) as e:
+        plan = planner.estimate(args, layout, workload, overhead, known.device_type)
+    except (ConfigError, LayoutError, planner.PlanError, ValueError) as e:
         print(f"estimate_memory.py: error: {e}", file=sys.stderr)
         return 2
     worst = plan.worst
-    micro, fit_plan = me.largest_fitting_micro_batch(
+    micro, fit_plan = planner.largest_fitting_micro_batch(
         args,
         layout,
         workload,
         device_bytes,
-        me.local_batch_size(config, layout),
+        planner.local_batch_size(config, layout),
         overhead,
         known.device_type,
     )
     choice = None
     if known.choose_recompute:
-        choice = me.least_recompute_that_fits(
+        choice = planner.least_recompute_that_fits(
             args, layout, workload, device_bytes, overhead, known.device_type
         )
 
@@ -306,20 +310,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nworst pipeline rank: {worst.pp_rank}", file=out)
     print(format_rank(worst), file=out)
     if layout.pp > 1:
-        totals = ", ".join(f"{r.pp_rank}: {r.device_bytes / me.GiB:.1f}" for r in plan.ranks)
+        totals = ", ".join(f"{r.pp_rank}: {r.device_bytes / planner.GiB:.1f}" for r in plan.ranks)
         print(f"\ndevice GiB per pipeline rank: {totals}", file=out)
     if known.explain:
         print("\n" + format_activation_terms(worst), file=out)
     fits = worst.device_bytes <= device_bytes
     print(
         f"\nfits {known.device_memory_gib:g} GiB: {'yes' if fits else 'NO'} "
-        f"({worst.device_bytes / me.GiB:.2f} GiB needed)",
+        f"({worst.device_bytes / planner.GiB:.2f} GiB needed)",
         file=out,
     )
     if micro:
         print(
             f"largest micro batch that fits: {micro} "
-            f"({fit_plan.worst.device_bytes / me.GiB:.2f} GiB)",
+            f"({fit_plan.worst.device_bytes / planner.GiB:.2f} GiB)",
             file=out,
         )
     else:
@@ -334,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 setting += f" --activation_checkpoint.every={chosen.recompute_every}"
             print(
                 f"least recompute that fits: {setting} "
-                f"({chosen_plan.worst.device_bytes / me.GiB:.2f} GiB)",
+                f"({chosen_plan.worst.device_bytes / planner.GiB:.2f} GiB)",
                 file=out,
             )
     if known.json_path:
@@ -346,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             "device_memory_gib": known.device_memory_gib,
             "fits": fits,
             "worst_rank": rank_to_dict(worst),
-            "ranks_device_gib": [r.device_bytes / me.GiB for r in plan.ranks],
+            "ranks_device_gib": [r.device_bytes / planner.GiB for r in plan.ranks],
             "largest_micro_batch": micro,
             "least_recompute": None
             if choice is None

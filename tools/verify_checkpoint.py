@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from bloomnative.checkpoint_integrity import (
+from bloomnative.checkpoint.integrity import (
     RECORD,
     IntegrityError,
     check_file,

@@ -18,14 +18,17 @@ from pathlib import Path
 
 import torch
 
-from bloomnative.checkpoint_integrity import latest_step
+from bloomnative.checkpoint.integrity import latest_step
 from bloomnative.config import DEFAULT_CONFIG, ConfigError, load_toml
 from bloomnative.config import Config as RunConfig
 from bloomnative.data.tokenizer import TextTokenizer
 from bloomnative.interop import CheckpointFormatError, load_hf_model, load_native_model
 from bloomnative.interop.hf import CONFIG_FILE, TOKENIZER_FILES
 from bloomnative.interop.native_checkpoint import RUN_CONFIG, run_config_path
+from bloomnative.log import get_logger
 from bloomnative.model import Bloom
+
+_log = get_logger(__name__)
 
 REPO_ROOT = DEFAULT_CONFIG.parents[1]
 """run_train.sh runs from here, so a relative data.tokenizer in a run's config is relative to it."""
@@ -264,10 +267,9 @@ def print_final_sample(
         text = sample_text(model, tokenizer, prompt, max_new_tokens, sampling, seed)
     except (CheckpointFormatError, FileNotFoundError, ValueError) as e:
         # The run itself succeeded: a sample that cannot be made is reported, not an error.
-        print(f"[bloomnative] no sample: {e}", flush=True)
+        _log.info(f"no sample: {e}")
         return
-    print(
-        f"[bloomnative] sample from {step_dir.name} (more: tools/generate.py --checkpoint "
-        f"{dump_folder} --prompt ...):\n{text}",
-        flush=True,
+    _log.info(
+        f"sample from {step_dir.name} (more: tools/generate.py --checkpoint {dump_folder} "
+        f"--prompt ...):\n{text}"
     )

@@ -9,9 +9,9 @@ import pytest
 import torch
 from hf_testing import make_hf_bloom, relative_error, save_hf_bloom, tokens, transformers
 
+from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.interop import CheckpointFormatError, load_hf_model, load_native_model
 from bloomnative.model.state import load_model_state, model_state
-from bloomnative.train import checkpoint as ckpt
 from training_helpers import load_tool
 
 SHAPE = dict(hidden_size=96, n_head=3, n_layer=2, vocab_size=120)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from bloomnative import planner
 from bloomnative.config import ConfigError, parse_args
 from bloomnative.parallel import LayoutError
-from bloomnative.parallel import memory_estimate as me
 from bloomnative.parallel.layout_check import run_batch_sizes
-from bloomnative.parallel.pipeline import stage_layer_counts
+from bloomnative.parallel.schedules import stage_layer_counts
 from bloomnative.train.preflight import check_run, main
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
@@ -243,10 +243,10 @@ def test_the_planner_refuses_what_preflight_refuses():
     config = parse_args(argv)
     with pytest.raises(LayoutError) as preflight:
         check_run(config, 2)
-    layout = me.layout_from_config(config.parallelism, 2)
-    with pytest.raises(LayoutError) as planner:
-        me.workload_from_config(config, layout, "cpu")
-    assert str(planner.value) == str(preflight.value)
+    layout = planner.layout_from_config(config.parallelism, 2)
+    with pytest.raises(LayoutError) as planned:
+        planner.workload_from_config(config, layout, "cpu")
+    assert str(planned.value) == str(preflight.value)
 
 
 def test_an_unknown_schedule_given_in_code_is_a_layout_error():

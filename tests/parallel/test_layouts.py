@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from layout_runner import RESUMED
 
-from bloomnative.checkpoint_integrity import read_record, verify_files
+from bloomnative.checkpoint.integrity import read_record, verify_files
 from bloomnative.config import model_args_from_config, parse_args
 from bloomnative.data import build_gpt_datasets
 from bloomnative.model import Bloom

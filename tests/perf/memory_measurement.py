@@ -24,8 +24,8 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
+from bloomnative import planner
 from bloomnative.config import parse_args
-from bloomnative.parallel import memory_estimate as me
 from bloomnative.train.loss import cross_entropy_sum
 from bloomnative.train.trainer import Trainer
 
@@ -52,12 +52,12 @@ def build_trainer(dump: Path, *overrides: str) -> Trainer:
     return Trainer(config)
 
 
-def predict(trainer: Trainer) -> me.RankEstimate:
+def predict(trainer: Trainer) -> planner.RankEstimate:
     """The planner's estimate for this trainer's config, layout and pipeline rank, on CPU."""
-    layout = me.layout_from_config(trainer.config.parallelism, trainer.world_size)
-    workload = me.workload_from_config(trainer.config, layout, device_type="cpu")
+    layout = planner.layout_from_config(trainer.config.parallelism, trainer.world_size)
+    workload = planner.workload_from_config(trainer.config, layout, device_type="cpu")
     pp_rank = trainer.mesh["pp"].get_local_rank()
-    return me.estimate_rank(trainer.model_args, layout, workload, pp_rank, device_type="cpu")
+    return planner.estimate_rank(trainer.model_args, layout, workload, pp_rank, device_type="cpu")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,7 @@ def saved_activation_bytes(trainer: Trainer) -> int:
     return sum(saved.values())
 
 
-def predicted_saved_bytes(estimate: me.RankEstimate) -> int:
+def predicted_saved_bytes(estimate: planner.RankEstimate) -> int:
     """Stored activations and the loss's saved tensors."""
     names = ("activations:", "loss:")
     return sum(c.bytes for c in estimate.components if c.name.startswith(names))

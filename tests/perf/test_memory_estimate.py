@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
+from bloomnative import planner
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.parallel import LayoutError
-from bloomnative.parallel import memory_estimate as me
 from training_helpers import REPO, load_tool
 
 # h = 8: a block has 12h^2 + 13h = 872 parameters; embedding 16 x 8 = 128; each LayerNorm 16.
@@ -21,19 +21,19 @@ BLOCK, EMBEDDING, NORM = 872, 128, 16
 S, B = 4, 2
 
 
-def workload(**overrides) -> me.Workload:
+def workload(**overrides) -> planner.Workload:
     base = dict(micro_batch=B, seq_len=S, microbatches=1, precision="bf16")
-    return me.Workload(**(base | overrides))
+    return planner.Workload(**(base | overrides))
 
 
-def bf16_params_layout(**overrides) -> me.Layout:
+def bf16_params_layout(**overrides) -> planner.Layout:
     """Data parallel over two ranks (FSDP2 shards the states; activations do not depend on it)."""
-    return me.Layout(**({"dp_shard": 2} | overrides))
+    return planner.Layout(**({"dp_shard": 2} | overrides))
 
 
-def block_bytes(layout: me.Layout, wl: me.Workload, args: BloomArgs = TINY) -> int:
-    prec = me.Precision.of(layout, wl)
-    return sum(t.bytes for t in me.block_activation_terms(args, layout, wl, prec))
+def block_bytes(layout: planner.Layout, wl: planner.Workload, args: BloomArgs = TINY) -> int:
+    prec = planner.Precision.of(layout, wl)
+    return sum(t.bytes for t in planner.block_activation_terms(args, layout, wl, prec))
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -44,20 +44,20 @@ def test_parameter_inventory_matches_the_model():
     with torch.device("meta"):
         model = Bloom(args)
     real = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    planned = {p.name: p.shape for p in me.rank_parameters(args, me.Layout(), pp_rank=0)}
+    planned = {p.name: p.shape for p in planner.rank_parameters(args, planner.Layout(), pp_rank=0)}
     assert planned == real  # the tied head is one parameter
     assert sum(map(torch.Size.numel, map(torch.Size, real.values()))) == args.num_params()
 
 
 def test_tensor_parallel_shards_match_hand_count():
     # Per block and rank: 12h^2/t + 7h/t (QKV and h->4h biases) + 6h (LayerNorms, row biases).
-    params = me.block_parameters(TINY, index=0, tp=2)
+    params = planner.block_parameters(TINY, index=0, tp=2)
     assert sum(p.numel for p in params) == 12 * 64 // 2 + 7 * 8 // 2 + 6 * 8 == 460
 
 
 def test_fsdp_states_are_sharded_hand_computed():
-    layout = me.Layout(dp_shard=2, zero_stage=3)
-    rank = me.estimate_rank(TINY, layout, workload(), device_type="cpu")
+    layout = planner.Layout(dp_shard=2, zero_stage=3)
+    rank = planner.estimate_rank(TINY, layout, workload(), device_type="cpu")
     total = 4 * BLOCK + EMBEDDING + 2 * NORM  # 3648, every dim 0 even: exactly half per rank
     assert rank.component("fp32 master weights (sharded)").bytes == 4 * total // 2
     assert rank.component("AdamW moments (sharded)").bytes == 8 * total // 2
@@ -66,14 +66,16 @@ def test_fsdp_states_are_sharded_hand_computed():
     # re-gathers the current and the prefetched block in backward; zero 2 keeps everything.
     gathered = "gathered weights (FSDP all-gather outputs)"
     assert rank.component(gathered).bytes == 2 * (EMBEDDING + 2 * NORM)
-    zero2 = me.estimate_rank(TINY, dataclasses.replace(layout, zero_stage=2), workload())
+    zero2 = planner.estimate_rank(TINY, dataclasses.replace(layout, zero_stage=2), workload())
     assert zero2.component(gathered).bytes == 2 * total
 
 
 def test_cpu_offload_moves_the_sharded_states_to_the_host():
-    layout = me.Layout(dp_shard=2, cpu_offload=True)
-    offloaded = me.estimate_rank(TINY, layout, workload(microbatches=2))
-    on_device = me.estimate_rank(TINY, dataclasses.replace(layout, cpu_offload=False), workload())
+    layout = planner.Layout(dp_shard=2, cpu_offload=True)
+    offloaded = planner.estimate_rank(TINY, layout, workload(microbatches=2))
+    on_device = planner.estimate_rank(
+        TINY, dataclasses.replace(layout, cpu_offload=False), workload()
+    )
     host = sum(c.bytes for c in offloaded.components if c.phase == "host")
     assert host == 16 * (4 * BLOCK + EMBEDDING + 2 * NORM) // 2  # 4 + 8 + 4 bytes, halved
     assert offloaded.phase_bytes("resident") == 0
@@ -81,23 +83,23 @@ def test_cpu_offload_moves_the_sharded_states_to_the_host():
 
 
 def test_fsdp_shards_pad_dim_zero():
-    param = me.ParamTensor("w", (5, 3), "root")
+    param = planner.ParamTensor("w", (5, 3), "root")
     assert param.shard_numel(2) == 3 * 3  # ceil(5 / 2) rows
 
 
 def test_pipeline_stages_count_the_embedding_as_a_layer():
     # 4 blocks + embedding + head on 2 stages: [embedding + 2 blocks], [2 blocks + head copy].
-    layout = me.Layout(pp=2)
-    first = me.rank_parameters(TINY, layout, pp_rank=0)
-    last = me.rank_parameters(TINY, layout, pp_rank=1)
+    layout = planner.Layout(pp=2)
+    first = planner.rank_parameters(TINY, layout, pp_rank=0)
+    last = planner.rank_parameters(TINY, layout, pp_rank=1)
     assert sum(p.numel for p in first) == EMBEDDING + NORM + 2 * BLOCK
     assert sum(p.numel for p in last) == 2 * BLOCK + NORM + EMBEDDING  # untied head copy
-    assert [len(me.stage_blocks(TINY, layout, s)) for s in (0, 1)] == [2, 2]
+    assert [len(planner.stage_blocks(TINY, layout, s)) for s in (0, 1)] == [2, 2]
 
 
 def test_zero1_shards_only_master_weights_and_moments():
-    layout = me.Layout(dp_shard=8, zero_stage=1)
-    rank = me.estimate_rank(TINY, layout, workload(microbatches=2))
+    layout = planner.Layout(dp_shard=8, zero_stage=1)
+    rank = planner.estimate_rank(TINY, layout, workload(microbatches=2))
     p = 4 * BLOCK + EMBEDDING + 2 * NORM
     states = sum(c.bytes for c in rank.components if c.phase == "resident")
     assert states == (2 + 2 + 4) * p + 12 * p // 8
@@ -105,7 +107,7 @@ def test_zero1_shards_only_master_weights_and_moments():
 
 def test_bf16_without_data_parallelism_is_fsdp_on_one_rank():
     """bf16 is FSDP2's mixed precision on every layout: with dp = 1 the "shards" are whole."""
-    rank = me.estimate_rank(TINY, me.Layout(), workload(microbatches=2))
+    rank = planner.estimate_rank(TINY, planner.Layout(), workload(microbatches=2))
     p = 4 * BLOCK + EMBEDDING + 2 * NORM
     assert rank.component("fp32 master weights (sharded)").bytes == 4 * p
     assert rank.component("fp32 gradients (sharded, reduce dtype)").phase == "resident"
@@ -114,7 +116,7 @@ def test_bf16_without_data_parallelism_is_fsdp_on_one_rank():
 
 
 def test_fp32_without_data_parallelism_keeps_plain_weights():
-    rank = me.estimate_rank(TINY, me.Layout(), workload(microbatches=2, precision="fp32"))
+    rank = planner.estimate_rank(TINY, planner.Layout(), workload(microbatches=2, precision="fp32"))
     p = 4 * BLOCK + EMBEDDING + 2 * NORM
     assert rank.component("fp32 weights").bytes == 4 * p
     assert rank.component("fp32 gradients").phase == "resident"  # accumulation: 2 micro batches
@@ -158,49 +160,49 @@ def test_context_parallel_divides_every_kept_activation_by_cp():
     flash = block_bytes(bf16_params_layout(), workload(attention="flash"))
     assert block_bytes(cp2, workload(attention="flash")) * 2 == flash
     assert block_bytes(cp2, workload(attention="sdpa_efficient")) * 2 == flash
-    loss = me.loss_saved_terms(TINY, cp2, workload(), me.Precision.of(cp2, workload()))
+    loss = planner.loss_saved_terms(TINY, cp2, workload(), planner.Precision.of(cp2, workload()))
     assert sum(t.elements for t in loss) == B * S // 2 * TINY.vocab_size
 
 
 def test_context_parallel_shards_model_states_over_dp_shard_times_cp():
     wl = workload()
-    mixed = me.estimate_rank(TINY, me.Layout(dp_shard=2, cp=2), wl, device_type="cpu")
-    sharded = me.estimate_rank(TINY, me.Layout(dp_shard=4), wl, device_type="cpu")
+    mixed = planner.estimate_rank(TINY, planner.Layout(dp_shard=2, cp=2), wl, device_type="cpu")
+    sharded = planner.estimate_rank(TINY, planner.Layout(dp_shard=4), wl, device_type="cpu")
     for name in ("fp32 master weights (sharded)", "AdamW moments (sharded)"):
         assert mixed.component(name).bytes == sharded.component(name).bytes
     # cp alone shards too (FSDP over the cp ranks), in fp32 as well.
-    assert me.Precision.of(me.Layout(cp=2), workload(precision="fp32")).fsdp
+    assert planner.Precision.of(planner.Layout(cp=2), workload(precision="fp32")).fsdp
 
 
 def test_ring_attention_buffers_hand_computed():
     # b*s/cp = 4 local tokens of width h/t = 8: (5.5 x 2 + 22) x 32 bytes; sdpa blocks add
     # (4b + 1) fp32 [heads, C, C] with C = s / 2cp = 1.
     cp2 = bf16_params_layout(cp=2)
-    prec = me.Precision.of(cp2, workload())
-    assert me.ring_attention_buffers(TINY, cp2, workload(attention="flash"), prec) == 33 * 32
-    sdpa = me.ring_attention_buffers(TINY, cp2, workload(attention="sdpa_efficient"), prec)
+    prec = planner.Precision.of(cp2, workload())
+    assert planner.ring_attention_buffers(TINY, cp2, workload(attention="flash"), prec) == 33 * 32
+    sdpa = planner.ring_attention_buffers(TINY, cp2, workload(attention="sdpa_efficient"), prec)
     assert sdpa == 33 * 32 + 4 * (4 * B + 1) * 2 * 1
-    assert me.ring_attention_buffers(TINY, bf16_params_layout(), workload(), prec) == 0
+    assert planner.ring_attention_buffers(TINY, bf16_params_layout(), workload(), prec) == 0
     with pytest.raises(LayoutError, match="seq_len = 4 is not a multiple of 2 \\* parallelism.cp"):
-        me.estimate_rank(TINY, me.Layout(cp=4), workload())
+        planner.estimate_rank(TINY, planner.Layout(cp=4), workload())
 
 
 def test_bf16_activations_do_not_depend_on_the_data_parallel_degree():
     wl = workload(attention="flash")
-    assert me.Precision.of(me.Layout(), wl) == me.Precision(compute=2, fsdp=True)
-    assert block_bytes(me.Layout(), wl) == block_bytes(bf16_params_layout(), wl)
+    assert planner.Precision.of(planner.Layout(), wl) == planner.Precision(compute=2, fsdp=True)
+    assert block_bytes(planner.Layout(), wl) == block_bytes(bf16_params_layout(), wl)
 
 
 def test_more_recompute_means_less_activation_memory():
     args = BloomArgs.from_preset("bloom-560m")
-    layout = me.Layout(dp_shard=8)
+    layout = planner.Layout(dp_shard=8)
     peaks = [
-        me.estimate_rank(args, layout, wl).allocated_peak
+        planner.estimate_rank(args, layout, wl).allocated_peak
         for wl in (
-            me.Workload(micro_batch=4, seq_len=2048, recompute="none"),
-            me.Workload(micro_batch=4, seq_len=2048, recompute="selective", recompute_every=4),
-            me.Workload(micro_batch=4, seq_len=2048, recompute="selective", recompute_every=2),
-            me.Workload(micro_batch=4, seq_len=2048, recompute="full"),
+            planner.Workload(micro_batch=4, seq_len=2048, recompute="none"),
+            planner.Workload(micro_batch=4, seq_len=2048, recompute="selective", recompute_every=4),
+            planner.Workload(micro_batch=4, seq_len=2048, recompute="selective", recompute_every=2),
+            planner.Workload(micro_batch=4, seq_len=2048, recompute="full"),
         )
     ]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
@@ -208,22 +210,25 @@ def test_more_recompute_means_less_activation_memory():
 
 def test_larger_tensor_parallel_degree_means_less_memory_per_rank():
     args = BloomArgs.from_preset("bloom-7b1")
-    wl = me.Workload(micro_batch=2, seq_len=2048, microbatches=4, recompute="selective")
+    wl = planner.Workload(micro_batch=2, seq_len=2048, microbatches=4, recompute="selective")
     peaks = [
-        me.estimate_rank(args, me.Layout(dp_shard=2, tp=tp), wl).allocated_peak for tp in (1, 2, 4)
+        planner.estimate_rank(args, planner.Layout(dp_shard=2, tp=tp), wl).allocated_peak
+        for tp in (1, 2, 4)
     ]
     assert peaks[0] > peaks[1] > peaks[2]
 
 
 def test_loss_buffers_scale_with_the_vocabulary_shard():
     args = BloomArgs.from_preset("bloom-1b7")
-    wl = me.Workload(micro_batch=1, seq_len=2048)
-    full = me.estimate_rank(args, me.Layout(dp_shard=8), wl)
+    wl = planner.Workload(micro_batch=1, seq_len=2048)
+    full = planner.estimate_rank(args, planner.Layout(dp_shard=8), wl)
     log_probs = full.component("loss: log-probabilities (fp32)").bytes
     assert log_probs == 2048 * args.vocab_size * 4
-    sharded = me.estimate_rank(args, me.Layout(dp_shard=4, tp=2), wl)
+    sharded = planner.estimate_rank(args, planner.Layout(dp_shard=4, tp=2), wl)
     assert sharded.component("loss: log-probabilities (fp32)").bytes == log_probs // 2
-    fused = me.estimate_rank(args, me.Layout(dp_shard=8), dataclasses.replace(wl, fused_loss=True))
+    fused = planner.estimate_rank(
+        args, planner.Layout(dp_shard=8), dataclasses.replace(wl, fused_loss=True)
+    )
     assert fused.allocated_peak < full.allocated_peak
 
 
@@ -244,15 +249,15 @@ def test_loss_buffers_scale_with_the_vocabulary_shard():
 )
 def test_in_flight_micro_batches_follow_the_schedule(schedule, rank, expected):
     stages = 2 if schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
-    layout = me.Layout(pp=4, pp_schedule=schedule, pp_stages_per_rank=stages)
-    assert me.in_flight_microbatches(layout, microbatches=8, pp_rank=rank) == expected
+    layout = planner.Layout(pp=4, pp_schedule=schedule, pp_stages_per_rank=stages)
+    assert planner.in_flight_microbatches(layout, microbatches=8, pp_rank=rank) == expected
 
 
 def test_torch_pipelining_keeps_a_receive_buffer_per_micro_batch():
     args = BloomArgs.from_preset("bloom-1b7")
-    wl = me.Workload(micro_batch=1, seq_len=2048, microbatches=16, recompute="full")
-    layout = me.Layout(pp=4, dp_shard=2)
-    middle = me.estimate_rank(args, layout, wl, pp_rank=1)
+    wl = planner.Workload(micro_batch=1, seq_len=2048, microbatches=16, recompute="full")
+    layout = planner.Layout(pp=4, dp_shard=2)
+    middle = planner.estimate_rank(args, layout, wl, pp_rank=1)
     boundary = 2048 * args.hidden_size * 2  # bf16 residual stream
     recv = middle.component("pipeline stage 1 activation receive buffers").bytes
     assert recv == (16 - 3) * boundary  # 3 in flight on rank 1 are counted as block inputs
@@ -264,26 +269,26 @@ def test_torch_pipelining_keeps_a_receive_buffer_per_micro_batch():
 
 def test_largest_fitting_micro_batch_is_the_boundary():
     args = BloomArgs.from_preset("bloom-1b7")
-    layout = me.Layout(dp_shard=8)
-    wl = me.Workload(micro_batch=1, seq_len=2048, microbatches=64)
-    limit = 40 * me.GiB
-    micro, plan = me.largest_fitting_micro_batch(args, layout, wl, limit, local_batch=64)
+    layout = planner.Layout(dp_shard=8)
+    wl = planner.Workload(micro_batch=1, seq_len=2048, microbatches=64)
+    limit = 40 * planner.GiB
+    micro, plan = planner.largest_fitting_micro_batch(args, layout, wl, limit, local_batch=64)
     assert micro and plan.worst.device_bytes <= limit
     bigger = dataclasses.replace(wl, micro_batch=2 * micro, microbatches=64 // (2 * micro))
-    assert me.estimate(args, layout, bigger).worst.device_bytes > limit
+    assert planner.estimate(args, layout, bigger).worst.device_bytes > limit
 
 
 def test_least_recompute_that_fits_is_minimal():
     args = BloomArgs.from_preset("bloom-1b7")
-    layout = me.Layout(dp_shard=8)
-    wl = me.Workload(micro_batch=8, seq_len=2048, microbatches=1, attention="flash")
-    limit = 60 * me.GiB
-    chosen, plan = me.least_recompute_that_fits(args, layout, wl, limit)
+    layout = planner.Layout(dp_shard=8)
+    wl = planner.Workload(micro_batch=8, seq_len=2048, microbatches=1, attention="flash")
+    limit = 60 * planner.GiB
+    chosen, plan = planner.least_recompute_that_fits(args, layout, wl, limit)
     assert plan.worst.device_bytes <= limit
     fitting = [
         (mode, every)
-        for mode, every in me.recompute_options(args.n_layer)
-        if me.estimate(
+        for mode, every in planner.recompute_options(args.n_layer)
+        if planner.estimate(
             args, layout, dataclasses.replace(wl, recompute=mode, recompute_every=max(every, 1))
         ).worst.device_bytes
         <= limit
@@ -298,10 +303,10 @@ def test_bloom_176b_as_trained_matches_the_published_figures():
     + fp32 optimizer states): our estimate of that run (Megatron-DeepSpeed: BF16Optimizer,
     full recompute, fused softmax, Megatron's default dropout) is within 15%."""
     args = BloomArgs.from_preset("bloom-176b")
-    layout = me.Layout(
+    layout = planner.Layout(
         dp_shard=8, tp=4, pp=12, zero_stage=1, sequence_parallel=False, loss_parallel=True
     )
-    wl = me.Workload(
+    wl = planner.Workload(
         micro_batch=2,
         seq_len=2048,
         microbatches=2048 // 8 // 2,
@@ -309,8 +314,8 @@ def test_bloom_176b_as_trained_matches_the_published_figures():
         attention="materialized",
         dropout=True,
     )
-    worst = me.estimate(args, layout, wl, me.Overhead()).worst
-    assert abs(worst.device_bytes / me.GiB - 60) / 60 < 0.15
+    worst = planner.estimate(args, layout, wl, planner.Overhead()).worst
+    assert abs(worst.device_bytes / planner.GiB - 60) / 60 < 0.15
     n = args.num_params()
     assert abs(2 * n / 2**30 - 329) / 329 < 0.01  # "329GB", GiB as `du -h` prints
     assert abs(14 * n / 2**40 - 2.3) / 2.3 < 0.05  # "2.3T"
@@ -342,7 +347,7 @@ def test_cli_writes_a_plan_as_json(tmp_path, capsys):
     assert "largest micro batch that fits" in printed
     # The preset's activation_checkpoint.mode = "auto" is planned as the trainer resolves it.
     assert 'chosen for activation_checkpoint.mode = "auto"' in printed
-    assert plan["workload"]["recompute"] in me.RECOMPUTE_MODES
+    assert plan["workload"]["recompute"] in planner.RECOMPUTE_MODES
 
 
 def test_cli_lists_the_layouts_that_fit_bloom_7b1_at_seq_16384_on_8_gpus(capsys):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from bloomnative.train.checkpoint import Checkpointer
+from bloomnative.checkpoint.checkpointer import Checkpointer
 from bloomnative.train.distributed import exit_process
 from bloomnative.train.main import main
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager
 
-from bloomnative.train import checkpoint as ckpt
+from bloomnative.checkpoint import checkpointer as ckpt
 
 # DCP says so when it runs without a process group, as it does here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from bloomnative import planner
 from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
-from bloomnative.parallel import memory_estimate as me
 from training_helpers import TINY_RUN, run_training, train_env
 
 
@@ -26,19 +26,21 @@ def resolved_config(dump) -> Config:
 def predicted_bytes(argv: list[str], mode: str, every: int = 1) -> int:
     """The planner's device bytes for this run on one CPU process with the given recompute."""
     config = parse_args(argv)
-    layout = me.layout_from_config(config.parallelism, 1)
+    layout = planner.layout_from_config(config.parallelism, 1)
     workload = dataclasses.replace(
-        me.workload_from_config(config, layout, "cpu"), recompute=mode, recompute_every=every
+        planner.workload_from_config(config, layout, "cpu"), recompute=mode, recompute_every=every
     )
     args = model_args_from_config(config.model)
-    return me.estimate(args, layout, workload, me.Overhead.none(), "cpu").worst.device_bytes
+    return planner.estimate(
+        args, layout, workload, planner.Overhead.none(), "cpu"
+    ).worst.device_bytes
 
 
 def test_auto_runs_the_least_recompute_that_fits_the_budget(tmp_path, synthetic_corpus):
     argv = tiny_args(synthetic_corpus, tmp_path / "run", "--training.steps=2")
     none, full = predicted_bytes(argv, "none"), predicted_bytes(argv, "full")
     assert full < none  # the tiny model's activations are worth recomputing
-    budget = (none + full) / 2 / me.GiB  # "none" does not fit, "full" does
+    budget = (none + full) / 2 / planner.GiB  # "none" does not fit, "full" does
 
     proc = run_training(
         [
@@ -50,7 +52,7 @@ def test_auto_runs_the_least_recompute_that_fits_the_budget(tmp_path, synthetic_
     ac = resolved_config(tmp_path / "run").activation_checkpoint
     assert ac.mode in ("selective", "full")
     every = ac.every if ac.mode == "selective" else 1
-    assert predicted_bytes(argv, ac.mode, every) <= budget * me.GiB
+    assert predicted_bytes(argv, ac.mode, every) <= budget * planner.GiB
     assert "chosen by the planner" in proc.stdout
     # Minimal: the option with one checkpointed block fewer does not fit.
     if ac.mode == "full":
@@ -59,7 +61,7 @@ def test_auto_runs_the_least_recompute_that_fits_the_budget(tmp_path, synthetic_
         cheaper = ("selective", every + 1)
     else:
         cheaper = ("none", 1)
-    assert predicted_bytes(argv, *cheaper) > budget * me.GiB
+    assert predicted_bytes(argv, *cheaper) > budget * planner.GiB
 
 
 def test_auto_on_cpu_without_a_budget_recomputes_nothing(tmp_path, synthetic_corpus):

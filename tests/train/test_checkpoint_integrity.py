@@ -14,11 +14,11 @@ import pytest
 import torch
 import xxhash
 
-from bloomnative import checkpoint_integrity
-from bloomnative.checkpoint_integrity import RECORD
+from bloomnative.checkpoint import checkpointer as ckpt
+from bloomnative.checkpoint import integrity
+from bloomnative.checkpoint.integrity import RECORD
 from bloomnative.interop import save_native_checkpoint
 from bloomnative.model import Bloom, BloomArgs
-from bloomnative.train import checkpoint as ckpt
 from training_helpers import flip_bytes, load_tool
 
 # DCP says so when it runs without a process group, as it does here.
@@ -59,7 +59,7 @@ def test_the_record_holds_size_and_checksum_of_every_file_as_written(
     tmp_path, monkeypatch, algorithm, async_mode
 ):
     # crc32: what a machine without the xxhash package writes.
-    monkeypatch.setattr(checkpoint_integrity, "ALGORITHM", algorithm)
+    monkeypatch.setattr(integrity, "ALGORITHM", algorithm)
     checkpointer = save(tmp_path, [1], async_mode=async_mode)
     folder = tmp_path / "step-1"
     record = json.loads((folder / RECORD).read_text())
@@ -179,7 +179,7 @@ def test_without_the_xxhash_package_a_checkpoint_summed_with_it_loads_unverified
     tmp_path, monkeypatch, capsys
 ):
     checkpointer = save(tmp_path, [1])
-    monkeypatch.setattr(checkpoint_integrity, "xxhash", None)  # e.g. a GPU image's own Python
+    monkeypatch.setattr(integrity, "xxhash", None)  # e.g. a GPU image's own Python
     fresh = ckpt.Checkpointer(tmp_path, 0, async_mode=False, min_free_gib=0)
     assert fresh.newest_verified() == 1 and fresh.verified == set()
     assert "cannot verify" in capsys.readouterr().err

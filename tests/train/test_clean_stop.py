@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bloomnative.train import checkpoint as ckpt
+from bloomnative.checkpoint import checkpointer as ckpt
 from training_helpers import REPO, TINY_RUN, metric_rows, train_env
 
 SLOW_SAVES = Path(__file__).with_name("slow_saves.py")

@@ -19,7 +19,7 @@ from training_helpers import TINY_RUN, train_env
 PROBE = Path(__file__).with_name("host_sync_probe.py")
 # The stop check reads a flag that lives on the CPU by construction (a gloo all-reduce), and so
 # do the checkpointer's verdicts on a save (gathered over its gloo group after the run).
-CPU_BY_DESIGN = {"train/faults.py:should_stop", "train/checkpoint.py:_all_problems"}
+CPU_BY_DESIGN = {"train/faults.py:should_stop", "checkpoint/checkpointer.py:_all_problems"}
 
 
 def recorded_syncs(tmp_path, corpus: str, *extra: str, nproc: int = 0) -> list[dict]:

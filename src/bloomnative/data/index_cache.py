@@ -13,7 +13,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -22,7 +21,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from bloomnative.log import get_logger
+
+_log = get_logger(__name__)
 
 _DESCRIPTION_FILE = "description.json"
 
@@ -88,7 +89,7 @@ def _load_or_build(
         start = time.perf_counter()
         arrays = build()
         _write(folder, description, arrays)
-        logger.info(
+        _log.debug(
             "built %s in %.2f s -> %s", description["kind"], time.perf_counter() - start, folder
         )
     return _load(folder)
@@ -111,7 +112,7 @@ def _write(folder: str, description: dict, arrays: dict[str, np.ndarray]) -> Non
 
 def _load(folder: str) -> dict[str, np.ndarray]:
     names = sorted(f for f in os.listdir(folder) if f.endswith(".npy"))
-    logger.debug("loading cached index %s", folder)
+    _log.debug("loading cached index %s", folder)
     return {
         name[: -len(".npy")]: np.load(os.path.join(folder, name), mmap_mode="r", allow_pickle=False)
         for name in names

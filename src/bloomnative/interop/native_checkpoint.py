@@ -1,9 +1,9 @@
 """bloomnative's own model format: the canonical state dict and model-only DCP folders.
 
 The canonical state dict is `Bloom.state_dict()` without `lm_head.weight`: the tied head is
-stored once, as `word_embeddings.weight` (the same names `train/checkpoint.py` saves under the
-"model" entry of a training checkpoint). Every importer in this package produces a canonical
-state dict and hands it to `bloom_from_state_dict`; every exporter starts from one.
+stored once, as `word_embeddings.weight` (the same names `checkpoint/checkpointer.py` saves
+under the "model" entry of a training checkpoint). Every importer in this package produces a
+canonical state dict and hands it to `bloom_from_state_dict`; every exporter starts from one.
 
 A model-only checkpoint is a DCP folder holding just the "model" entry of a training checkpoint,
 plus bloom_args.json for the hyper-parameters no tensor shape reveals (the head count). Reading
@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from bloomnative.checkpoint_integrity import ChecksummingWriter, gather_sums, write_record
+from bloomnative.checkpoint.integrity import ChecksummingWriter, gather_sums, write_record
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.model.args import PRESETS
 from bloomnative.model.state import EMBEDDING, TIED_HEAD, model_state

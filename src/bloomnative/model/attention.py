@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bloomnative.kernels import flash_alibi_attention, flex_alibi_attention
 from bloomnative.model.alibi import alibi_causal_bias
 
 AttentionFn = Callable[
@@ -39,15 +40,11 @@ def sdpa_alibi_attention(
 
 
 def _triton_attention(q, k, v, slopes, dropout_p=0.0):
-    from bloomnative.kernels import flash_alibi_attention
-
     # The kernel regenerates its mask from a seed it draws from the default generator.
     return flash_alibi_attention(q, k, v, slopes, causal=True, dropout_p=dropout_p)
 
 
 def _flex_attention(q, k, v, slopes, dropout_p=0.0):
-    from bloomnative.kernels import flex_alibi_attention
-
     if dropout_p:
         raise ValueError("the flex attention backend has no dropout; use sdpa or triton")
     return flex_alibi_attention(q, k, v, slopes, causal=True)

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bloomnative.kernels import bias_gelu, layer_norm
 from bloomnative.model.alibi import alibi_slopes
 from bloomnative.model.args import BloomArgs
 from bloomnative.model.attention import attention_backend, sdpa_alibi_attention
@@ -35,8 +36,6 @@ class FusedLayerNorm(nn.LayerNorm):
     """nn.LayerNorm computed by bloomnative's Triton kernel (same parameters, same state dict)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from bloomnative.kernels import layer_norm
-
         return layer_norm(x, self.weight, self.bias, eps=self.eps)
 
 
@@ -105,8 +104,6 @@ class BloomMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_bias_gelu:
-            from bloomnative.kernels import bias_gelu
-
             up = self.dense_h_to_4h
             return self.dense_4h_to_h(bias_gelu(F.linear(x, up.weight), up.bias))
         return self.dense_4h_to_h(gelu_tanh(self.dense_h_to_4h(x)))

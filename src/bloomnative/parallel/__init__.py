@@ -3,12 +3,7 @@ parallelism, context parallelism (ring attention), pipeline stages, activation c
 regional compile.
 
 Each plan is a function of a module, a mesh and plain keyword arguments, applied to the
-meta-device model in this order (each docstring says why):
-
-    split_for_pipeline -> apply_context_parallel -> apply_tensor_parallel
-    -> apply_activation_checkpointing -> apply_compile -> apply_fsdp -> to_empty + init_weights
-    -> build_pipeline
-
+meta-device model in the order docs/architecture.md gives with the reason for each place.
 See docs/api.md and examples/own_training_loop.py.
 """
 
@@ -20,13 +15,13 @@ from bloomnative.parallel.fsdp import apply_fsdp
 from bloomnative.parallel.grad_clip import clip_grad_norm_
 from bloomnative.parallel.init import init_weights
 from bloomnative.parallel.pipeline import (
-    SCHEDULES,
     Pipeline,
     PipelineStages,
     TiedWeightSync,
     build_pipeline,
     split_for_pipeline,
 )
+from bloomnative.parallel.schedules import SCHEDULES
 from bloomnative.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = [

@@ -14,10 +14,8 @@ def apply_activation_checkpointing(model: Bloom, mode: str, every: int = 2) -> N
     recomputes their activations: mode "full" every block, "selective" the blocks whose index
     is a multiple of `every`, "none" nothing.
 
-    Order: after `apply_tensor_parallel` (the recomputation must replay the block's
-    tensor-parallel collectives too), before `apply_compile` (each compiled region is then the
-    block inside its checkpoint wrapper) and `apply_fsdp` (FSDP's units are the wrapped blocks,
-    so their parameters are gathered again for the recomputation under ZeRO-3).
+    Where it goes among the plans, and why: docs/architecture.md (the order of the parallel
+    plans).
     """
     if mode == "none":
         return

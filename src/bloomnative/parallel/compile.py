@@ -12,10 +12,8 @@ def apply_compile(model: Bloom, *, fullgraph: bool = True) -> None:
     hold a call the compiler cannot trace (context parallelism's ring attention: its
     point-to-point communication), compiled in the graphs around it.
 
-    Order: after `apply_context_parallel`, `apply_tensor_parallel` and
-    `apply_activation_checkpointing` (the graphs trace the parallel block and its
-    recomputation), before `apply_fsdp`, whose per-block all-gathers and reduce-scatters then
-    run between the compiled regions, not inside them.
+    Where it goes among the plans, and why: docs/architecture.md (the order of the parallel
+    plans).
     """
     for block in model.layers.values():
         block.compile(fullgraph=fullgraph)

@@ -259,11 +259,8 @@ def apply_context_parallel(model: Bloom, cp_mesh: DeviceMesh) -> None:
     of `shard_sequence`, and the loss's token count summed over the cp ranks as over the
     data-parallel ones.
 
-    Order: first on each pipeline stage, before `apply_tensor_parallel` (whose per-rank
-    attention dropout stream wraps the ring's `attend`), `apply_activation_checkpointing`,
-    `apply_compile` (which traces the ring as a graph break: pass `fullgraph=False`) and
-    `apply_fsdp` (over dp_shard x cp: the cp ranks hold the same parameters, so they shard
-    them)."""
+    Where it goes among the plans, and why: docs/architecture.md (the order of the parallel
+    plans)."""
     ring = Ring(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
     backend = model.args.attention
     if backend not in BLOCK_FUNCTIONS:

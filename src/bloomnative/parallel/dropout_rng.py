@@ -21,7 +21,7 @@ only attention runs in a per-tp-rank stream, forked around each attention call.
 
 The fork keeps no state of its own: it reseeds from one draw of the (replicated) CPU stream, so
 everything is determined by the default generators, which activation checkpointing replays
-(`preserve_rng_state`) and checkpoints save per rank (train/checkpoint.py `rng_state`).
+(`preserve_rng_state`) and checkpoints save per rank (checkpoint/checkpointer.py `rng_state`).
 """
 
 from __future__ import annotations

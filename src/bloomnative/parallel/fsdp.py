@@ -34,12 +34,8 @@ def apply_fsdp(
     own unit, the root unit holds the rest (embedding, its LayerNorm, final LayerNorm and the
     head, which shares the embedding's parameter: a tied weight must live in one unit).
 
-    Order: last, after `apply_context_parallel`, `apply_tensor_parallel`,
-    `apply_activation_checkpointing` and `apply_compile`, and before `to_empty` +
-    `init_weights`. FSDP shards whatever parameters it finds (tensor-parallel DTensors become
-    2-D shards over dp x tp) and hooks its all-gathers around each block as the model now runs
-    it (checkpointed, compiled), so it has to see the final modules; the model is still on the
-    meta device, so no rank holds it whole.
+    Where it goes among the plans, and why: docs/architecture.md (the order of the parallel
+    plans).
 
     `dp_mesh` is 1-D (FSDP, ZeRO), or 2-D (replicate, shard: HSDP, the outer dim replicating).
     With context parallelism the shard dim is dp_shard x cp flattened (`ParallelDims.fsdp_mesh`):

@@ -2,7 +2,7 @@
 
 `check_layout` is called by preflight (before torchrun starts), by every rank of the trainer
 (before anything is allocated) and by the memory planner's config path
-(`memory_estimate.workload_from_config`: tools/estimate_memory.py, activation_checkpoint "auto"),
+(`planner.workload_from_config`: tools/estimate_memory.py, activation_checkpoint "auto"),
 so the planner never says "fits" about a run that the trainer refuses. With batch-size rampup
 it checks every global batch size the run steps through, not only the final one.
 """
@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 from bloomnative.config import ParallelismConfig, TrainingConfig, ValidationConfig
 from bloomnative.data.rampup import rampup_sizes
+from bloomnative.kernels.flash_alibi_attention import DROPOUT_MAX_POSITIONS
 from bloomnative.model.args import BloomArgs
 from bloomnative.parallel.dims import LayoutError, ParallelDims
-from bloomnative.parallel.pipeline import SCHEDULES, is_interleaved, is_multi_stage
+from bloomnative.parallel.schedules import SCHEDULES, is_interleaved, is_multi_stage
 
 
 def run_batch_sizes(training: TrainingConfig) -> list[int]:
@@ -99,8 +100,6 @@ def check_attention_dropout_positions(args: BloomArgs, seq_lens: dict[str, int])
     sequence's, also when context parallelism splits it)."""
     if args.attention != "triton" or not args.attention_dropout:
         return
-    from bloomnative.kernels.flash_alibi_attention import DROPOUT_MAX_POSITIONS
-
     for key, length in seq_lens.items():
         if length > DROPOUT_MAX_POSITIONS:
             raise LayoutError(

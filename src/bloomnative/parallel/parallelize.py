@@ -1,7 +1,6 @@
 """The trainer's composition of the public plans (bloomnative.parallel) from its config
-sections: context parallel -> tensor parallel -> activation checkpointing -> compile -> FSDP on
-each pipeline stage. Each step is a public function with plain arguments; this file only reads
-the config."""
+sections, on each pipeline stage, in the order docs/architecture.md gives. Each step is a
+public function with plain arguments; this file only reads the config."""
 
 from __future__ import annotations
 
@@ -27,8 +26,8 @@ def parallelize_part(
     compile_blocks: bool,
     param_dtype: torch.dtype,
 ) -> None:
-    """The configured plans on one model part, in place, in the order the public functions'
-    docstrings give. FSDP2 wraps the part with data or context parallelism and, for bf16, on
+    """The configured plans on one model part, in place (steps 2-6 of the order in
+    docs/architecture.md). FSDP2 wraps the part with data or context parallelism and, for bf16, on
     every layout (`fsdp.uses_fsdp`), sharding over dp_shard x cp (`ParallelDims.fsdp_mesh`)."""
     if dims.cp > 1:
         apply_context_parallel(part, mesh["cp"])

@@ -9,7 +9,6 @@ parameter name) and `sync_tied_weights` sums their gradients, so they stay equal
 from __future__ import annotations
 
 import copy
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,55 +17,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    _PipelineSchedule,
-    get_schedule_class,
-)
+from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
 
-from bloomnative.config import PipelineSchedule
 from bloomnative.model import Bloom
-
-SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
-
-
-def is_multi_stage(schedule: str) -> bool:
-    """Whether the schedule runs several stages per rank."""
-    return issubclass(get_schedule_class(schedule), PipelineScheduleMulti)
-
-
-def is_interleaved(schedule: str) -> bool:
-    """Whether the schedule runs its micro batches in rounds of pp (torch's looped schedules),
-    which needs a micro-batch count divisible by the number of rounds."""
-    return schedule in ("Interleaved1F1B", "InterleavedZeroBubble")
-
-
-def stage_layer_counts(
-    n_layer: int, num_stages: int, embedding_as_layer: bool, explicit: list[int] | None = None
-) -> list[int]:
-    """Blocks per stage. BLOOM balanced by counting the embedding and the head as one layer
-    each (70 blocks on 12 stages: [5, 6 x 10, 5]); a remainder goes to the middle stages.
-    `layout_check.check_pipeline_split` has checked the split is possible."""
-    if explicit:
-        return list(explicit)
-    extra = 2 if embedding_as_layer and num_stages > 1 else 0
-    units = n_layer + extra
-    base, rem = divmod(units, num_stages)
-    counts = [base] * num_stages
-    middle_first = sorted(range(num_stages), key=lambda s: abs(s - (num_stages - 1) / 2))
-    for s in middle_first[:rem]:
-        counts[s] += 1
-    if extra:
-        counts[0] -= 1
-        counts[-1] -= 1
-    return counts
-
-
-def stage_ids_of_rank(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
-    """Loop placement (rank r holds r, r + pp, ...) or V placement for ZBV (r and 2pp-1-r)."""
-    if schedule == "ZBVZeroBubble":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + i * pp for i in range(stages_per_rank)]
+from bloomnative.parallel.layout_check import check_pipeline_split
+from bloomnative.parallel.schedules import (
+    is_multi_stage,
+    stage_ids_of_rank,
+    stage_layer_counts,
+    stage_owner,
+)
 
 
 def split_model(model: Bloom, stage_id: int, counts: list[int]) -> Bloom:
@@ -130,12 +90,8 @@ def split_for_pipeline(
     the stage modules and where every stage runs. With a pp mesh of size 1 the one stage is
     `model` itself.
 
-    Order: first, on the meta-device model, before `apply_tensor_parallel`,
-    `apply_activation_checkpointing`, `apply_compile` and `apply_fsdp`, which are then applied
-    to each stage module (`.parts`): a stage is a copy of the model with the layers of other
-    stages removed, so each plan and FSDP's root unit see only what the stage owns. Then
-    `to_empty` and `init_weights` per stage, and last `build_pipeline` for the schedule, which
-    runs the parallelised, materialised stages.
+    Where it goes among the plans (first, the others then applied to each of `.parts`), and
+    why: docs/architecture.md (the order of the parallel plans).
 
     `schedule` is a torch.distributed.pipelining schedule name (SCHEDULES); multi-stage ones
     (Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble) need `stages_per_rank` >= 2 (ZBV
@@ -143,9 +99,6 @@ def split_for_pipeline(
     the embedding and the head as a layer each when `embedding_as_layer` (BLOOM's partition),
     unless `layers_per_stage` gives the counts.
     """
-    # Imported here: layout_check imports this module (its schedule names).
-    from bloomnative.parallel.layout_check import check_pipeline_split
-
     pp = pp_mesh.size()
     check_pipeline_split(model.args, pp, schedule, stages_per_rank, layers_per_stage or ())
     group = pp_mesh.get_group()
@@ -241,9 +194,9 @@ def build_pipeline(
     micro batches per step: call `pipeline.step(inputs, labels, loss_fn)` on every pipeline
     rank (all pass the same batch; the first stage reads the inputs, the last the labels).
 
-    Order: last, once every stage module is parallelised, materialised and initialised: the
-    torch stages run the modules as they are then. Build another for another micro-batch
-    count (batch-size rampup); each holds receive buffers sized for its count.
+    Where it goes among the plans (last), and why: docs/architecture.md (the order of the
+    parallel plans). Build another for another micro-batch count (batch-size rampup); each
+    holds receive buffers sized for its count.
 
     Each step's `loss_fn(output, labels)` is called per micro batch and its value is
     backpropagated as it is (the schedule does not divide by the micro-batch count): return
@@ -256,7 +209,7 @@ def build_pipeline(
         for part, sid in zip(placement.parts, placement.stage_ids, strict=True)
     ]
     cls = get_schedule_class(placement.schedule)
-    first = stages if issubclass(cls, PipelineScheduleMulti) else stages[0]
+    first = stages if is_multi_stage(placement.schedule) else stages[0]
     loss = _StepLoss()
     schedule = cls(first, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
     return Pipeline(schedule, stages, n_microbatches, placement, loss)
@@ -373,10 +326,3 @@ class TiedWeightSync:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def stage_owner(stage_id: int, pp: int, schedule: str) -> int:
-    """The pipeline rank that runs `stage_id` (inverse of `stage_ids_of_rank`)."""
-    if schedule == "ZBVZeroBubble":
-        return stage_id if stage_id < pp else 2 * pp - 1 - stage_id
-    return stage_id % pp

@@ -34,11 +34,8 @@ def apply_tensor_parallel(
     1-D `tp_mesh` in place, Megatron's layout (module docstring): each rank computes whole
     heads and a slice of the MLP width.
 
-    Order: after `split_for_pipeline` and `apply_context_parallel` (if used), before
-    `apply_activation_checkpointing`, `apply_compile` and `apply_fsdp`. It replaces the
-    parameters with tp-sharded DTensors, which FSDP then shards further over the data-parallel
-    mesh, and activation checkpointing and compile must wrap blocks that already contain the
-    tensor-parallel collectives so that recomputation and the compiled graphs include them.
+    Where it goes among the plans, and why: docs/architecture.md (the order of the parallel
+    plans).
 
     `sequence_parallel`: shard the LayerNorms and the residual stream along the sequence too.
     `loss_parallel`: the head's logits stay sharded over the vocabulary (a DTensor); compute the

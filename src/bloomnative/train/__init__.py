@@ -9,7 +9,7 @@ from bloomnative.train.distributed import exit_process
 
 def __getattr__(name: str):
     # The trainer imports every package of bloomnative: loaded on first use, so that importing
-    # `bloomnative.train.checkpoint` (as bloomnative.interop does) stays light and acyclic.
+    # one module of this package (`bloomnative.train.distributed`, as the tools do) stays light.
     if name == "Trainer":
         from bloomnative.train.trainer import Trainer
 

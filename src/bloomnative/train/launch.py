@@ -26,6 +26,10 @@ import threading
 import time
 from pathlib import Path
 
+from bloomnative.log import LogSettingError, LogSettings, get_logger, setup_logging
+
+_log = get_logger(__name__)
+
 DEFAULT_GRACE_S = 120.0
 _RESEND_S = 1.0
 
@@ -70,7 +74,7 @@ class CleanStop:
         if self.first is None:
             self.first = name
             self._deadline = time.monotonic() + self.grace_s
-            _say(
+            _log.info(
                 f"{name}: the workers finish their step, save a checkpoint and exit "
                 f"(grace period {self.grace_s:g} s)"
             )
@@ -91,18 +95,20 @@ class CleanStop:
         if self.done.is_set():
             return
         _signal_workers(signal.SIGKILL)
-        _say(f"workers killed after {why}; the newest complete checkpoint is intact")
+        _log.info(f"workers killed after {why}; the newest complete checkpoint is intact")
         sys.stdout.flush()
         os._exit(1)
 
 
-def _say(message: str) -> None:
-    print(f"[bloomnative launcher] {message}", file=sys.stderr, flush=True)
-
-
 def main(argv: list[str]) -> int:
     """Exit codes: torchrun's (0: every worker exited 0, as after a clean stop), 1 workers killed
-    at the end of the grace period, 2 a bad --stop-grace-s."""
+    at the end of the grace period, 2 a bad --stop-grace-s or BLOOMNATIVE_LOG_* variable."""
+    try:
+        setup_logging(tag="bloomnative launcher", all_to_stderr=True)
+    except LogSettingError as e:
+        setup_logging(LogSettings(), tag="bloomnative launcher", all_to_stderr=True)
+        _log.error(str(e))
+        return 2
     grace = DEFAULT_GRACE_S
     if argv and argv[0].startswith("--stop-grace-s"):
         _, eq, value = argv[0].partition("=")
@@ -112,7 +118,7 @@ def main(argv: list[str]) -> int:
         except ValueError:
             grace = -1.0
         if not grace > 0:
-            _say(
+            _log.error(
                 f"--stop-grace-s (STOP_GRACE_S) must be a positive number of seconds, got {value!r}"
             )
             return 2
@@ -121,7 +127,9 @@ def main(argv: list[str]) -> int:
 
     leave_signals = ["--signals-to-handle=SIGHUP,SIGQUIT"]
     if get_args_parser().parse_known_args([*leave_signals, "script"])[1]:
-        _say("this torch's torchrun handles SIGTERM itself (--signals-to-handle needs torch 2.9)")
+        _log.info(
+            "this torch's torchrun handles SIGTERM itself (--signals-to-handle needs torch 2.9)"
+        )
         torchrun(argv)
         return 0
     stop = CleanStop(grace)
@@ -131,7 +139,7 @@ def main(argv: list[str]) -> int:
     finally:
         stop.done.set()
     if stop.first is not None:
-        _say(f"stopped cleanly on {stop.first}")
+        _log.info(f"stopped cleanly on {stop.first}")
     return 0
 
 

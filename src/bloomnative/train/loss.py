@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bloomnative.data.loader import IGNORE_INDEX
+from bloomnative.kernels import linear_cross_entropy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(last stage's output, labels) -> loss of one micro batch."""
@@ -33,8 +34,6 @@ def fused_head_cross_entropy_sum(
 ) -> torch.Tensor:
     """The lm head and the summed cross-entropy in one chunked op (bloomnative.kernels), so the
     [tokens, vocab] logits never exist whole. hidden [b, s, h], head_weight [V, h]."""
-    from bloomnative.kernels import linear_cross_entropy
-
     return linear_cross_entropy(
         hidden.flatten(0, 1),
         head_weight,

@@ -9,7 +9,7 @@ import traceback
 from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.data import IndexedDatasetError
 from bloomnative.parallel import LayoutError
-from bloomnative.parallel.memory_estimate import PlanError
+from bloomnative.planner import PlanError
 from bloomnative.train.distributed import exit_process
 from bloomnative.train.faults import catch_stop_signals
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from bloomnative.train.checkpoint import BadCheckpointError
+    from bloomnative.checkpoint.checkpointer import BadCheckpointError
     from bloomnative.train.trainer import Trainer
 
     try:

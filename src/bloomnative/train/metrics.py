@@ -11,6 +11,10 @@ from typing import Any
 
 import torch
 
+from bloomnative.log import BARE, get_logger
+
+_log = get_logger(__name__)
+
 # Dense (no sparsity) bf16 tensor-core peak TFLOP/s per device, from the vendors' datasheets.
 # Matched by substring of torch.cuda.get_device_name(); order matters (most specific first).
 PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
@@ -144,7 +148,7 @@ class MetricsLogger:
             for key, value in row.items():
                 if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
-        print(format_row(row), flush=True)
+        _log.info(format_row(row), extra=BARE)
 
     def log_series(self, key: str, first_step: int, values: list[float]) -> None:
         """TensorBoard only: `values` at consecutive steps from `first_step` (per-step values

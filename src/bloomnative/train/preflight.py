@@ -100,7 +100,7 @@ def check_auto_recompute(config: Config, args: BloomArgs, world_size: int) -> st
     reported before launch. The trainer makes the choice again over the job's devices."""
     import torch
 
-    from bloomnative.parallel.memory_estimate import auto_recompute
+    from bloomnative.planner import auto_recompute
 
     on_cuda = config.job.device != "cpu" and torch.cuda.is_available()
     choice = auto_recompute(

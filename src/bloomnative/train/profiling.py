@@ -24,6 +24,9 @@ from torch.profiler import (
 )
 
 from bloomnative.config import ProfilingConfig
+from bloomnative.log import ON_EVERY_RANK, get_logger
+
+_log = get_logger(__name__)
 
 MEMORY_HISTORY_ENTRIES = 100_000
 """Allocation events the CUDA allocator keeps for a snapshot (the newest ones)."""
@@ -60,7 +63,7 @@ class StepProfiler:
             return
         self.last = min(self.last, last_step)
         if step >= self.first:
-            self._say(f"profiling: the run starts after step {self.first}, nothing is profiled")
+            _log.info(f"profiling: the run starts after step {self.first}, nothing is profiled")
             return
         self._begin = max(step + 1, self.first - 1)
         if self.cuda:
@@ -126,7 +129,7 @@ class StepProfiler:
         if self._recording_memory:
             self._dump_memory_snapshot(f"rank{self.rank}.{self.window}.memory_snapshot.pickle")
             self._stop_memory_history()
-        self._say(f"profiling: wrote the trace of {self.window} to {self.folder / self.window}")
+        _log.info(f"profiling: wrote the trace of {self.window} to {self.folder / self.window}")
 
     def _record_memory_history(self) -> None:
         """From the start of the run to the end of the window, so an out-of-memory error in any
@@ -138,7 +141,7 @@ class StepProfiler:
             if not self._recording_memory:  # the observer cannot be detached
                 return
             path = self._dump_memory_snapshot(f"rank{self.rank}.oom.memory_snapshot.pickle")
-            print(f"[bloomnative] rank {self.rank}: out of memory; snapshot {path}", flush=True)
+            _log.info(f"rank {self.rank}: out of memory; snapshot {path}", extra=ON_EVERY_RANK)
 
         torch._C._cuda_attach_out_of_memory_observer(on_out_of_memory)
 
@@ -153,7 +156,3 @@ class StepProfiler:
         path = self.folder / name
         torch.cuda.memory._dump_snapshot(str(path))
         return path
-
-    def _say(self, message: str) -> None:
-        if self.rank == 0:
-            print(f"[bloomnative] {message}", flush=True)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from bloomnative.checkpoint_integrity import write_json_durably
+from bloomnative.checkpoint.integrity import write_json_durably
 from bloomnative.config import CheckpointConfig, SpikesConfig
 
 if TYPE_CHECKING:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.config import Config, model_args_from_config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.model import Bloom
@@ -22,12 +23,6 @@ from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.context_parallel import shard_sequence
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
 from bloomnative.parallel.layout_check import pipeline_microbatches
-from bloomnative.parallel.memory_estimate import (
-    RecomputeChoice,
-    auto_recompute,
-    compiles_the_loss,
-    with_recompute,
-)
 from bloomnative.parallel.parallelize import parallelize_part
 from bloomnative.parallel.pipeline import (
     Pipeline,
@@ -37,7 +32,12 @@ from bloomnative.parallel.pipeline import (
     pipeline_forward_loss,
     split_for_pipeline,
 )
-from bloomnative.train import checkpoint as ckpt
+from bloomnative.planner import (
+    RecomputeChoice,
+    auto_recompute,
+    compiles_the_loss,
+    with_recompute,
+)
 from bloomnative.train.attention_choice import (
     AttentionShape,
     context_parallel_attention,

@@ -16,7 +16,7 @@ from bloomnative.parallel.layout_check import (
     check_pipeline_split,
     check_tensor_parallel,
 )
-from bloomnative.parallel.memory_estimate.activations import (
+from bloomnative.planner.activations import (
     block_activation_terms,
     checkpointed_block_terms,
     embedding_terms,
@@ -25,7 +25,7 @@ from bloomnative.parallel.memory_estimate.activations import (
     loss_transient,
     micro_batch_tokens,
 )
-from bloomnative.parallel.memory_estimate.inputs import (
+from bloomnative.planner.inputs import (
     FP32,
     OPTIMIZER_IMPLS,
     RECOMPUTE_MODES,
@@ -39,7 +39,7 @@ from bloomnative.parallel.memory_estimate.inputs import (
     is_checkpointed,
     recompute_options,
 )
-from bloomnative.parallel.memory_estimate.model_states import (
+from bloomnative.planner.model_states import (
     ParamTensor,
     gradients_persist,
     model_state_components,
@@ -48,7 +48,7 @@ from bloomnative.parallel.memory_estimate.model_states import (
     stage_blocks,
     unit_numels,
 )
-from bloomnative.parallel.memory_estimate.pipeline_buffers import (
+from bloomnative.planner.pipeline_buffers import (
     in_flight_microbatches,
     pipeline_buffer_components,
 )

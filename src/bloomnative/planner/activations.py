@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from bloomnative.model.args import BloomArgs
-from bloomnative.parallel.memory_estimate.inputs import (
+from bloomnative.planner.inputs import (
     ATTENTION_MEMORY,
     FP32,
     INT64,

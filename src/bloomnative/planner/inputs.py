@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from bloomnative.config import OptimizerImpl, RecomputeMode
 from bloomnative.parallel.fsdp import uses_fsdp
-from bloomnative.parallel.pipeline import SCHEDULES
 
 GiB = 2**30
 FP32, BF16, INT64 = 4, 2, 8
@@ -17,7 +16,6 @@ FP32, BF16, INT64 = 4, 2, 8
 RECOMPUTE_MODES: tuple[str, ...] = typing.get_args(RecomputeMode)
 ATTENTION_MEMORY = ("flash", "sdpa_efficient", "materialized", "cpu_math")
 OPTIMIZER_IMPLS: tuple[str, ...] = typing.get_args(OptimizerImpl)
-PIPELINE_SCHEDULES = SCHEDULES  # the trainer's list (parallel.pipeline)
 
 
 class PlanError(ValueError):

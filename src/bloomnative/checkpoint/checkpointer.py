@@ -19,7 +19,6 @@ depend on the parallel layout that wrote it and loads under any other.
 from __future__ import annotations
 
 import shutil
-import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from bloomnative.checkpoint_integrity import (
+from bloomnative.checkpoint.integrity import (
     RECORD,
     ChecksummingWriter,
     FileSum,
@@ -50,7 +49,10 @@ from bloomnative.checkpoint_integrity import (
     verify_files,
     write_record,
 )
+from bloomnative.log import get_logger
 from bloomnative.model.state import canonical_key, owns_head_copy
+
+_log = get_logger(__name__)
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -221,6 +223,10 @@ class Checkpointer:
         problems = pending.check.result()  # raises what a background write raised
         if self.async_mode:  # a synchronous save was completed by `save` itself
             self._complete(pending.step, pending.writer.sums)
+        _log.debug(
+            f"step-{pending.step}: read back this rank's {len(pending.writer.sums)} files: "
+            f"{len(problems)} differ from what was written"
+        )
         self._judge(pending.step, problems, "reading it back after the save")
         if self.rank == 0:
             self._prune()
@@ -301,13 +307,14 @@ class Checkpointer:
                     problems = dict.fromkeys(unrecorded_files(folder, record), "not in the record")
                 mine = share_of_files(record, self.rank, self.world_size)
                 problems.update(verify_files(folder, record, mine))
+                _log.debug(f"{folder}: checked this rank's {len(mine)} files against its {RECORD}")
         except (IntegrityError, OSError) as e:
             problems = {RECORD: str(e)}
         merged = self._all_problems(problems)
         if merged:
             return _describe(merged, folder)
         if unverifiable:
-            self._warn(f"cannot verify {folder} ({unverifiable}): loading it unverified")
+            _log.warning(f"cannot verify {folder} ({unverifiable}): loading it unverified")
         else:
             self.verified.add(step)
         return None
@@ -350,7 +357,7 @@ class Checkpointer:
         newer = [s for s in complete_steps(self.folder) if s > step]
         if self.rank == 0 and newer:
             names = ", ".join(self._rename_aside(s, tag) for s in newer)
-            print(f"[bloomnative] set aside checkpoints newer than step-{step}: {names}")
+            _log.info(f"set aside checkpoints newer than step-{step}: {names}")
         self.verified.difference_update(newer)
         self._barrier()
 
@@ -358,7 +365,7 @@ class Checkpointer:
         """Collective: renames step-<N> to step-<N>.corrupt (never deletes it) and says why."""
         if self.rank == 0:
             name = self._rename_aside(step, "corrupt")
-            self._warn(f"checkpoint step-{step} is corrupt, skipped: {reason}; left as {name}")
+            _log.warning(f"checkpoint step-{step} is corrupt, skipped: {reason}; left as {name}")
         self.verified.discard(step)
         self._barrier()
 
@@ -384,10 +391,6 @@ class Checkpointer:
         every = [None] * self.world_size
         dist.all_gather_object(every, problems, group=self.group)
         return {name: p for rank_problems in every for name, p in rank_problems.items()}
-
-    def _warn(self, message: str) -> None:
-        if self.rank == 0:
-            print(f"[bloomnative] WARNING: {message}", file=sys.stderr, flush=True)
 
 
 def _describe(problems: dict[str, str], folder: Path) -> str:

@@ -4,13 +4,13 @@ and the schedule's receive buffers and kept outputs."""
 from __future__ import annotations
 
 from bloomnative.model.args import BloomArgs
-from bloomnative.parallel.memory_estimate.activations import (
+from bloomnative.parallel.schedules import SCHEDULES, is_interleaved
+from bloomnative.planner.activations import (
     local_vocab,
     micro_batch_tokens,
     residual_stream_elements,
 )
-from bloomnative.parallel.memory_estimate.inputs import (
-    PIPELINE_SCHEDULES,
+from bloomnative.planner.inputs import (
     Component,
     Layout,
     PlanError,
@@ -38,7 +38,7 @@ def in_flight_microbatches(layout: Layout, microbatches: int, pp_rank: int) -> l
         return [min(n, pp - pp_rank)]
     if schedule == "ZBVZeroBubble":
         return [min(n, 2 * pp - pp_rank - 1), min(n, pp_rank + 1)]
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+    if is_interleaved(schedule):
         per_round = n // max(1, n // pp)
         factor = 2 if schedule == "Interleaved1F1B" else 1
         warmup = min((v - 1) * per_round + factor * (pp - 1 - pp_rank), n * v)
@@ -47,9 +47,7 @@ def in_flight_microbatches(layout: Layout, microbatches: int, pp_rank: int) -> l
         for step in range(forwards):
             counts[(step // per_round) % v] += 1
         return [min(c, n) for c in counts]
-    raise PlanError(
-        f"parallelism.pp_schedule = {schedule!r}; valid: {', '.join(PIPELINE_SCHEDULES)}"
-    )
+    raise PlanError(f"parallelism.pp_schedule = {schedule!r}; valid: {', '.join(SCHEDULES)}")
 
 
 def pipeline_buffer_components(

@@ -11,8 +11,8 @@ from bloomnative.config import Config, ParallelismConfig, model_args_from_config
 from bloomnative.model.args import ATTENTION_BACKENDS, BloomArgs
 from bloomnative.parallel.dims import ParallelDims
 from bloomnative.parallel.layout_check import check_layout, pipeline_microbatches
-from bloomnative.parallel.memory_estimate.inputs import GiB, Layout, Overhead, PlanError, Workload
-from bloomnative.parallel.memory_estimate.rank_estimate import Plan, least_recompute_that_fits
+from bloomnative.planner.inputs import GiB, Layout, Overhead, PlanError, Workload
+from bloomnative.planner.rank_estimate import Plan, least_recompute_that_fits
 
 
 def attention_memory_kind(backend: str, device_type: str, cp: int = 1) -> str:

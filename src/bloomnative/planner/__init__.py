@@ -1,5 +1,7 @@
 """Per-rank memory planner: what one device holds while bloomnative trains a BLOOM model.
 
+A cost model, not a plan: it predicts the memory of the layouts the parallel plans
+(bloomnative.parallel) build, and the trainer asks it which activation checkpointing fits.
 The estimate is a list of named components, each computed from a formula given in its
 docstring, for every pipeline rank; the plan reports the rank that needs the most. Three moments
 of a training step are considered:
@@ -34,15 +36,15 @@ Modules: `inputs` (layout, workload, overhead, precision, components), `model_st
 `pipeline_buffers`, `rank_estimate` (assembly, `estimate`, and the searches for the largest
 micro batch and the least recompute that fit) and `from_config` (a config's layout and workload,
 and activation_checkpoint.mode = "auto"). Exported here: what the trainer, preflight, the tools
-and the tests use.
+and the tests use (docs/api.md).
 """
 
-from bloomnative.parallel.memory_estimate.activations import (
+from bloomnative.planner.activations import (
     block_activation_terms,
     loss_saved_terms,
     loss_transient,
 )
-from bloomnative.parallel.memory_estimate.from_config import (
+from bloomnative.planner.from_config import (
     RecomputeChoice,
     auto_recompute,
     compiles_the_loss,
@@ -52,7 +54,7 @@ from bloomnative.parallel.memory_estimate.from_config import (
     with_recompute,
     workload_from_config,
 )
-from bloomnative.parallel.memory_estimate.inputs import (
+from bloomnative.planner.inputs import (
     ATTENTION_MEMORY,
     RECOMPUTE_MODES,
     GiB,
@@ -63,16 +65,16 @@ from bloomnative.parallel.memory_estimate.inputs import (
     Workload,
     recompute_options,
 )
-from bloomnative.parallel.memory_estimate.model_states import (
+from bloomnative.planner.model_states import (
     ParamTensor,
     block_parameters,
     rank_parameters,
     stage_blocks,
 )
-from bloomnative.parallel.memory_estimate.pipeline_buffers import (
+from bloomnative.planner.pipeline_buffers import (
     in_flight_microbatches,
 )
-from bloomnative.parallel.memory_estimate.rank_estimate import (
+from bloomnative.planner.rank_estimate import (
     Plan,
     RankEstimate,
     estimate,

@@ -9,7 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bloomnative.model.args import BloomArgs
-from bloomnative.parallel.memory_estimate.inputs import (
+from bloomnative.parallel.schedules import stage_ids_of_rank, stage_layer_counts
+from bloomnative.planner.inputs import (
     BF16,
     FP32,
     Component,
@@ -17,7 +18,6 @@ from bloomnative.parallel.memory_estimate.inputs import (
     Precision,
     Workload,
 )
-from bloomnative.parallel.pipeline import stage_ids_of_rank, stage_layer_counts
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def block_parameters(args: BloomArgs, index: int, tp: int) -> list[ParamTensor]:
 
 
 def stage_blocks(args: BloomArgs, layout: Layout, stage_id: int) -> range:
-    """Indices of the blocks stage `stage_id` runs (`pipeline.stage_layer_counts`' split)."""
+    """Indices of the blocks stage `stage_id` runs (`schedules.stage_layer_counts`' split)."""
     if layout.num_stages == 1:
         return range(args.n_layer)
     counts = stage_layer_counts(

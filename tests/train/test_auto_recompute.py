@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
+from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.parallel import memory_estimate as me
+from bloomnative.train.run import resolve_run
 from training_helpers import TINY_RUN, run_training, train_env
 
 
@@ -25,13 +26,14 @@ def resolved_config(dump) -> Config:
 
 def predicted_bytes(argv: list[str], mode: str, every: int = 1) -> int:
     """The planner's device bytes for this run on one CPU process with the given recompute."""
-    config = parse_args(argv)
-    layout = me.layout_from_config(config.parallelism, 1)
+    run = resolve_run(parse_args(argv), 1, "cpu")
+    layout = run.planner_layout()
     workload = dataclasses.replace(
-        me.workload_from_config(config, layout, "cpu"), recompute=mode, recompute_every=every
+        me.workload_from_config(run.config, layout, "cpu"), recompute=mode, recompute_every=every
     )
-    args = model_args_from_config(config.model)
-    return me.estimate(args, layout, workload, me.Overhead.none(), "cpu").worst.device_bytes
+    return me.estimate(
+        run.model_args, layout, workload, me.Overhead.none(), "cpu"
+    ).worst.device_bytes
 
 
 def test_auto_runs_the_least_recompute_that_fits_the_budget(tmp_path, synthetic_corpus):

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from bloomnative.model.attention import PORTABLE_BACKEND, TRAITS
+
 CANDIDATES = ("triton", "flex", "sdpa")
 CACHE_FILE = "attention_choice.json"
 
@@ -153,8 +155,8 @@ def choose_attention(
     ``timed`` (a GPU), else the fastest candidate ``timer(name, shape)`` (milliseconds) times;
     ``environment()`` names what the times depend on besides the shape."""
     if not timed:
-        log('model.attention = "auto" on CPU: "sdpa" (the portable path)')
-        return "sdpa"
+        log(f'model.attention = "auto" on CPU: "{PORTABLE_BACKEND}" (the portable path)')
+        return PORTABLE_BACKEND
     key = {"shape": asdict(shape), **environment()}
     cache = dump_folder / CACHE_FILE
     if cache.is_file():
@@ -167,8 +169,8 @@ def choose_attention(
             return saved["choice"]
     times: dict[str, float] = {}
     excluded: dict[str, str] = {}
-    # FlexAttention has no dropout: with attention dropout it is no candidate.
-    candidates = [n for n in CANDIDATES if not (shape.dropout_p and n == "flex")]
+    # With attention dropout, a backend without dropout is no candidate.
+    candidates = [n for n in CANDIDATES if TRAITS[n].dropout or not shape.dropout_p]
     mode = "compiled" if shape.compiled else "eager"
     for name in candidates:
         try:
@@ -194,11 +196,11 @@ def choose_attention(
     return choice
 
 
-def context_parallel_attention(device: torch.device, log: Callable[[str], None] = print) -> str:
+def context_parallel_attention(device_type: str, log: Callable[[str], None] = print) -> str:
     """What "auto" means with parallelism.cp > 1, without timing: the ring runs the Triton
     kernels' blocks on a GPU ("flex" has no ring form; "sdpa"'s materialises each block's
-    scores) and the portable "sdpa" blocks on CPU."""
-    choice = "triton" if device.type == "cuda" else "sdpa"
+    scores) and the portable blocks on CPU."""
+    choice = "triton" if device_type == "cuda" else PORTABLE_BACKEND
     log(f'model.attention = "auto" with context parallelism: "{choice}"')
     return choice
 

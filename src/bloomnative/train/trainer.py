@@ -14,20 +14,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from bloomnative.config import Config, model_args_from_config
-from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
+from bloomnative.config import Config
+from bloomnative.data import PretrainingLoader, build_gpt_datasets
+from bloomnative.device import pick_device
 from bloomnative.model import Bloom
 from bloomnative.model.state import load_model_state, model_state
 from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.context_parallel import shard_sequence
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
 from bloomnative.parallel.layout_check import pipeline_microbatches
-from bloomnative.parallel.memory_estimate import (
-    RecomputeChoice,
-    auto_recompute,
-    compiles_the_loss,
-    with_recompute,
-)
+from bloomnative.parallel.memory_estimate import compiles_the_loss
 from bloomnative.parallel.parallelize import parallelize_part
 from bloomnative.parallel.pipeline import (
     Pipeline,
@@ -38,12 +34,8 @@ from bloomnative.parallel.pipeline import (
     split_for_pipeline,
 )
 from bloomnative.train import checkpoint as ckpt
-from bloomnative.train.attention_choice import (
-    AttentionShape,
-    context_parallel_attention,
-    resolve_auto_attention,
-)
-from bloomnative.train.distributed import init_distributed, pick_device
+from bloomnative.train.attention_choice import resolve_auto_attention
+from bloomnative.train.distributed import init_distributed
 from bloomnative.train.faults import StopRequest
 from bloomnative.train.loss import (
     LossFn,
@@ -59,24 +51,38 @@ from bloomnative.train.matmul_precision import apply_tf32
 from bloomnative.train.metrics import MetricsLogger, PeakMemory, Throughput, device_peak_tflops
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
-from bloomnative.train.preflight import check_run, eod_mask_id
+from bloomnative.train.preflight import check_data_files
 from bloomnative.train.profiling import StepProfiler
-from bloomnative.train.spikes import SpikeRecovery, data_reserve
+from bloomnative.train.run import resolve_run
+from bloomnative.train.spikes import SpikeRecovery
 
 
 class Trainer:
     def __init__(self, config: Config):
-        self.config = config
-        job, train_cfg = config.job, config.training
+        job = config.job
         self.device = pick_device(job.device)
-        apply_tf32(train_cfg.tf32, self.device)
+        apply_tf32(config.training.tf32, self.device)
         self.rank, self.world_size = init_distributed(self.device, job.collective_timeout_s)
-        par = config.parallelism
-        if config.model.attention == "auto":
-            config.model.attention = self._resolve_auto_attention()
-        self.dims, self.model_args = check_run(config, self.world_size)
-        self.eod_mask_id = eod_mask_id(config)
-        self.recompute_choice = self._resolve_auto_recompute()
+        self.resolved = resolve_run(
+            config,
+            self.world_size,
+            self.device,
+            choose_attention=partial(
+                resolve_auto_attention,
+                device=self.device,
+                dump_folder=Path(job.dump_folder),
+                rank=self.rank,
+                world_size=self.world_size,
+                collective_timeout_s=job.collective_timeout_s,
+                log=self._say,
+            ),
+            device_memory=lambda: _smallest_device_memory(self.device),
+            log=self._say,
+        )
+        check_data_files(config)
+        # The run as resolved ("auto" settings replaced by their choice), and its layout.
+        self.config, self.dims = self.resolved.config, self.resolved.dims
+        train_cfg, par = self.config.training, self.config.parallelism
         self.dump = Path(job.dump_folder)
         self.mesh, self.dp_mesh = self.dims.build_mesh(self.device.type)
         self.pp_mesh = self.mesh["pp"]  # sliced once: slicing a mesh is host work on every call
@@ -93,14 +99,13 @@ class Trainer:
             loss_parallel if (self.dims.tp > 1 and par.loss_parallel) else contextlib.nullcontext
         )
 
-        self.optimizers = [
-            build_optimizer([p], config.optimizer, self.device) for p in self.model_parts
-        ]
+        self.optimizers = [build_optimizer([p], self.config.optimizer) for p in self.model_parts]
         self.params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
         self.nonfinite = NonFiniteGuard(self.optimizers, self.device, train_cfg.max_nonfinite_steps)
         self.lr_schedule = LRSchedule.from_config(
-            config.lr_scheduler, config.optimizer, train_cfg.steps, train_cfg.global_batch_size
-        )
+            self.config.lr_scheduler, self.config.optimizer, train_cfg.steps,
+            train_cfg.global_batch_size,
+        )  # fmt: skip
         # The schedule's clock: samples of the applied steps (a skipped step does not count),
         # kept on the device because only the device knows whether a step was skipped.
         self.scheduled_samples = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -109,27 +114,25 @@ class Trainer:
         self._build_data()
         self.step = 0
         self.consumed_samples = 0
-        self.ckpt_folder = self.dump / config.checkpoint.folder
+        self.ckpt_folder = self.dump / self.config.checkpoint.folder
         self.checkpointer = ckpt.Checkpointer(
             self.ckpt_folder,
-            config.checkpoint.keep_latest_k,
-            config.checkpoint.async_mode == "async",
-            config.checkpoint.min_free_gib,
+            self.config.checkpoint.keep_latest_k,
+            self.config.checkpoint.async_mode == "async",
+            self.config.checkpoint.min_free_gib,
         )
         self.spikes = SpikeRecovery(self)
         self._maybe_resume()
 
-        self.metrics = MetricsLogger(self.dump, config.metrics.tensorboard, self.rank == 0)
+        self.metrics = MetricsLogger(self.dump, self.config.metrics.tensorboard, self.rank == 0)
         self.peak_memory = PeakMemory(self.device)
-        peak = device_peak_tflops(self.device, config.metrics.peak_tflops)
-        self.throughput = Throughput(
-            self.model_args.flops_per_token(train_cfg.seq_len), peak, self.world_size
-        )
+        peak = device_peak_tflops(self.device, self.config.metrics.peak_tflops)
+        args = self.resolved.model_args
+        self.throughput = Throughput(args.flops_per_token(train_cfg.seq_len), peak, self.world_size)
         if self.rank == 0:
             self._write_resolved_config()
-            n = self.model_args.num_params()
             print(
-                f"[bloomnative] {job.name}: {n / 1e6:.1f}M parameters, layout "
+                f"[bloomnative] {job.name}: {args.num_params() / 1e6:.1f}M parameters, layout "
                 f"{self.dims.summary}, device {self.device}, dtype {train_cfg.dtype}, "
                 f"starting at step {self.step}",
                 flush=True,
@@ -137,56 +140,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up helpers
 
-    def _resolve_auto_recompute(self) -> RecomputeChoice | None:
-        """activation_checkpoint.mode = "auto": the planner's least recomputation that fits the
-        smallest device of the job (or memory_budget_gib); self.config becomes a resolved copy."""
-        choice = auto_recompute(
-            self.config,
-            self.model_args,
-            self.world_size,
-            self.device.type,
-            lambda: _smallest_device_memory(self.device),
-        )
-        if self.config.activation_checkpoint.mode == "auto":
-            self._say(
-                choice.describe()
-                if choice
-                else 'activation_checkpoint.mode = "auto" on CPU without memory_budget_gib: '
-                "no recomputation"
-            )
-        self.config = with_recompute(self.config, choice)
-        return choice
-
-    def _resolve_auto_attention(self) -> str:
-        """What `model.attention = "auto"` stands for on this run (train.attention_choice)."""
-        cfg = self.config
-        if cfg.parallelism.cp > 1:
-            return context_parallel_attention(self.device, self._say)
-        args = model_args_from_config(cfg.model)
-        shape = AttentionShape(
-            batch=cfg.training.micro_batch_size,
-            heads=args.n_head // max(1, cfg.parallelism.tp),
-            seq_len=cfg.training.seq_len,
-            head_dim=args.head_dim,
-            dtype="bfloat16" if cfg.training.dtype == "bf16" else "float32",
-            dropout_p=cfg.model.attention_dropout,
-            compiled=cfg.compile.enable,
-        )
-        return resolve_auto_attention(
-            shape,
-            self.device,
-            Path(cfg.job.dump_folder),
-            self.rank,
-            self.world_size,
-            cfg.job.collective_timeout_s,
-            self._say,
-        )
-
     def _build_model(self) -> None:
         """Meta model -> pipeline split -> TP / AC / compile / FSDP -> materialise -> init."""
         cfg, par = self.config, self.config.parallelism
         with torch.device("meta"):
-            model = Bloom(self.model_args)
+            model = Bloom(self.resolved.model_args)
         self.pp_rank = self.pp_mesh.get_local_rank()
         placement = split_for_pipeline(
             model,
@@ -257,21 +215,15 @@ class Trainer:
         return fused_head_cross_entropy_sum(output, self.head_part.lm_head.weight, labels)
 
     def _build_data(self) -> None:
-        cfg, t, v = self.config.data, self.config.training, self.config.validation
-        # Loss-spike rollbacks skip data: the index covers the windows they may skip as well.
-        reserve = data_reserve(
-            self.config.spikes, self.config.checkpoint, self.config.metrics.log_freq
-        )
-        max_samples = (t.steps + reserve) * t.global_batch_size
-        valid_samples = max(v.steps * t.global_batch_size, 1) if v.freq else 0
-        cache_dir = cfg.cache_dir or str(self.dump / "data_cache")
+        data, shaping = self.config.data, self.resolved.data
+        seed = self.config.job.seed
         train_ds, valid_ds, _ = build_gpt_datasets(
-            cfg.blend,
-            cfg.split,
-            t.seq_len,
-            self.config.job.seed,
-            (max_samples, valid_samples, 0),
-            cache_dir,
+            data.blend,
+            data.split,
+            shaping.seq_len,
+            seed,
+            (shaping.train_samples, shaping.valid_samples, 0),
+            shaping.cache_dir,
         )
         dp_rank, dp_size = self.dp_mesh.get_local_rank(), self.dims.dp
         shard = None
@@ -280,25 +232,25 @@ class Trainer:
             shard = partial(shard_sequence, cp_rank=cp_rank, cp=self.dims.cp)
         loader = lambda ds: PretrainingLoader(
             ds,
-            t.micro_batch_size,
+            shaping.micro_batch_size,
             dp_rank,
             dp_size,
             self.device,
-            prefetch=cfg.prefetch,
-            eod_mask_id=self.eod_mask_id,
+            prefetch=data.prefetch,
+            eod_mask_id=shaping.eod_mask_id,
             sequence_shard=shard,
         )
         self.train_loader = loader(train_ds)
         self.make_valid_loader = (lambda: loader(valid_ds)) if valid_ds is not None else None
         self.valid_long = None
-        if v.freq and v.seq_len:
+        if shaping.long_seq_len:
             _, long_ds, _ = build_gpt_datasets(
-                cfg.blend,
-                cfg.split,
-                v.seq_len,
-                self.config.job.seed,
-                (1, valid_samples, 0),
-                cache_dir,
+                data.blend,
+                data.split,
+                shaping.long_seq_len,
+                seed,
+                (1, shaping.valid_samples, 0),
+                shaping.cache_dir,
             )
             self.valid_long = lambda: loader(long_ds)
 
@@ -400,7 +352,7 @@ class Trainer:
         from bloomnative.interop import load_hf_model
 
         source = load_hf_model(hf_dir)
-        mine, theirs = self.model_args, source.args
+        mine, theirs = self.resolved.model_args, source.args
         for key in ("n_layer", "hidden_size", "n_head", "vocab_size"):
             if getattr(mine, key) != getattr(theirs, key):
                 raise ValueError(
@@ -427,13 +379,8 @@ class Trainer:
     # ------------------------------------------------------------------ the step
 
     def global_batch_size(self) -> int:
-        t = self.config.training
-        if not t.rampup_batch_size:
-            return t.global_batch_size
-        start, increment, samples = t.rampup_batch_size
-        return rampup_batch_size(
-            self.consumed_samples, start, increment, samples, t.global_batch_size
-        )
+        """The next step's global batch size (batch-size rampup follows the samples consumed)."""
+        return self.resolved.batch_size(self.consumed_samples)
 
     def forward_backward(self, micro_batches) -> torch.Tensor:
         """Accumulates the gradients of the global batch's mean token loss over this rank's

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 
-from bloomnative.config import parse_args
+from bloomnative.config import ConfigError, parse_args
 from bloomnative.data import rampup_batch_size
 from bloomnative.parallel import memory_estimate as me
 from bloomnative.train.attention_choice import AttentionShape
@@ -71,6 +71,13 @@ def test_auto_attention_under_context_parallelism_is_the_rings_backend_untimed(d
     config = parse_args(["--model.attention=auto", "--parallelism.cp=2"])
     run = resolve_run(config, 2, device, choose_attention=never_timed)
     assert run.model_args.attention == expected
+
+
+def test_a_backend_without_a_cpu_backward_is_refused_on_cpu():
+    config = parse_args(["--model.attention=flex"])
+    with pytest.raises(ConfigError, match="FlexAttention has no backward on CPU; use sdpa or"):
+        resolve_run(config, 1, "cpu")
+    assert resolve_run(config, 1, "cuda").model_args.attention == "flex"
 
 
 def test_explicit_choices_are_kept():

@@ -22,7 +22,7 @@ import torch
 from bloomnative.config import Config, ConfigError, DataConfig, model_args_from_config
 from bloomnative.data.rampup import BatchSizeSchedule
 from bloomnative.model import BloomArgs
-from bloomnative.model.attention import PORTABLE_BACKEND
+from bloomnative.model.attention import PORTABLE_BACKEND, TRAITS, backends_with
 from bloomnative.parallel.dims import ParallelDims
 from bloomnative.parallel.layout_check import check_layout
 from bloomnative.parallel.memory_estimate import Layout, RecomputeChoice, auto_recompute
@@ -100,9 +100,9 @@ def resolve_run(
     log: Callable[[str], None] = lambda message: None,
 ) -> ResolvedRun:
     """The run `config` describes on `world_size` processes computing on `device` (its type is
-    what matters). Raises LayoutError for a layout the trainer cannot run, ConfigError for a
-    data.eod_mask_loss without a usable EOD and PlanError when "auto" recomputation finds
-    nothing that fits.
+    what matters). Raises LayoutError for a layout the trainer cannot run, ConfigError for an
+    attention backend that cannot train on the device or a data.eod_mask_loss without a usable
+    EOD, and PlanError when "auto" recomputation finds nothing that fits.
 
     choose_attention: what model.attention = "auto" picks by timing (the trainer's: rank 0 times
         the backends and broadcasts the choice). None (preflight, the tools): the portable
@@ -119,6 +119,12 @@ def resolve_run(
     if config.model.attention == "auto":
         attention = _auto_attention(config, dims, args, device_type, choose_attention, log)
         args = dataclasses.replace(args, attention=attention)
+    traits = TRAITS[args.attention]
+    if device_type == "cpu" and not traits.cpu_backward:
+        raise ConfigError(
+            f"model.attention = {args.attention!r}: {traits.title} has no backward on CPU; use "
+            f"{' or '.join(backends_with('cpu_backward'))} there, or train on a CUDA device"
+        )
     check_layout(
         dims,
         args,

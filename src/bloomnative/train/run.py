@@ -119,12 +119,6 @@ def resolve_run(
     if config.model.attention == "auto":
         attention = _auto_attention(config, dims, args, device_type, choose_attention, log)
         args = dataclasses.replace(args, attention=attention)
-    traits = TRAITS[args.attention]
-    if device_type == "cpu" and not traits.cpu_backward:
-        raise ConfigError(
-            f"model.attention = {args.attention!r}: {traits.title} has no backward on CPU; use "
-            f"{' or '.join(backends_with('cpu_backward'))} there, or train on a CUDA device"
-        )
     check_layout(
         dims,
         args,
@@ -133,6 +127,12 @@ def resolve_run(
         config.model.fused_loss,
         config.validation,
     )
+    traits = TRAITS[args.attention]
+    if device_type == "cpu" and not traits.cpu_backward:
+        raise ConfigError(
+            f"model.attention = {args.attention!r}: {traits.title} has no backward on CPU; use "
+            f"{' or '.join(backends_with('cpu_backward'))} there, or train on a CUDA device"
+        )
     optimizer = dataclasses.replace(
         config.optimizer,
         implementation=adamw_implementation(config.optimizer.implementation, device_type),

@@ -7,49 +7,25 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_spikes import BAD
+from test_spikes import run as run_spiking
 
 from bloomnative.train.checkpoint import saved_shapes
-from training_helpers import TINY_RUN, losses_by_step, train_env
+from training_helpers import losses_by_step
 
-HERE = Path(__file__).resolve().parent
-LEGACY = HERE / "legacy_checkpoint"
-INJECT = HERE / "inject_spike.py"
-BAD = {"bad_from": 48, "bad_to": 72, "factor": 10.0}  # as the checkpoint's run
+LEGACY = Path(__file__).resolve().with_name("legacy_checkpoint")
 
 
 def run(dump: Path, corpus: str) -> subprocess.CompletedProcess:
-    """The checkpoint's run (its README), to its end, in `dump`."""
-    argv = [
-        *TINY_RUN,
-        "--model.n_layer=2",
-        "--model.hidden_size=16",
-        "--model.n_head=2",
-        "--model.hidden_dropout=0.1",
-        f"--data.blend={corpus}",
-        f"--job.dump_folder={dump}",
-        "--training.steps=12",
-        "--lr_scheduler.decay_steps=12",
-        "--checkpoint.interval=2",
-        "--checkpoint.keep_latest_k=0",
-        "--spikes.enable=true",
-        "--spikes.window=3",
-        "--spikes.consecutive_steps=3",
-        "--spikes.skip_steps=1",
-        "--spikes.max_rollbacks=1",
-    ]
-    proc = subprocess.run(
-        [sys.executable, str(INJECT), json.dumps(BAD), *argv],
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """The checkpoint's run (its README): test_spikes.py's with a smaller model and dropout, to
+    its end, in `dump`."""
+    model = ["--model.n_layer=2", "--model.hidden_size=16", "--model.n_head=2"]
+    proc = run_spiking(dump, corpus, BAD, *model, "--model.hidden_dropout=0.1")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 

@@ -42,6 +42,8 @@ def test_every_auto_is_resolved_in_a_copy_and_the_config_is_untouched():
 
     run = resolve_run(config, 4, "cuda", choose_attention=choose, device_memory=lambda: 80 * me.GiB)
     assert config == before
+    run.config.training.steps += 1  # the resolved copy shares nothing with the config
+    assert config == before
     # One micro batch on one tensor-parallel rank of the debug preset (6 heads of 32).
     assert timed == [AttentionShape(4, 3, 128, 32, "bfloat16", dropout_p=0.1, compiled=True)]
     assert run.config.model.attention == run.model_args.attention == "triton"

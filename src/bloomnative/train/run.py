@@ -12,6 +12,7 @@ recomputation plans against (`device_memory`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,7 +139,7 @@ def resolve_run(
         implementation=adamw_implementation(config.optimizer.implementation, device_type),
     )
     resolved = dataclasses.replace(
-        config,
+        copy.deepcopy(config),  # shares nothing with `config`
         model=dataclasses.replace(config.model, attention=args.attention),
         optimizer=optimizer,
     )

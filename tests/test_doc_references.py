@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bloomnative.config import parse_args
-from bloomnative.train.preflight import model_args_from_config
+from bloomnative.config import model_args_from_config, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = [

@@ -57,6 +57,7 @@ from bloomnative.planner import PlanError
 from bloomnative.train.distributed import exit_process
 from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import PeakMemory, device_peak_tflops
+from bloomnative.train.run import ResolvedRun
 from train_baselines import BASELINES, build_baseline
 
 # Applied before the user's overrides (which win): a benchmark writes no checkpoints, no
@@ -294,9 +295,9 @@ class RecordingLoader:
         return getattr(self.loader, name)
 
 
-def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list, Config]:
-    """Times Trainer.train_step(); returns the summary, the batches it consumed and the config
-    as the trainer resolved it ("auto" settings replaced by their choice)."""
+def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list, ResolvedRun]:
+    """Times Trainer.train_step(); returns the summary, the batches it consumed and the run as
+    the trainer resolved it ("auto" settings replaced by their choice)."""
     from bloomnative.train.trainer import Trainer
 
     start = time.perf_counter()
@@ -325,7 +326,7 @@ def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list
     result = summarize(
         times,
         statistics.mean(tokens[-options.steps :]),
-        trainer.model_args.flops_per_token(config.training.seq_len),
+        trainer.resolved.model_args.flops_per_token(config.training.seq_len),
         peak,
         config.compile.enable,
         memory.read(),
@@ -336,22 +337,27 @@ def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list
         result["host_sync_lines"] = sorted({line for lines in syncs[1:] for line in lines})
     result["world_size"] = trainer.world_size
     result["layout"] = trainer.dims.summary
-    choice = trainer.recompute_choice  # activation_checkpoint.mode = "auto"
+    choice = trainer.resolved.recompute  # activation_checkpoint.mode = "auto"
     result["recompute_chosen_by_planner"] = asdict(choice) if choice else None
-    return result, recorder.batches, trainer.config
+    return result, recorder.batches, trainer.resolved
 
 
-def reference_optimizer(model, config: Config, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with bloomnative's hyper-parameters and decay rule (matrices only), fused on CUDA."""
+def reference_optimizer(model, config: Config) -> torch.optim.AdamW:
+    """AdamW with bloomnative's hyper-parameters, decay rule (matrices only) and kernel (the
+    resolved optimizer.implementation)."""
     o = config.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    fused = device.type == "cuda"
     return torch.optim.AdamW(
-        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused, foreach=not fused
+        groups,
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        fused=o.implementation == "fused",
+        foreach=o.implementation == "foreach",
     )
 
 
@@ -369,7 +375,7 @@ def bench_baseline(
     training.dtype is bf16), clip_grad_norm_, AdamW."""
     seq_len = config.training.seq_len
     baseline = build_baseline(name, args, seq_len, device, config.job.seed, mode == "compile")
-    optimizer = reference_optimizer(baseline.module, config, device)
+    optimizer = reference_optimizer(baseline.module, config)
     bf16 = config.training.dtype == "bf16"
     max_norm = config.training.max_norm
     t = config.training
@@ -538,17 +544,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
 
-def planned_memory(config: Config, args: BloomArgs, device: torch.device) -> dict | None:
+def planned_memory(run: ResolvedRun) -> dict | None:
     """The planner's prediction for this run on global rank 0 (pipeline rank 0), next to which
     the measured peak is reported: every GPU benchmark also checks the planner."""
     from bloomnative import planner
 
+    device_type = run.device_type
     try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        layout = planner.layout_from_config(config.parallelism, world)
-        workload = planner.workload_from_config(config, layout, device.type)
-        overhead = planner.Overhead() if device.type == "cuda" else planner.Overhead.none()
-        rank0 = planner.estimate(args, layout, workload, overhead, device.type).ranks[0]
+        layout = run.planner_layout()
+        workload = planner.workload_from_config(run.config, layout, device_type)
+        overhead = planner.Overhead() if device_type == "cuda" else planner.Overhead.none()
+        rank0 = planner.estimate(run.model_args, layout, workload, overhead, device_type).ranks[0]
     except planner.PlanError as e:
         return {"error": str(e)}
     return {
@@ -562,11 +568,9 @@ def run_benchmark(
     argv: list[str], options: BenchOptions, config: Config, overrides: list[str]
 ) -> int:
     """Our run, then the baselines; prints the summary and writes the JSON (rank 0)."""
-    from bloomnative.config import model_args_from_config
-    from bloomnative.train.distributed import pick_device
+    from bloomnative.device import pick_device
 
     device = pick_device(config.job.device)
-    args = model_args_from_config(config.model)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if options.baselines and world > 1:
         print("bench_train.py: error: --baseline runs in a single process", file=sys.stderr)
@@ -579,7 +583,8 @@ def run_benchmark(
         )
         return 2
     ceiling_before = matmul_ceiling_tflops(device, options.matmul_size, options.matmul_repeats)
-    ours, batches, config = bench_bloomnative(config, options)
+    ours, batches, run = bench_bloomnative(config, options)
+    config, args = run.config, run.model_args
     report = {
         "tool": "bench_train",
         "command": "python tools/bench_train.py " + " ".join(argv),
@@ -592,7 +597,7 @@ def run_benchmark(
         "recompute_chosen_by_planner": ours.pop("recompute_chosen_by_planner"),
         "device_peak_tflops": device_peak_tflops(device, options.peak_tflops),
         "bloomnative": ours,
-        "memory_plan": planned_memory(config, args, device),
+        "memory_plan": planned_memory(run),
         "baseline": None,
     }
     if options.baselines:

@@ -25,8 +25,9 @@ import json
 import sys
 
 from bloomnative import planner
-from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
+from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.parallel.dims import LayoutError
+from bloomnative.train.run import ResolvedRun, resolve_run
 
 
 def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
@@ -191,31 +192,48 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan_layout(known, config: Config, args, par) -> tuple[planner.Workload, planner.Plan]:
-    """The plan of `config` with the [parallelism] section `par`, with the config's recompute
-    (for mode "auto", the least that fits --device-memory-gib; raises PlanError if none does)."""
-    layout = planner.layout_from_config(par, known.world_size)
-    layout = dataclasses.replace(layout, pp_keeps_outputs=known.pp_return_outputs == "true")
-    run = dataclasses.replace(config, parallelism=par)
-    auto = config.activation_checkpoint.mode == "auto"
-    if auto:
-        run = dataclasses.replace(
-            run,
-            activation_checkpoint=dataclasses.replace(config.activation_checkpoint, mode="none"),
-        )
+def resolve(known, config: Config) -> ResolvedRun:
+    """The run the trainer would resolve from `config` on --world-size devices of
+    --device-type, except for activation_checkpoint.mode = "auto", which stays to be planned
+    here (`plan`): against --device-memory-gib, with this tool's workload options."""
+    world_size = known.world_size
+    if not world_size:  # dp_shard = -1 means 1 here
+        par = config.parallelism
+        world_size = par.dp_replicate * max(par.dp_shard, 1) * par.cp * par.tp * par.pp
+    ac = config.activation_checkpoint
+    if ac.mode == "auto":
+        ac = dataclasses.replace(ac, mode="none")
+    return resolve_run(
+        dataclasses.replace(config, activation_checkpoint=ac), world_size, known.device_type
+    )
+
+
+def plan(
+    known, config: Config, run: ResolvedRun
+) -> tuple[planner.Layout, planner.Workload, planner.Plan]:
+    """The plan of `run`, with the config's recompute (for mode "auto", the least that fits
+    --device-memory-gib; raises PlanError if none does)."""
+    layout = dataclasses.replace(
+        run.planner_layout(), pp_keeps_outputs=known.pp_return_outputs == "true"
+    )
     workload = planner.workload_from_config(
-        run, layout, known.device_type, known.attention_memory, known.dropout
+        run.config, layout, known.device_type, known.attention_memory, known.dropout
     )
     overhead = overhead_from_args(known)
-    if auto:
+    if config.activation_checkpoint.mode == "auto":
         device_bytes = int(known.device_memory_gib * planner.GiB)
-        return planner.least_recompute_or_raise(
-            args, layout, workload, device_bytes, overhead, known.device_type
+        workload, found = planner.least_recompute_or_raise(
+            run.model_args, layout, workload, device_bytes, overhead, known.device_type
         )
-    return workload, planner.estimate(args, layout, workload, overhead, known.device_type)
+        return layout, workload, found
+    return (
+        layout,
+        workload,
+        planner.estimate(run.model_args, layout, workload, overhead, known.device_type),
+    )
 
 
-def layouts_table(known, config: Config, args) -> str:
+def layouts_table(known, config: Config) -> str:
     """Every dp_shard x cp x tp x pp split of the world (module docstring), fitting ones first."""
     world = known.world_size
     rows, refused = [], []
@@ -228,14 +246,15 @@ def layouts_table(known, config: Config, args) -> str:
                 )
                 name = f"dp_shard {dp_shard} x cp {cp} x tp {tp} x pp {pp}"
                 try:
-                    workload, plan = plan_layout(known, config, args, par)
+                    one = dataclasses.replace(config, parallelism=par)
+                    _, workload, layout_plan = plan(known, one, resolve(known, one))
                 except (LayoutError, planner.PlanError, ValueError) as e:
                     refused.append(f"  {name}: {e}")
                     continue
                 recompute = workload.recompute
                 if recompute == "selective":
                     recompute += f" every {workload.recompute_every}"
-                rows.append((plan.worst.device_bytes, name, recompute))
+                rows.append((layout_plan.worst.device_bytes, name, recompute))
     limit = known.device_memory_gib * planner.GiB
     rows.sort(key=lambda r: (r[0] > limit, r[0]))
     lines = [
@@ -257,33 +276,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         known, config = parse_planner_args(argv)
-        args = model_args_from_config(config.model)
         if known.layouts:
             if not known.world_size:
                 raise ConfigError("--layouts needs --world-size")
-            print(layouts_table(known, config, args))
+            print(layouts_table(known, config))
             return 0
-        layout = planner.layout_from_config(config.parallelism, known.world_size)
-        layout = dataclasses.replace(layout, pp_keeps_outputs=known.pp_return_outputs == "true")
-        auto = config.activation_checkpoint.mode == "auto"
-        workload = planner.workload_from_config(
-            planner.with_recompute(config, None),
-            layout,
-            known.device_type,
-            known.attention_memory,
-            known.dropout,
-        )  # "auto" is planned as the trainer resolves it (below): the least recompute that fits
+        run = resolve(known, config)
+        args = run.model_args
+        # "auto" is planned as the trainer resolves it: the least recompute that fits
+        layout, workload, run_plan = plan(known, config, run)
         overhead = overhead_from_args(known)
         device_bytes = int(known.device_memory_gib * planner.GiB)
-        if auto:
-            workload, _ = planner.least_recompute_or_raise(
-                args, layout, workload, device_bytes, overhead, known.device_type
-            )
-        plan = planner.estimate(args, layout, workload, overhead, known.device_type)
     except (ConfigError, LayoutError, planner.PlanError, ValueError) as e:
         print(f"estimate_memory.py: error: {e}", file=sys.stderr)
         return 2
-    worst = plan.worst
+    worst = run_plan.worst
     micro, fit_plan = planner.largest_fitting_micro_batch(
         args,
         layout,
@@ -301,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = sys.stderr if known.json_path == "-" else sys.stdout
     print(describe(args, layout, workload), file=out)
-    if auto:
+    if config.activation_checkpoint.mode == "auto":
         print(
             f'(recompute chosen for activation_checkpoint.mode = "auto": the least that fits '
             f"{known.device_memory_gib:g} GiB)",
@@ -310,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nworst pipeline rank: {worst.pp_rank}", file=out)
     print(format_rank(worst), file=out)
     if layout.pp > 1:
-        totals = ", ".join(f"{r.pp_rank}: {r.device_bytes / planner.GiB:.1f}" for r in plan.ranks)
+        totals = ", ".join(
+            f"{r.pp_rank}: {r.device_bytes / planner.GiB:.1f}" for r in run_plan.ranks
+        )
         print(f"\ndevice GiB per pipeline rank: {totals}", file=out)
     if known.explain:
         print("\n" + format_activation_terms(worst), file=out)
@@ -350,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             "device_memory_gib": known.device_memory_gib,
             "fits": fits,
             "worst_rank": rank_to_dict(worst),
-            "ranks_device_gib": [r.device_bytes / planner.GiB for r in plan.ranks],
+            "ranks_device_gib": [r.device_bytes / planner.GiB for r in run_plan.ranks],
             "largest_micro_batch": micro,
             "least_recompute": None
             if choice is None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from bloomnative.model.args import AttentionBackend
+from bloomnative.model.attention import PORTABLE_BACKEND, AttentionBackend
 
 if TYPE_CHECKING:
     from bloomnative.model.args import BloomArgs
@@ -352,13 +352,13 @@ def _toml_value(value: Any) -> str:
 def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
     """The preset's shape with the non-zero overrides of the [model] section applied.
 
-    ``attention = "auto"`` is resolved by the trainer (train.attention_choice) before it builds
-    the model; until then the shape is described with the portable "sdpa"."""
+    ``attention = "auto"`` is described with the portable backend; train/run.py's `resolve_run`
+    replaces it by what "auto" stands for on the run."""
     from bloomnative.model.args import BloomArgs
 
     overrides = {k: getattr(cfg, k) for k in ("n_layer", "hidden_size", "n_head", "vocab_size")}
     overrides = {k: v for k, v in overrides.items() if v}
-    attention = "sdpa" if cfg.attention == "auto" else cfg.attention
+    attention = PORTABLE_BACKEND if cfg.attention == "auto" else cfg.attention
     return BloomArgs.from_preset(
         cfg.preset,
         attention=attention,
@@ -614,7 +614,8 @@ def _validate_dropout(config: Config) -> None:
     m, par = config.model, config.parallelism
     try:  # the model's own checks: probabilities in [0, 1), a backend that has dropout
         BloomArgs(
-            attention="sdpa" if m.attention == "auto" else m.attention,  # auto: never flex
+            # "auto" never resolves to a backend without dropout when there is dropout
+            attention=PORTABLE_BACKEND if m.attention == "auto" else m.attention,
             hidden_dropout=m.hidden_dropout,
             attention_dropout=m.attention_dropout,
         )

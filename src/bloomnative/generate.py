@@ -22,6 +22,7 @@ from bloomnative.checkpoint.integrity import latest_step
 from bloomnative.config import DEFAULT_CONFIG, ConfigError, load_toml
 from bloomnative.config import Config as RunConfig
 from bloomnative.data.tokenizer import TextTokenizer
+from bloomnative.device import pick_device
 from bloomnative.interop import CheckpointFormatError, load_hf_model, load_native_model
 from bloomnative.interop.hf import CONFIG_FILE, TOKENIZER_FILES
 from bloomnative.interop.native_checkpoint import RUN_CONFIG, run_config_path
@@ -126,19 +127,6 @@ def _run_config(path: Path) -> RunConfig:
     except ConfigError as e:
         raise CheckpointFormatError(str(e)) from None
     return config
-
-
-def pick_device(device: str | torch.device) -> torch.device:
-    """ "auto": CUDA when present, else the CPU; "cpu", "cuda" or "cuda:N" as given."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f'device {device!r} is not "auto", "cpu", "cuda" or "cuda:N"') from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device} asked for, but no CUDA device is available")
-    return device
 
 
 # ---------------------------------------------------------------- decoding

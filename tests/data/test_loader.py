@@ -90,7 +90,7 @@ def test_resuming_from_the_saved_state_gives_the_batches_of_an_uninterrupted_run
     first = PretrainingLoader(dataset, 2, 1, 2, prefetch=prefetch)
     head = run(first, schedule[:3])
     state = first.state_dict()
-    assert state == {"consumed_samples": 28}
+    assert state == {"consumed_samples": 28, "skipped": []}
     first.close()
     # Resume on a fresh loader, as after loading a checkpoint.
     second = PretrainingLoader(dataset, 2, 1, 2, prefetch=prefetch)

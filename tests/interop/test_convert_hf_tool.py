@@ -11,7 +11,7 @@ from hf_testing import make_hf_bloom, relative_error, save_hf_bloom, tokens, tra
 
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.interop import CheckpointFormatError, load_hf_model, load_native_model
-from bloomnative.model.state import load_model_state, model_state
+from bloomnative.model.state import model_state
 from training_helpers import load_tool
 
 SHAPE = dict(hidden_size=96, n_head=3, n_layer=2, vocab_size=120)
@@ -38,14 +38,15 @@ def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 def write_training_checkpoint(dump: Path, model, step: int) -> Path:
-    """A full checkpoint as the trainer writes one: model, AdamW state and counters."""
+    """A full checkpoint as the trainer writes one: model, AdamW state, step and data position."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(tokens(SHAPE["vocab_size"])).sum().backward()
     optimizer.step()
     state = {
         "model": model_state([model]),
         "optimizer": ckpt.optimizer_state([model], [optimizer]),
-        "train": {"step": torch.tensor(step), "consumed_samples": torch.tensor(64)},
+        "train": {"step": torch.tensor(step)},
+        "data": {"consumed_samples": 64, "skipped": []},
     }
     folder = dump / "checkpoints"
     ckpt.Checkpointer(folder, keep_latest_k=0, async_mode=False, min_free_gib=0).save(step, state)
@@ -100,9 +101,7 @@ def test_native_checkpoint_loads_into_a_training_model_by_canonical_names(tmp_pa
     reference = load_hf_model(hf_folder)
     model = load_native_model(native, n_head=3)
     fresh = type(model)(model.args)
-    state = {"model": model_state([fresh])}
-    ckpt.load(native, state)
-    load_model_state([fresh], state["model"])
+    ckpt.load_components(native, {"model": ckpt.ModelState([fresh])}, complete=["model"])
     expected = reference.state_dict()
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, expected[name]), name

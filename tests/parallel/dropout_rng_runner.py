@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from bloomnative.config import parse_args
+from bloomnative.config import ParallelismConfig, parse_args
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.parallel import ParallelDims, apply_context_parallel, apply_tensor_parallel
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
@@ -43,7 +43,8 @@ def digest(t: torch.Tensor) -> str:
 def record_masks(tp: int, dp: int, sequence_parallel: bool, cp: int = 1) -> dict[str, list[str]]:
     """One training-mode forward; digests of every dropout mask and of the RNG state each
     attention call begins with, in call order, plus the output's."""
-    dims = ParallelDims.resolve(1, dp, tp, 1, dist.get_world_size(), cp)
+    par = ParallelismConfig(dp_shard=dp, tp=tp, cp=cp)
+    dims = ParallelDims.from_config(par, dist.get_world_size())
     mesh, _ = dims.build_mesh("cpu")
     torch.manual_seed(0)  # the same weights on every rank
     model = Bloom(ARGS)

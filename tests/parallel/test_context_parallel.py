@@ -10,7 +10,9 @@ import torch.multiprocessing as mp
 
 from bloomnative.kernels import _dispatch, flash_alibi_attention_reference
 from bloomnative.model import alibi_slopes
+from bloomnative.model.attention import backends_with
 from bloomnative.parallel.context_parallel import (
+    BLOCK_FUNCTIONS,
     Ring,
     load_balanced_chunks,
     merge_partial_attention,
@@ -20,6 +22,10 @@ from bloomnative.parallel.context_parallel import (
 from bloomnative.train.distributed import exit_process
 
 LOG2E = 1.4426950408889634
+
+
+def test_the_ring_has_block_functions_for_exactly_the_backends_marked_context_parallel():
+    assert set(BLOCK_FUNCTIONS) == set(backends_with("context_parallel"))
 
 
 def test_each_rank_holds_chunk_i_and_its_mirror_and_the_shards_tile_the_sequence():

@@ -142,14 +142,13 @@ def test_missing_dataset_is_named_before_start(tmp_path):
 
 
 def test_valid_layouts_resolve_dp_shard_from_the_world_size():
-    dims, args = check(
-        8, "--parallelism.tp=2", "--parallelism.pp=2", "--training.global_batch_size=16"
-    )
+    run = check(8, "--parallelism.tp=2", "--parallelism.pp=2", "--training.global_batch_size=16")
+    dims = run.dims
     assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == (2, 1, 2, 1, 2)
-    assert args.n_layer == 4
-    dims, _ = check(
+    assert run.model_args.n_layer == 4
+    dims = check(
         16, "--parallelism.cp=2", "--parallelism.tp=2", "--training.global_batch_size=16"
-    )
+    ).dims
     assert (dims.dp_shard, dims.cp, dims.fsdp_shards, dims.dp) == (4, 2, 8, 4)
 
 

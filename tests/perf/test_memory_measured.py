@@ -103,11 +103,11 @@ def test_compiled_loss_memory_matches_the_estimate(tmp_path, dtype):
     """With compile.enable the trainer compiles its cross-entropy: what it keeps for backward
     and what its backward allocates, against the planner's compiled-loss terms."""
     trainer = build_trainer(tmp_path, "--compile.enable=true", f"--training.dtype={dtype}")
-    layout = planner.layout_from_config(trainer.config.parallelism, trainer.world_size)
+    layout = trainer.resolved.planner_layout()
     workload = planner.workload_from_config(trainer.config, layout, device_type="cpu")
     assert workload.compiled_loss
     prec = planner.Precision.of(layout, workload)
-    tokens, vocab = MICRO_BATCH * SEQ, trainer.model_args.vocab_size
+    tokens, vocab = MICRO_BATCH * SEQ, trainer.resolved.model_args.vocab_size
     logits_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     logits = torch.randn(MICRO_BATCH, SEQ, vocab, dtype=logits_dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (MICRO_BATCH, SEQ))
@@ -123,7 +123,8 @@ def test_compiled_loss_memory_matches_the_estimate(tmp_path, dtype):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = trainer._loss_sum(logits, labels)
     predicted_saved = sum(
-        t.bytes for t in planner.loss_saved_terms(trainer.model_args, layout, workload, prec)
+        t.bytes
+        for t in planner.loss_saved_terms(trainer.resolved.model_args, layout, workload, prec)
     )
     assert relative_error(predicted_saved, sum(saved.values())) < TOLERANCE
 
@@ -131,6 +132,8 @@ def test_compiled_loss_memory_matches_the_estimate(tmp_path, dtype):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss.backward()
     backward_peak = allocation_peak(prof)
-    predicted = planner.loss_transient(trainer.model_args, layout, workload, prec, "cpu").bytes
+    predicted = planner.loss_transient(
+        trainer.resolved.model_args, layout, workload, prec, "cpu"
+    ).bytes
     assert relative_error(predicted, backward_peak) < TOLERANCE, (predicted, backward_peak)
     assert predicted == tokens * vocab * logits.element_size()

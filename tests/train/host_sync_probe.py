@@ -82,8 +82,8 @@ def main() -> None:
     # What the loop runs at log steps only: metrics are read back there, by design.
     trainer._log_step = while_reading_metrics(trainer._log_step)
     trainer.nonfinite.check = while_reading_metrics(trainer.nonfinite.check)
-    if trainer.spikes.detector is not None:  # read at log steps and checkpoints only
-        detector = trainer.spikes.detector
+    if trainer.spike_detector is not None:  # read at log steps and checkpoints only
+        detector = trainer.spike_detector
         detector.fired = while_reading_metrics(detector.fired)
     # A checkpoint copies the state to the host by nature (only at checkpoint steps).
     trainer.save_checkpoint = while_reading_metrics(trainer.save_checkpoint)

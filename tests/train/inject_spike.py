@@ -6,6 +6,8 @@ first sample sits at a position in [P, Q) of the training order reports F x its 
 weights are left alone). Skipping that stretch of data therefore ends the spike, whatever the
 step number. With "exit_after_rollback" the process dies (exit 3) as soon as the first rollback
 has been made, before any later checkpoint: the crash a restart must recover from exactly.
+
+Both through the trainer's extension points (`Trainer.train_step`, `Trainer.roll_back`).
 """
 
 from __future__ import annotations
@@ -15,29 +17,26 @@ import sys
 
 from bloomnative.config import parse_args
 from bloomnative.train.distributed import exit_process
+from bloomnative.train.spikes import Trigger
 from bloomnative.train.trainer import Trainer
 
 spec = json.loads(sys.argv[1])
-trainer = Trainer(parse_args(sys.argv[2:]))
-forward_backward = trainer.forward_backward
 
 
-def spiking_forward_backward(micro_batches):
-    loss = forward_backward(micro_batches)
-    first = trainer.train_loader.position(trainer.consumed_samples)
-    if spec["bad_from"] <= first < spec["bad_to"]:
-        loss = loss * spec["factor"]
-    return loss
+class SpikingTrainer(Trainer):
+    def train_step(self):
+        loader = self.train_loader
+        first = loader.position(loader.consumed_samples)  # of the step about to run
+        loss, grad_norm, lr, gbs = super().train_step()
+        if spec["bad_from"] <= first < spec["bad_to"]:
+            loss = loss * spec["factor"]
+        return loss, grad_norm, lr, gbs
+
+    def roll_back(self, trigger: Trigger) -> None:
+        super().roll_back(trigger)
+        if spec.get("exit_after_rollback"):
+            exit_process(3)
 
 
-trainer.forward_backward = spiking_forward_backward
-if spec.get("exit_after_rollback"):
-    roll_back = trainer.spikes._roll_back
-
-    def roll_back_then_die(trigger):
-        roll_back(trigger)
-        exit_process(3)
-
-    trainer.spikes._roll_back = roll_back_then_die
-trainer.run()
+SpikingTrainer(parse_args(sys.argv[2:])).run()
 exit_process(0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager
 
 from bloomnative.checkpoint import checkpointer as ckpt
@@ -28,7 +29,7 @@ def snapshot(state: dict) -> dict:
 
 def load_step(checkpointer: ckpt.Checkpointer, step: int) -> dict:
     target = snapshot(training_state())
-    ckpt.load(checkpointer.path(step), target)
+    dcp.load(target, checkpoint_id=str(checkpointer.path(step)))
     return target
 
 

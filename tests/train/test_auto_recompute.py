@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from bloomnative import planner
-from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
+from bloomnative.config import Config, ConfigError, parse_args
+from bloomnative.train.run import resolve_run
 from training_helpers import TINY_RUN, run_training, train_env
 
 
@@ -25,14 +26,15 @@ def resolved_config(dump) -> Config:
 
 def predicted_bytes(argv: list[str], mode: str, every: int = 1) -> int:
     """The planner's device bytes for this run on one CPU process with the given recompute."""
-    config = parse_args(argv)
-    layout = planner.layout_from_config(config.parallelism, 1)
+    run = resolve_run(parse_args(argv), 1, "cpu")
+    layout = run.planner_layout()
     workload = dataclasses.replace(
-        planner.workload_from_config(config, layout, "cpu"), recompute=mode, recompute_every=every
+        planner.workload_from_config(run.config, layout, "cpu"),
+        recompute=mode,
+        recompute_every=every,
     )
-    args = model_args_from_config(config.model)
     return planner.estimate(
-        args, layout, workload, planner.Overhead.none(), "cpu"
+        run.model_args, layout, workload, planner.Overhead.none(), "cpu"
     ).worst.device_bytes
 
 

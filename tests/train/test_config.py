@@ -6,7 +6,8 @@ import pytest
 
 from bloomnative.config import Config, ConfigError, load_toml, parse_args, validate
 from bloomnative.model import BloomArgs
-from bloomnative.train.preflight import eod_mask_id, main
+from bloomnative.train.preflight import main
+from bloomnative.train.run import resolve_run
 from training_helpers import EOD_ID, write_word_tokenizer
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
@@ -201,6 +202,11 @@ def test_rampup_must_reach_the_global_batch_in_whole_increments():
 def test_missing_config_file_is_named():
     with pytest.raises(ConfigError, match=r"nope.toml does not exist"):
         parse_args(["--config", "nope.toml"])
+
+
+def eod_mask_id(config):
+    """The EOD the run resolved from `config` masks the loss at."""
+    return resolve_run(config, 1, "cpu").data.eod_mask_id
 
 
 def test_eod_mask_loss_resolves_the_tokenizers_eod_or_names_what_is_wrong(tmp_path):

@@ -87,10 +87,9 @@ def test_the_rollback_is_in_tensorboard_and_in_later_checkpoints(spiked_run):
     events = EventAccumulator(str(spiked_run / "tb"))
     events.Reload()
     assert [e.value for e in events.Scalars("rollback_to_step")] == [6.0]
-    saved = torch.zeros(1, 2, dtype=torch.int64)
-    state = {"train": {"skipped_samples": saved}}
+    state = {"data": {"skipped": []}}
     dcp.load(state, checkpoint_id=str(spiked_run / "checkpoints" / "step-12"), no_dist=True)
-    assert saved.tolist() == [[48, 80]]
+    assert state["data"]["skipped"] == [(48, 80)]
 
 
 def test_a_restart_right_after_a_rollback_skips_the_same_data(

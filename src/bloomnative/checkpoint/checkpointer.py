@@ -11,14 +11,19 @@ before a resume the ranks split the record's files and verify them. A checkpoint
 never loaded and never deleted: it is renamed step-<N>.corrupt and reported. Rotation
 (`keep_latest_k`) always keeps the newest checkpoint that has verified.
 
-Model and optimizer state are saved under canonical fully qualified parameter names through
-DCP's state-dict API (the tied head is stored once, as the embedding), so a checkpoint does not
-depend on the parallel layout that wrote it and loads under any other.
+What a checkpoint holds is the composition of its components' states (torchtitan's `Stateful`
+pattern): each component (the model, the optimizer, the data loader, the learning-rate clock,
+...) has `state_dict`/`load_state_dict`, and its entries are saved under its name
+(`<name>.<key>`); `load_components` gives each component back what it saved. Model and optimizer
+state are saved under canonical fully qualified parameter names through DCP's state-dict API (the
+tied head is stored once, as the embedding), so a checkpoint does not depend on the parallel
+layout that wrote it and loads under any other.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from bloomnative.checkpoint.integrity import (
@@ -49,8 +55,9 @@ from bloomnative.checkpoint.integrity import (
     verify_files,
     write_record,
 )
+from bloomnative.checkpoint.legacy import legacy_states
 from bloomnative.log import get_logger
-from bloomnative.model.state import canonical_key, owns_head_copy
+from bloomnative.model.state import canonical_key, load_model_state, model_state, owns_head_copy
 
 _log = get_logger(__name__)
 
@@ -89,18 +96,49 @@ def load_optimizer_state(parts: list[nn.Module], optimizers: list, state: dict) 
         set_optimizer_state_dict(part, opt, optim_state_dict=sd, options=_OPTIM_OPTIONS)
 
 
-def rng_state() -> dict[str, torch.Tensor]:
-    """This rank's RNG states, keyed by rank (restored only under the same world size)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    state = {f"cpu.rank{rank}": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state[f"cuda.rank{rank}"] = torch.cuda.get_rng_state()
-    return state
+class ModelState:
+    """The weights of this rank's model parts (whole model or pipeline stages), as a component
+    of a checkpoint."""
+
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return model_state(self.parts)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_model_state(self.parts, state)
 
 
-def restore_rng_state(state: dict[str, torch.Tensor]) -> None:
-    for key, value in state.items():
-        (torch.set_rng_state if key.startswith("cpu.") else torch.cuda.set_rng_state)(value)
+class OptimizerState:
+    """The optimizers of this rank's model parts, as a component of a checkpoint."""
+
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+        self.parts, self.optimizers = parts, optimizers
+
+    def state_dict(self) -> dict:
+        return optimizer_state(self.parts, self.optimizers)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_optimizer_state(self.parts, self.optimizers, state)
+
+
+class RNGState:
+    """This rank's RNG states, keyed by rank: restored only when a checkpoint holds every one of
+    this rank's keys (the same rank existed when it was saved)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        state = {f"cpu.rank{rank}": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state[f"cuda.rank{rank}"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state.keys() != self.state_dict().keys():
+            return
+        for key, value in state.items():
+            (torch.set_rng_state if key.startswith("cpu.") else torch.cuda.set_rng_state)(value)
 
 
 def saved_shapes(path: Path) -> dict[str, torch.Size | None]:
@@ -114,9 +152,34 @@ def is_model_only(path: Path) -> bool:
     return not any(k.startswith("optimizer.") for k in saved_shapes(path))
 
 
-def load(path: Path, state: dict) -> None:
-    """Fills `state` in place from the checkpoint at `path`."""
-    dcp.load(state, checkpoint_id=str(path))
+def load_components(
+    path: Path, components: Mapping[str, Stateful], complete: Collection[str] = ()
+) -> None:
+    """Loads every component from the checkpoint at `path` in one read. Each component asks for
+    the entries of its `state_dict()`; the components named in `complete` must find all of them
+    (a missing or reshaped weight is an error). The others get what the checkpoint holds in the
+    shape they ask for, and their `load_state_dict` decides what a missing entry means (a
+    checkpoint from before a component saved something, or with spike detection off). A
+    checkpoint in the format of before components owned their state is read through
+    `checkpoint.legacy`."""
+    saved = saved_shapes(path)
+    request = {}
+    for name, component in components.items():
+        state = component.state_dict()
+        if name not in complete:
+            state = {k: v for k, v in state.items() if _holds(saved, f"{name}.{k}", v)}
+        request[name] = state
+    dcp.load(request, checkpoint_id=str(path))
+    legacy = legacy_states(path, saved)
+    for name, component in components.items():
+        component.load_state_dict({**legacy.get(name, {}), **request[name]})
+
+
+def _holds(saved: dict[str, torch.Size | None], key: str, value: object) -> bool:
+    """Whether the checkpoint has `key` in `value`'s global shape (both not tensors, or both
+    tensors of one shape)."""
+    shape = value.shape if isinstance(value, torch.Tensor) else None
+    return key in saved and saved[key] == shape
 
 
 def local_bytes(state: dict) -> int:

@@ -12,7 +12,7 @@ From raw text to batches::
     loader = PretrainingLoader(train, micro_batch_size=2, dp_rank=dp_rank, dp_size=dp_size)
     for input_ids, labels in loader.next_batch(global_batch_size):
         ...
-    state = loader.state_dict()   # {"consumed_samples": n}; load_state_dict(state) resumes
+    state = loader.state_dict()   # {"consumed_samples": n, "skipped": []}; load_state_dict resumes
 
 (The same blend as one string: ``"0.7 data/docs_text_document 0.3 data/code_text_document"``.)
 

@@ -2,9 +2,10 @@
 
 Step ``s`` consumes the next ``global_batch_size`` samples of the dataset's order; data-parallel
 rank ``r`` of ``D`` takes the contiguous ``r``-th ``1/D`` of them, cut into micro batches. The
-samples of a step therefore do not depend on the DP degree, and the whole state is one number,
-``consumed_samples``, that goes into checkpoints: a run resumed on another number of ranks
-continues with exactly the batches the uninterrupted run would have seen.
+samples of a step therefore do not depend on the DP degree, and the state is one number,
+``consumed_samples`` (with the skipped windows below), that goes into checkpoints: a run resumed
+on another number of ranks continues with exactly the batches the uninterrupted run would have
+seen.
 
 A loss-spike rollback adds windows of the order to skip (``skip``): sample ``k`` is then the
 ``k``-th position of the order outside every window, and the windows go into checkpoints too.
@@ -100,15 +101,12 @@ class PretrainingLoader:
         ]
 
     def state_dict(self) -> dict:
-        """The number of samples served and the skipped windows, if any (the same on every
-        rank)."""
-        state: dict = {"consumed_samples": self.consumed_samples}
-        if self.skipped:
-            state["skipped"] = list(self.skipped)
-        return state
+        """The number of samples served and the skipped windows (the same on every rank)."""
+        return {"consumed_samples": self.consumed_samples, "skipped": list(self.skipped)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a saved position; a prefetched batch for another position is dropped."""
+        """Continue from a saved position (its windows, if it has any); a prefetched batch for
+        another position is dropped."""
         self.consumed_samples = int(state["consumed_samples"])
         self.skipped = []
         for start, end in state.get("skipped", []):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def rampup_batch_size(
     consumed_samples: int,
@@ -39,3 +41,22 @@ def rampup_sizes(start: int, increment: int, global_batch_size: int) -> list[int
     """Every global batch size a rampup steps through: start, start + increment, ...,
     global_batch_size."""
     return list(range(start, global_batch_size + 1, increment))
+
+
+@dataclass(frozen=True)
+class BatchSizeSchedule:
+    """The global batch size of every step, as a function of the samples consumed before it:
+    `global_batch_size` throughout, or Megatron's rampup to it."""
+
+    global_batch_size: int
+    rampup: tuple[int, int, int] | None = None
+    """(start, increment, samples), as `training.rampup_batch_size` gives them; None: no rampup."""
+
+    def __call__(self, consumed_samples: int) -> int:
+        """The global batch size of the step that begins after `consumed_samples` samples."""
+        if self.rampup is None:
+            return self.global_batch_size
+        start, increment, samples = self.rampup
+        return rampup_batch_size(
+            consumed_samples, start, increment, samples, self.global_batch_size
+        )

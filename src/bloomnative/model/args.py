@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass
-from typing import Literal
 
-AttentionBackend = Literal["sdpa", "flex", "triton"]
-ATTENTION_BACKENDS: tuple[str, ...] = typing.get_args(AttentionBackend)
+from bloomnative.model.attention import ATTENTION_BACKENDS, TRAITS, AttentionBackend, backends_with
 
 
 @dataclass
@@ -55,10 +52,11 @@ class BloomArgs:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
-        if self.attention == "flex" and self.attention_dropout:
+        if self.attention_dropout and not TRAITS[self.attention].dropout:
+            choices = " or ".join(repr(name) for name in backends_with("dropout"))
             raise ValueError(
-                f"attention_dropout={self.attention_dropout} needs attention 'sdpa' or 'triton': "
-                "FlexAttention has no dropout"
+                f"attention_dropout={self.attention_dropout} needs attention {choices}: "
+                f"{TRAITS[self.attention].title} has no dropout"
             )
 
     @property

@@ -8,13 +8,22 @@ tensor-parallel ranks) decides the masks.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from bloomnative.kernels import flash_alibi_attention, flex_alibi_attention
 from bloomnative.model.alibi import alibi_causal_bias
+
+AttentionBackend = Literal["sdpa", "flex", "triton"]
+ATTENTION_BACKENDS: tuple[str, ...] = typing.get_args(AttentionBackend)
+PORTABLE_BACKEND: AttentionBackend = "sdpa"
+"""The backend that runs forward and backward on every device: what `model.attention = "auto"`
+stands for where nothing is timed (on CPU, and for checks and plans made before a run starts)."""
 
 AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
@@ -46,7 +55,8 @@ def _triton_attention(q, k, v, slopes, dropout_p=0.0):
 
 def _flex_attention(q, k, v, slopes, dropout_p=0.0):
     if dropout_p:
-        raise ValueError("the flex attention backend has no dropout; use sdpa or triton")
+        choices = " or ".join(backends_with("dropout"))
+        raise ValueError(f"the flex attention backend has no dropout; use {choices}")
     return flex_alibi_attention(q, k, v, slopes, causal=True)
 
 
@@ -55,6 +65,38 @@ _BACKENDS: dict[str, AttentionFn] = {
     "triton": _triton_attention,
     "flex": _flex_attention,
 }
+
+
+@dataclass(frozen=True)
+class BackendTraits:
+    """What an attention backend supports besides computing attention: every module that has
+    to know (model arguments, the layout checks, context parallelism, "auto") asks here."""
+
+    title: str
+    """What the backend is, for messages."""
+    dropout: bool
+    """Dropout on the attention probabilities (model.attention_dropout)."""
+    context_parallel: bool
+    """A ring form over context-parallel ranks (parallel/context_parallel.py's block functions)."""
+    cpu_backward: bool
+    """A backward pass on CPU (FlexAttention compiles its backward for GPUs only)."""
+
+
+TRAITS: dict[str, BackendTraits] = {
+    "sdpa": BackendTraits("SDPA", dropout=True, context_parallel=True, cpu_backward=True),
+    # On CPU the kernels run in Triton's interpreter or as their torch references.
+    "triton": BackendTraits(
+        "the Triton flash kernel", dropout=True, context_parallel=True, cpu_backward=True
+    ),
+    "flex": BackendTraits(
+        "FlexAttention", dropout=False, context_parallel=False, cpu_backward=False
+    ),
+}
+
+
+def backends_with(trait: str) -> tuple[str, ...]:
+    """The backends that support `trait` (a field of BackendTraits), in ATTENTION_BACKENDS order."""
+    return tuple(name for name in ATTENTION_BACKENDS if getattr(TRAITS[name], trait))
 
 
 def attention_backend(name: str) -> AttentionFn:

@@ -45,8 +45,9 @@ from bloomnative.kernels import (
 )
 from bloomnative.model import Bloom, BloomAttention
 
-# The attention backends that have a ring form, and the block functions each uses: the Triton
-# kernels, or torch ops with an explicit bias block for the portable "sdpa" backend.
+# The block functions of each attention backend with a ring form (those model.attention.TRAITS
+# marks context_parallel): the Triton kernels, or torch ops with an explicit bias block for the
+# portable "sdpa" backend.
 BLOCK_FUNCTIONS: dict[str, tuple[Callable, Callable]] = {
     "triton": (flash_alibi_attention_block, flash_alibi_attention_block_backward),
     "sdpa": (alibi_attention_block_reference, alibi_attention_block_backward_reference),

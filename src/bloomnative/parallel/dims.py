@@ -8,6 +8,8 @@ from functools import cached_property
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from bloomnative.config import ParallelismConfig
+
 
 class LayoutError(ValueError):
     """An impossible parallel layout, described with what to change."""
@@ -30,30 +32,42 @@ class ParallelDims:
     cp: int = 1
 
     @classmethod
-    def resolve(
-        cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int, cp: int = 1
-    ):
-        """Fills dp_shard = -1 with what is left of the world size and checks the product."""
-        for name, value in (("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp), ("pp", pp)):
-            if value < 1:
-                raise LayoutError(f"parallelism.{name} must be >= 1, got {value}")
-        fixed = dp_replicate * cp * tp * pp
+    def from_config(cls, par: ParallelismConfig, world_size: int) -> ParallelDims:
+        """The degrees of a [parallelism] section on `world_size` processes: dp_shard = -1
+        filled with what is left of the world size, the product checked."""
+        for name in ("dp_replicate", "cp", "tp", "pp"):
+            if getattr(par, name) < 1:
+                raise LayoutError(f"parallelism.{name} must be >= 1, got {getattr(par, name)}")
+        fixed = par.dp_replicate * par.cp * par.tp * par.pp
+        dp_shard = par.dp_shard
         if dp_shard == -1:
             if world_size % fixed:
                 raise LayoutError(
                     f"world size {world_size} is not divisible by dp_replicate*cp*tp*pp = "
-                    f"{dp_replicate}*{cp}*{tp}*{pp} = {fixed}; change NPROC or the degrees"
+                    f"{par.dp_replicate}*{par.cp}*{par.tp}*{par.pp} = {fixed}; change NPROC or "
+                    "the degrees"
                 )
             dp_shard = world_size // fixed
         if dp_shard < 1:
             raise LayoutError(f"parallelism.dp_shard must be >= 1 or -1, got {dp_shard}")
         if fixed * dp_shard != world_size:
             raise LayoutError(
-                f"dp_replicate*dp_shard*cp*tp*pp = {dp_replicate}*{dp_shard}*{cp}*{tp}*{pp} = "
+                f"dp_replicate*dp_shard*cp*tp*pp = {par.dp_replicate}*{dp_shard}*{par.cp}*"
+                f"{par.tp}*{par.pp} = "
                 f"{fixed * dp_shard} but the world size is {world_size}; make the product equal "
                 f"NPROC x nodes (or set parallelism.dp_shard = -1)"
             )
-        return cls(dp_replicate, dp_shard, tp, pp, world_size, cp)
+        return cls(par.dp_replicate, dp_shard, par.tp, par.pp, world_size, par.cp)
+
+    @classmethod
+    def resolve(
+        cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int, cp: int = 1
+    ) -> ParallelDims:
+        """`from_config` from the degrees one by one. Kept only for the memory planner's
+        `layout_from_config` until the planner builds its layout from a ResolvedRun
+        (train/run.py)."""
+        par = ParallelismConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
+        return cls.from_config(par, world_size)
 
     @property
     def dp(self) -> int:

@@ -33,6 +33,10 @@ from pathlib import Path
 
 import torch
 
+from bloomnative.log import get_logger
+from bloomnative.model.attention import PORTABLE_BACKEND, TRAITS
+
+_log = get_logger(__name__)
 CANDIDATES = ("triton", "flex", "sdpa")
 CACHE_FILE = "attention_choice.json"
 
@@ -147,14 +151,14 @@ def choose_attention(
     dump_folder: Path,
     timer: Timer,
     environment: Callable[[], dict] = _environment,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = _log.info,
 ) -> str:
     """The backend "auto" resolves to (module docstring): "sdpa" without timing unless
     ``timed`` (a GPU), else the fastest candidate ``timer(name, shape)`` (milliseconds) times;
     ``environment()`` names what the times depend on besides the shape."""
     if not timed:
-        log('model.attention = "auto" on CPU: "sdpa" (the portable path)')
-        return "sdpa"
+        log(f'model.attention = "auto" on CPU: "{PORTABLE_BACKEND}" (the portable path)')
+        return PORTABLE_BACKEND
     key = {"shape": asdict(shape), **environment()}
     cache = dump_folder / CACHE_FILE
     if cache.is_file():
@@ -167,8 +171,8 @@ def choose_attention(
             return saved["choice"]
     times: dict[str, float] = {}
     excluded: dict[str, str] = {}
-    # FlexAttention has no dropout: with attention dropout it is no candidate.
-    candidates = [n for n in CANDIDATES if not (shape.dropout_p and n == "flex")]
+    # With attention dropout, a backend without dropout is no candidate.
+    candidates = [n for n in CANDIDATES if TRAITS[n].dropout or not shape.dropout_p]
     mode = "compiled" if shape.compiled else "eager"
     for name in candidates:
         try:
@@ -194,11 +198,11 @@ def choose_attention(
     return choice
 
 
-def context_parallel_attention(device: torch.device, log: Callable[[str], None] = print) -> str:
+def context_parallel_attention(device_type: str, log: Callable[[str], None] = _log.info) -> str:
     """What "auto" means with parallelism.cp > 1, without timing: the ring runs the Triton
     kernels' blocks on a GPU ("flex" has no ring form; "sdpa"'s materialises each block's
-    scores) and the portable "sdpa" blocks on CPU."""
-    choice = "triton" if device.type == "cuda" else "sdpa"
+    scores) and the portable blocks on CPU."""
+    choice = "triton" if device_type == "cuda" else PORTABLE_BACKEND
     log(f'model.attention = "auto" with context parallelism: "{choice}"')
     return choice
 
@@ -210,7 +214,7 @@ def resolve_auto_attention(
     rank: int,
     world_size: int,
     collective_timeout_s: float,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = _log.info,
 ) -> str:
     """:func:`choose_attention` on rank 0, the choice broadcast to every rank (they must agree:
     a pipeline or tensor-parallel peer with another kernel would still be correct, but slower

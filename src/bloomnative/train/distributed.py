@@ -12,21 +12,13 @@ import torch
 import torch.distributed as dist
 
 
-def pick_device(requested: str) -> torch.device:
-    """ "auto": this rank's CUDA device when CUDA is present, else the CPU."""
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("job.device = 'cuda' but no CUDA device is available")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
-
-
 def init_distributed(device: torch.device, timeout_s: int) -> tuple[int, int]:
-    """Initialises the default process group (nccl on GPU, gloo on CPU) and returns
-    (rank, world_size). Without torchrun (no WORLD_SIZE in the environment) it is a world of one
-    on an in-memory store: no port is opened."""
+    """Makes `device` this process's CUDA device (when it is one), initialises the default
+    process group (nccl on GPU, gloo on CPU) and returns (rank, world_size). Without torchrun (no
+    WORLD_SIZE in the environment) it is a world of one on an in-memory store: no port is
+    opened."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)

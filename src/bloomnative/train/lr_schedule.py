@@ -64,3 +64,26 @@ class LRSchedule:
             return decayed
         warm = self.lr * t / self.warmup_samples
         return torch.where(t <= self.warmup_samples, warm, decayed)
+
+
+class LRClock:
+    """The schedule's clock: samples of the applied steps (a skipped step does not count), kept
+    on the device because only the device knows whether a step was skipped."""
+
+    def __init__(self, schedule: LRSchedule, device: torch.device):
+        self.schedule = schedule
+        self.applied_samples = torch.zeros((), dtype=torch.int64, device=device)
+
+    def lr(self) -> torch.Tensor:
+        """The learning rate of the next step (a 0-d float64 tensor on the device)."""
+        return self.schedule(self.applied_samples)
+
+    def advance(self, applied: torch.Tensor, samples: int) -> None:
+        """Counts a step of `samples` samples if `applied` (a 0-d 0/1 tensor on the device)."""
+        self.applied_samples += applied * samples
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"applied_samples": self.applied_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.applied_samples.fill_(int(state["applied_samples"]))

@@ -8,10 +8,13 @@ import traceback
 
 from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.data import IndexedDatasetError
+from bloomnative.log import get_logger
 from bloomnative.parallel import LayoutError
 from bloomnative.planner import PlanError
 from bloomnative.train.distributed import exit_process
 from bloomnative.train.faults import catch_stop_signals
+
+_log = get_logger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,11 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 def print_sample(config: Config) -> None:
     """The end-of-training sample, read back from the final checkpoint (whatever the layout)."""
     if not config.checkpoint.enable:
-        print(
-            "[bloomnative] no sample: it is read from the final checkpoint and "
-            "checkpoint.enable = false",
-            flush=True,
-        )
+        _log.info("no sample: it is read from the final checkpoint and checkpoint.enable = false")
         return
     from bloomnative.generate import print_final_sample
 

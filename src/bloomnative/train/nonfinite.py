@@ -59,9 +59,12 @@ class NonFiniteGuard:
         """Steps skipped since the start of the run (resumes included)."""
         return int(self._skipped.item())
 
-    def load(self, skipped: int) -> None:
-        """Continues the count of a resumed run."""
-        self._skipped.fill_(skipped)
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The count of skipped steps, which a resumed run continues."""
+        return {"skipped": self._skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._skipped.fill_(int(state["skipped"]))
 
     def check(self, step: int) -> None:
         """Raises NonFiniteError if `limit` or more consecutive steps have been skipped."""

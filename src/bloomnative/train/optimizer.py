@@ -34,11 +34,21 @@ def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig, device: torch.device):
-    """torch.optim.AdamW; the fused kernel on CUDA, the foreach one elsewhere (by default)."""
+def adamw_implementation(requested: str, device_type: str) -> str:
+    """The AdamW kernel optimizer.implementation stands for: "auto" is the fused kernel on CUDA
+    (no temporaries, and it skips a non-finite step on the device: train/nonfinite.py) and the
+    foreach one elsewhere."""
+    if requested != "auto":
+        return requested
+    return "fused" if device_type == "cuda" else "foreach"
+
+
+def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """torch.optim.AdamW with the kernel `cfg.implementation` names, which must be resolved
+    (`adamw_implementation`; train/run.py resolves it for the trainer)."""
     impl = cfg.implementation
     if impl == "auto":
-        impl = "fused" if device.type == "cuda" else "foreach"
+        raise ValueError('optimizer.implementation = "auto" must be resolved before building')
     return torch.optim.AdamW(
         param_groups(parts, cfg.weight_decay),
         lr=cfg.lr,

@@ -11,11 +11,17 @@ import sys
 import time
 from pathlib import Path
 
-from bloomnative.config import Config, ConfigError, model_args_from_config, parse_args
+import torch
+
+from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.data import IndexedDatasetError
+from bloomnative.device import pick_device
+from bloomnative.log import get_logger, setup_logging
 from bloomnative.model import BloomArgs
-from bloomnative.parallel import LayoutError, ParallelDims
-from bloomnative.parallel.layout_check import check_layout
+from bloomnative.parallel import LayoutError
+from bloomnative.train.run import ResolvedRun, resolve_run
+
+_log = get_logger(__name__)
 
 
 def check_data_files(config: Config) -> None:
@@ -30,31 +36,6 @@ def check_data_files(config: Config) -> None:
                     f"data.blend: {path} does not exist (prefix {entry.prefix!r}); make it with "
                     f"tools/preprocess_data.py or fix the path"
                 )
-
-
-def eod_mask_id(config: Config) -> int | None:
-    """The token whose positions carry no loss: with `data.eod_mask_loss`, the EOD of
-    `data.tokenizer` (named by `data.eod_token`, else found as preprocessing finds it); else
-    None."""
-    data = config.data
-    if not data.eod_mask_loss:
-        return None
-    from bloomnative.data import load_tokenizer
-
-    try:
-        eod = load_tokenizer(data.tokenizer, data.eod_token or None).eod_id
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"data.eod_mask_loss needs the EOD token of data.tokenizer (data.eod_token names "
-            f"it; empty: found as preprocessing finds it): {e}"
-        ) from e
-    vocab = model_args_from_config(config.model).vocab_size
-    if eod >= vocab:
-        raise ConfigError(
-            f"data.tokenizer {data.tokenizer}: its EOD id {eod} is outside the model's "
-            f"vocabulary of {vocab} (model.vocab_size); use the tokenizer the data was made with"
-        )
-    return eod
 
 
 def check_data(config: Config, args: BloomArgs) -> str:
@@ -84,36 +65,13 @@ def check_data(config: Config, args: BloomArgs) -> str:
     )
 
 
-def check_run(config: Config, world_size: int) -> tuple[ParallelDims, BloomArgs]:
-    """Resolves and checks the layout for `world_size`; returns it with the model shape."""
-    par = config.parallelism
-    dims = ParallelDims.resolve(par.dp_replicate, par.dp_shard, par.tp, par.pp, world_size, par.cp)
-    args = model_args_from_config(config.model)
-    check_layout(dims, args, par, config.training, config.model.fused_loss, config.validation)
+def check_run(config: Config, world_size: int, device: torch.device | str = "cpu") -> ResolvedRun:
+    """The run resolved for `world_size` processes on `device` (train/run.py: the layout
+    checked, "auto" recomputation planned against this machine's devices), and its data files
+    present."""
+    run = resolve_run(config, world_size, device)
     check_data_files(config)
-    return dims, args
-
-
-def check_auto_recompute(config: Config, args: BloomArgs, world_size: int) -> str | None:
-    """With activation_checkpoint.mode = "auto" and a known budget (memory_budget_gib, or this
-    node's CUDA devices), the planner's choice; raises PlanError when nothing fits, so that is
-    reported before launch. The trainer makes the choice again over the job's devices."""
-    import torch
-
-    from bloomnative.planner import auto_recompute
-
-    on_cuda = config.job.device != "cpu" and torch.cuda.is_available()
-    choice = auto_recompute(
-        config,
-        args,
-        world_size,
-        "cuda" if on_cuda else "cpu",
-        lambda: min(
-            torch.cuda.get_device_properties(i).total_memory
-            for i in range(torch.cuda.device_count())
-        ),
-    )
-    return choice.describe() if choice else None
+    return run
 
 
 def main(argv: list[str]) -> int:
@@ -125,24 +83,23 @@ def main(argv: list[str]) -> int:
             value, argv = argv[0], argv[1:]
         world_size = int(value)
     try:
+        setup_logging(all_to_stderr=True)
         config = parse_args(argv)
-        dims, args = check_run(config, world_size)
-        eod_mask_id(config)
-        recompute = check_auto_recompute(config, args, world_size)
-        data = check_data(config, args)
+        run = check_run(config, world_size, pick_device(config.job.device))
+        data = check_data(config, run.model_args)
     except IndexedDatasetError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
     except (ConfigError, LayoutError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    print(
-        f"[bloomnative] preflight ok: {config.model.preset} ({args.num_params() / 1e6:.1f}M "
-        f"parameters), layout {dims.summary}, data: {data}",
-        file=sys.stderr,
+    params = run.model_args.num_params()
+    _log.info(
+        f"preflight ok: {config.model.preset} ({params / 1e6:.1f}M parameters), "
+        f"layout {run.dims.summary}, data: {data}"
     )
-    if recompute:
-        print(f"[bloomnative] preflight: {recompute}", file=sys.stderr)
+    if run.recompute:
+        _log.info(f"preflight: {run.recompute.describe()}")
     return 0
 
 

@@ -3,12 +3,12 @@
 `SpikeDetector` watches every step on the device (no host sync): a step is a spike step when its
 loss exceeds `loss_factor` x the mean loss of the last `window` healthy steps, when its gradient
 norm exceeds `grad_norm_factor` x their median gradient norm, or when either is not finite. After
-`consecutive_steps` spike steps in a row the detector fires. `SpikeRecovery` reads it at log
-steps and before checkpoints, restores the trainer to the newest verified checkpoint from before
-the first spike step, skips the data trained on since that checkpoint plus `skip_steps` more
-batches, and training continues. `RollbackLog` records each rollback in <checkpoint
-folder>/rollbacks.json as soon as it is made, so a restart before the next checkpoint skips the
-same data.
+`consecutive_steps` spike steps in a row the detector fires. The trainer reads it at log steps
+and before checkpoints and rolls back (`Trainer.roll_back`): it restores the newest verified
+checkpoint from before the first spike step, skips the data trained on since that checkpoint
+plus `skip_steps` more batches, and training continues. `RollbackLog` records each rollback in
+<checkpoint folder>/rollbacks.json as soon as it is made, so a restart before the next
+checkpoint skips the same data.
 """
 
 from __future__ import annotations
@@ -17,16 +17,12 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from bloomnative.checkpoint.integrity import write_json_durably
 from bloomnative.config import CheckpointConfig, SpikesConfig
-
-if TYPE_CHECKING:
-    from bloomnative.train.trainer import Trainer
 
 
 class SpikeError(RuntimeError):
@@ -126,17 +122,19 @@ class SpikeDetector:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self._STATE}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor] | None) -> None:
-        """Continues from a checkpoint's detector state; None (a checkpoint saved without
-        spike detection) starts afresh. Either way nothing has fired."""
-        if state is None:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Continues from a checkpoint's detector state. A state without every entry in this
+        detector's shapes (a checkpoint saved without spike detection, or with another
+        `window`) starts afresh. Either way nothing has fired."""
+        mine = self.state_dict()
+        if all(name in state and state[name].shape == t.shape for name, t in mine.items()):
+            for name in self._STATE:
+                getattr(self, name).copy_(state[name])
+        else:
             self.loss_history.fill_(float("nan"))
             self.grad_norm_history.fill_(float("nan"))
             for name in ("healthy_steps", "run", "run_start"):
                 getattr(self, name).zero_()
-        else:
-            for name in self._STATE:
-                getattr(self, name).copy_(state[name])
         self._fired.fill_(-1.0)
 
 
@@ -167,104 +165,6 @@ class RollbackLog:
         self.rollbacks.append(rollback)
         if self.writer:
             write_json_durably(self.path, {"rollbacks": [asdict(r) for r in self.rollbacks]})
-
-
-class SpikeRecovery:
-    """The trainer's loss-spike recovery: its detector (None while it is off), its rollback log
-    (kept whether it is on or not: earlier rollbacks' windows apply to every resume) and the
-    rollback itself."""
-
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
-        config = trainer.config
-        self.cfg = config.spikes
-        self.log = RollbackLog(trainer.ckpt_folder / "rollbacks.json", trainer.rank == 0)
-        self.detector = None
-        if recovers_spikes(config.spikes, config.checkpoint):
-            self.detector = SpikeDetector(config.spikes, trainer.device)
-        elif config.spikes.enable and trainer.rank == 0:
-            print("[bloomnative] spikes.enable is ignored: checkpoint.enable = false", flush=True)
-
-    def state_dict(self) -> dict:
-        """The detector's part of a checkpoint."""
-        return {"spikes": self.detector.state_dict()} if self.detector else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """From a checkpoint's state as loaded (its "spikes" entry is absent when the checkpoint
-        has none of the detector's shape)."""
-        if self.detector:
-            self.detector.load_state_dict(state.get("spikes"))
-
-    def rolled_back(self, loss: torch.Tensor, grad_norm: torch.Tensor, read_now: bool) -> bool:
-        """Feeds the step's global loss and gradient norm to the detector; when `read_now` (log
-        and checkpoint steps, where the host reads the device anyway) rolls back if it fired."""
-        self.detector.observe(self.trainer.step, loss, grad_norm)
-        if not read_now:
-            return False
-        trigger = self.detector.fired()
-        if trigger is None:
-            return False
-        self._roll_back(trigger)
-        return True
-
-    def _roll_back(self, trigger: Trigger) -> None:
-        """Restores the newest verified checkpoint from before the spike and skips the data
-        trained on since it, plus skip_steps batches; records the rollback."""
-        t, cfg = self.trainer, self.cfg
-        what = f"loss spike detected at step {t.step} ({trigger.describe(cfg)})"
-        done = self.log.rollbacks
-        if len(done) >= cfg.max_rollbacks:
-            raise SpikeError(
-                f"{what}, but spikes.max_rollbacks = {cfg.max_rollbacks} rollbacks have been "
-                f"made already (at steps {[r.step for r in done]}); giving up: lower the "
-                "learning rate, inspect the data, or raise spikes.max_rollbacks"
-            )
-        t.checkpointer.wait()
-        restored = t.checkpointer.newest_verified(before=trigger.first_step)
-        if restored is None:
-            raise SpikeError(
-                f"{what}, but no checkpoint from before step {trigger.first_step} verifies in "
-                f"{t.ckpt_folder}, so there is nothing to roll back to"
-            )
-        t.checkpointer.set_aside_after(restored, "rolled-back")
-        detected_step = t.step
-        spike_end = t.train_loader.position(t.consumed_samples)
-        skip = cfg.skip_steps * t.global_batch_size()
-        t.load_training_state(t.checkpointer.path(restored))
-        window = (t.train_loader.position(t.consumed_samples), spike_end + skip)
-        t.train_loader.skip(*window)
-        self._check_data_left(what)
-        rollback = Rollback(detected_step, trigger.first_step, restored, what, window)
-        self.log.add(rollback)
-        t.metrics.log(
-            {
-                "step": detected_step,
-                "rollback": len(self.log.rollbacks),
-                "rollback_to_step": restored,
-                "rollback_trigger": what,
-                "skipped_samples": list(window),
-                "skipped_sample_count": window[1] - window[0],
-            }
-        )
-        if t.rank == 0:
-            print(
-                f"[bloomnative] {what}: rolled back to step {restored}, skipping samples "
-                f"[{window[0]}, {window[1]}) of the training order",
-                flush=True,
-            )
-
-    def _check_data_left(self, what: str) -> None:
-        """After a skip: the training split must still hold the data of every remaining step."""
-        t = self.trainer
-        steps, gbs = t.config.training.steps, t.config.training.global_batch_size
-        last = t.train_loader.position(t.consumed_samples + (steps - t.step) * gbs - 1)
-        if last >= len(t.train_loader.dataset):
-            raise SpikeError(
-                f"{what}: after skipping {t.train_loader.skipped} the remaining "
-                f"{steps - t.step} steps need the training order up to position {last}, but it "
-                f"has {len(t.train_loader.dataset)} samples; lower spikes.skip_steps or restart "
-                "(the index is sized for spikes.max_rollbacks windows)"
-            )
 
 
 def recovers_spikes(cfg: SpikesConfig, checkpoint: CheckpointConfig) -> bool:

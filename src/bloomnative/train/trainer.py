@@ -11,12 +11,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from bloomnative.checkpoint import checkpointer as ckpt
-from bloomnative.config import Config, model_args_from_config
-from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
+from bloomnative.config import Config
+from bloomnative.data import PretrainingLoader, build_gpt_datasets
+from bloomnative.device import pick_device
+from bloomnative.log import get_logger
 from bloomnative.model import Bloom
 from bloomnative.model.state import load_model_state, model_state
 from bloomnative.parallel import clip_grad_norm_, init_weights
@@ -32,18 +35,9 @@ from bloomnative.parallel.pipeline import (
     pipeline_forward_loss,
     split_for_pipeline,
 )
-from bloomnative.planner import (
-    RecomputeChoice,
-    auto_recompute,
-    compiles_the_loss,
-    with_recompute,
-)
-from bloomnative.train.attention_choice import (
-    AttentionShape,
-    context_parallel_attention,
-    resolve_auto_attention,
-)
-from bloomnative.train.distributed import init_distributed, pick_device
+from bloomnative.planner import compiles_the_loss
+from bloomnative.train.attention_choice import resolve_auto_attention
+from bloomnative.train.distributed import init_distributed
 from bloomnative.train.faults import StopRequest
 from bloomnative.train.loss import (
     LossFn,
@@ -54,29 +48,60 @@ from bloomnative.train.loss import (
     sum_over_ranks,
     token_mean,
 )
-from bloomnative.train.lr_schedule import LRSchedule
+from bloomnative.train.lr_schedule import LRClock, LRSchedule
 from bloomnative.train.matmul_precision import apply_tf32
 from bloomnative.train.metrics import MetricsLogger, PeakMemory, Throughput, device_peak_tflops
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
-from bloomnative.train.preflight import check_run, eod_mask_id
+from bloomnative.train.preflight import check_data_files
 from bloomnative.train.profiling import StepProfiler
-from bloomnative.train.spikes import SpikeRecovery, data_reserve
+from bloomnative.train.run import resolve_run
+from bloomnative.train.spikes import (
+    Rollback,
+    RollbackLog,
+    SpikeDetector,
+    SpikeError,
+    Trigger,
+    recovers_spikes,
+)
+
+_log = get_logger(__name__)
 
 
 class Trainer:
+    """Trains the run a config describes, on this process's share of the layout.
+
+    A checkpoint is the composition of its components' states (`_checkpointed`): the model,
+    the optimizers, the trainer's own step (`state_dict`), the data loader, the learning-rate
+    clock, the non-finite guard, the spike detector and the RNG. Subclasses may extend
+    `train_step` and `roll_back` (tests/train/inject_spike.py does).
+    """
+
     def __init__(self, config: Config):
-        self.config = config
-        job, train_cfg = config.job, config.training
+        job = config.job
         self.device = pick_device(job.device)
-        apply_tf32(train_cfg.tf32, self.device)
+        apply_tf32(config.training.tf32, self.device)
         self.rank, self.world_size = init_distributed(self.device, job.collective_timeout_s)
-        par = config.parallelism
-        if config.model.attention == "auto":
-            config.model.attention = self._resolve_auto_attention()
-        self.dims, self.model_args = check_run(config, self.world_size)
-        self.eod_mask_id = eod_mask_id(config)
-        self.recompute_choice = self._resolve_auto_recompute()
+        self.resolved = resolve_run(
+            config,
+            self.world_size,
+            self.device,
+            choose_attention=partial(
+                resolve_auto_attention,
+                device=self.device,
+                dump_folder=Path(job.dump_folder),
+                rank=self.rank,
+                world_size=self.world_size,
+                collective_timeout_s=job.collective_timeout_s,
+                log=_log.info,
+            ),
+            device_memory=lambda: _smallest_device_memory(self.device),
+            log=_log.info,
+        )
+        check_data_files(config)
+        # The run as resolved ("auto" settings replaced by their choice), and its layout.
+        self.config, self.dims = self.resolved.config, self.resolved.dims
+        train_cfg, par = self.config.training, self.config.parallelism
         self.dump = Path(job.dump_folder)
         self.mesh, self.dp_mesh = self.dims.build_mesh(self.device.type)
         self.pp_mesh = self.mesh["pp"]  # sliced once: slicing a mesh is host work on every call
@@ -93,100 +118,56 @@ class Trainer:
             loss_parallel if (self.dims.tp > 1 and par.loss_parallel) else contextlib.nullcontext
         )
 
-        self.optimizers = [
-            build_optimizer([p], config.optimizer, self.device) for p in self.model_parts
-        ]
+        self.optimizers = [build_optimizer([p], self.config.optimizer) for p in self.model_parts]
         self.params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
         self.nonfinite = NonFiniteGuard(self.optimizers, self.device, train_cfg.max_nonfinite_steps)
-        self.lr_schedule = LRSchedule.from_config(
-            config.lr_scheduler, config.optimizer, train_cfg.steps, train_cfg.global_batch_size
-        )
-        # The schedule's clock: samples of the applied steps (a skipped step does not count),
-        # kept on the device because only the device knows whether a step was skipped.
-        self.scheduled_samples = torch.zeros((), dtype=torch.int64, device=self.device)
+        schedule = LRSchedule.from_config(
+            self.config.lr_scheduler, self.config.optimizer, train_cfg.steps,
+            train_cfg.global_batch_size,
+        )  # fmt: skip
+        self.lr_clock = LRClock(schedule, self.device)
         self.interval_losses: list[torch.Tensor] = []  # per step, since the last log row
 
         self._build_data()
         self.step = 0
-        self.consumed_samples = 0
-        self.ckpt_folder = self.dump / config.checkpoint.folder
+        ckpt_cfg = self.config.checkpoint
+        self.ckpt_folder = self.dump / ckpt_cfg.folder
         self.checkpointer = ckpt.Checkpointer(
             self.ckpt_folder,
-            config.checkpoint.keep_latest_k,
-            config.checkpoint.async_mode == "async",
-            config.checkpoint.min_free_gib,
+            ckpt_cfg.keep_latest_k,
+            ckpt_cfg.async_mode == "async",
+            ckpt_cfg.min_free_gib,
         )
-        self.spikes = SpikeRecovery(self)
+        # Kept whether spike detection is on or not: earlier rollbacks' windows apply to every
+        # resume.
+        self.rollback_log = RollbackLog(self.ckpt_folder / "rollbacks.json", self.rank == 0)
+        self.spike_detector = None
+        if recovers_spikes(self.config.spikes, ckpt_cfg):
+            self.spike_detector = SpikeDetector(self.config.spikes, self.device)
+        elif self.config.spikes.enable:
+            _log.info("spikes.enable is ignored: checkpoint.enable = false")
         self._maybe_resume()
 
-        self.metrics = MetricsLogger(self.dump, config.metrics.tensorboard, self.rank == 0)
+        self.metrics = MetricsLogger(self.dump, self.config.metrics.tensorboard, self.rank == 0)
         self.peak_memory = PeakMemory(self.device)
-        peak = device_peak_tflops(self.device, config.metrics.peak_tflops)
-        self.throughput = Throughput(
-            self.model_args.flops_per_token(train_cfg.seq_len), peak, self.world_size
-        )
+        peak = device_peak_tflops(self.device, self.config.metrics.peak_tflops)
+        args = self.resolved.model_args
+        self.throughput = Throughput(args.flops_per_token(train_cfg.seq_len), peak, self.world_size)
         if self.rank == 0:
             self._write_resolved_config()
-            n = self.model_args.num_params()
-            print(
-                f"[bloomnative] {job.name}: {n / 1e6:.1f}M parameters, layout "
+            _log.info(
+                f"{job.name}: {args.num_params() / 1e6:.1f}M parameters, layout "
                 f"{self.dims.summary}, device {self.device}, dtype {train_cfg.dtype}, "
-                f"starting at step {self.step}",
-                flush=True,
+                f"starting at step {self.step}"
             )
 
     # ------------------------------------------------------------------ set-up helpers
-
-    def _resolve_auto_recompute(self) -> RecomputeChoice | None:
-        """activation_checkpoint.mode = "auto": the planner's least recomputation that fits the
-        smallest device of the job (or memory_budget_gib); self.config becomes a resolved copy."""
-        choice = auto_recompute(
-            self.config,
-            self.model_args,
-            self.world_size,
-            self.device.type,
-            lambda: _smallest_device_memory(self.device),
-        )
-        if self.config.activation_checkpoint.mode == "auto":
-            self._say(
-                choice.describe()
-                if choice
-                else 'activation_checkpoint.mode = "auto" on CPU without memory_budget_gib: '
-                "no recomputation"
-            )
-        self.config = with_recompute(self.config, choice)
-        return choice
-
-    def _resolve_auto_attention(self) -> str:
-        """What `model.attention = "auto"` stands for on this run (train.attention_choice)."""
-        cfg = self.config
-        if cfg.parallelism.cp > 1:
-            return context_parallel_attention(self.device, self._say)
-        args = model_args_from_config(cfg.model)
-        shape = AttentionShape(
-            batch=cfg.training.micro_batch_size,
-            heads=args.n_head // max(1, cfg.parallelism.tp),
-            seq_len=cfg.training.seq_len,
-            head_dim=args.head_dim,
-            dtype="bfloat16" if cfg.training.dtype == "bf16" else "float32",
-            dropout_p=cfg.model.attention_dropout,
-            compiled=cfg.compile.enable,
-        )
-        return resolve_auto_attention(
-            shape,
-            self.device,
-            Path(cfg.job.dump_folder),
-            self.rank,
-            self.world_size,
-            cfg.job.collective_timeout_s,
-            self._say,
-        )
 
     def _build_model(self) -> None:
         """Meta model -> pipeline split -> TP / AC / compile / FSDP -> materialise -> init."""
         cfg, par = self.config, self.config.parallelism
         with torch.device("meta"):
-            model = Bloom(self.model_args)
+            model = Bloom(self.resolved.model_args)
         self.pp_rank = self.pp_mesh.get_local_rank()
         placement = split_for_pipeline(
             model,
@@ -221,7 +202,7 @@ class Trainer:
                 part.head_in_loss = True
         # Compiled, the cross-entropy reads the logits in their dtype and keeps them for a
         # one-pass backward, instead of two fp32 [tokens, vocab] copies
-        # (memory_estimate.loss_transient).
+        # (planner.loss_transient).
         self._cross_entropy_sum = (
             torch.compile(cross_entropy_sum)
             if compiles_the_loss(cfg, self.dims.tp)
@@ -257,21 +238,15 @@ class Trainer:
         return fused_head_cross_entropy_sum(output, self.head_part.lm_head.weight, labels)
 
     def _build_data(self) -> None:
-        cfg, t, v = self.config.data, self.config.training, self.config.validation
-        # Loss-spike rollbacks skip data: the index covers the windows they may skip as well.
-        reserve = data_reserve(
-            self.config.spikes, self.config.checkpoint, self.config.metrics.log_freq
-        )
-        max_samples = (t.steps + reserve) * t.global_batch_size
-        valid_samples = max(v.steps * t.global_batch_size, 1) if v.freq else 0
-        cache_dir = cfg.cache_dir or str(self.dump / "data_cache")
+        data, shaping = self.config.data, self.resolved.data
+        seed = self.config.job.seed
         train_ds, valid_ds, _ = build_gpt_datasets(
-            cfg.blend,
-            cfg.split,
-            t.seq_len,
-            self.config.job.seed,
-            (max_samples, valid_samples, 0),
-            cache_dir,
+            data.blend,
+            data.split,
+            shaping.seq_len,
+            seed,
+            (shaping.train_samples, shaping.valid_samples, 0),
+            shaping.cache_dir,
         )
         dp_rank, dp_size = self.dp_mesh.get_local_rank(), self.dims.dp
         shard = None
@@ -280,25 +255,25 @@ class Trainer:
             shard = partial(shard_sequence, cp_rank=cp_rank, cp=self.dims.cp)
         loader = lambda ds: PretrainingLoader(
             ds,
-            t.micro_batch_size,
+            shaping.micro_batch_size,
             dp_rank,
             dp_size,
             self.device,
-            prefetch=cfg.prefetch,
-            eod_mask_id=self.eod_mask_id,
+            prefetch=data.prefetch,
+            eod_mask_id=shaping.eod_mask_id,
             sequence_shard=shard,
         )
         self.train_loader = loader(train_ds)
         self.make_valid_loader = (lambda: loader(valid_ds)) if valid_ds is not None else None
         self.valid_long = None
-        if v.freq and v.seq_len:
+        if shaping.long_seq_len:
             _, long_ds, _ = build_gpt_datasets(
-                cfg.blend,
-                cfg.split,
-                v.seq_len,
-                self.config.job.seed,
-                (1, valid_samples, 0),
-                cache_dir,
+                data.blend,
+                data.split,
+                shaping.long_seq_len,
+                seed,
+                (1, shaping.valid_samples, 0),
+                shaping.cache_dir,
             )
             self.valid_long = lambda: loader(long_ds)
 
@@ -308,26 +283,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _state(self, with_rng: bool = True) -> dict:
-        """Everything a resume needs. The data loader's state is `consumed_samples` (the global
-        sample order does not depend on the layout) and the windows of it that loss-spike
-        rollbacks skipped."""
-        state = {
-            "model": model_state(self.model_parts),
-            "optimizer": ckpt.optimizer_state(self.model_parts, self.optimizers),
-            "train": {
-                "step": torch.tensor(self.step),
-                "consumed_samples": torch.tensor(self.consumed_samples),
-                "nonfinite_skipped": torch.tensor(self.nonfinite.skipped),
-                "scheduled_samples": self.scheduled_samples,
-            },
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trainer's own part of a checkpoint: the step reached."""
+        return {"step": torch.tensor(self.step)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+    def _checkpointed(self) -> dict[str, Stateful]:
+        """What a checkpoint holds, by the key prefix of its entries (docs/checkpointing.md)."""
+        components: dict[str, Stateful] = {
+            "model": ckpt.ModelState(self.model_parts),
+            "optimizer": ckpt.OptimizerState(self.model_parts, self.optimizers),
+            "train": self,
+            "data": self.train_loader,
+            "lr_clock": self.lr_clock,
+            "nonfinite": self.nonfinite,
+            "rng": ckpt.RNGState(),
         }
-        if self.train_loader.skipped:
-            state["train"]["skipped_samples"] = torch.tensor(self.train_loader.skipped)
-        state.update(self.spikes.state_dict())
-        if with_rng:
-            state["rng"] = ckpt.rng_state()
-        return state
+        if self.spike_detector is not None:
+            components["spikes"] = self.spike_detector
+        return components
 
     def _maybe_resume(self) -> None:
         """Resumes from the newest checkpoint that verifies (or `load_step`, which must verify);
@@ -346,61 +322,27 @@ class Trainer:
             return
         path = self.checkpointer.path(step)
         if ckpt.is_model_only(path):
-            state = {"model": model_state(self.model_parts)}
-            ckpt.load(path, state)
-            load_model_state(self.model_parts, state["model"])
-            self._say(f"initial weights from model-only checkpoint {path}")
+            model = {"model": ckpt.ModelState(self.model_parts)}
+            ckpt.load_components(path, model, complete=("model",))
+            _log.info(f"initial weights from model-only checkpoint {path}")
             return
         self.load_training_state(path)
-        self._say(f"resumed from {path} at step {self.step}")
+        _log.info(f"resumed from {path} at step {self.step}")
 
     def load_training_state(self, path: Path) -> None:
-        """Model, optimizer, counters, data position, spike detector and RNG from a verified
-        checkpoint. The skipped data windows are those it saved and those rollbacks.json lists
-        (a rollback is recorded there before any checkpoint holds it)."""
-        state = self._state(with_rng=False)
-        saved = ckpt.saved_shapes(path)
-        # RNG states are per rank: restored only when this rank's key was saved.
-        rng = ckpt.rng_state()
-        if all(f"rng.{key}" in saved for key in rng):
-            state["rng"] = rng
-        clock_saved = "train.scheduled_samples" in saved  # not saved before 2026-11-23
-        if not clock_saved:
-            del state["train"]["scheduled_samples"]
-        state["train"].pop("skipped_samples", None)
-        if "train.skipped_samples" in saved:
-            shape = saved["train.skipped_samples"]
-            state["train"]["skipped_samples"] = torch.zeros(shape, dtype=torch.int64)
-        detector = state.pop("spikes", None)
-        if detector and all(saved.get(f"spikes.{k}") == v.shape for k, v in detector.items()):
-            state["spikes"] = detector
-        ckpt.load(path, state)
-        load_model_state(self.model_parts, state["model"])
-        ckpt.load_optimizer_state(self.model_parts, self.optimizers, state["optimizer"])
-        if "rng" in state:
-            ckpt.restore_rng_state(state["rng"])
-        train = state["train"]
-        self.step = int(train["step"])
-        self.consumed_samples = int(train["consumed_samples"])
-        self.scheduled_samples.fill_(
-            int(train["scheduled_samples"]) if clock_saved else self.consumed_samples
-        )
-        self.nonfinite.load(int(train["nonfinite_skipped"]))
-        windows = train["skipped_samples"].tolist() if "skipped_samples" in train else []
-        self.train_loader.load_state_dict(
-            {
-                "consumed_samples": self.consumed_samples,
-                "skipped": [*windows, *self.spikes.log.windows()],
-            }
-        )
-        self.spikes.load_state_dict(state)
+        """Every component of a verified checkpoint (`_checkpointed`). The loader skips the data
+        windows the checkpoint saved and those rollbacks.json lists (a rollback is recorded
+        there before any checkpoint holds it)."""
+        ckpt.load_components(path, self._checkpointed(), complete=("model", "optimizer", "train"))
+        for window in self.rollback_log.windows():
+            self.train_loader.skip(*window)
 
     def _load_initial_hf(self, hf_dir: str) -> None:
         """Continued pretraining: every rank reads the Hugging Face folder and keeps its shard."""
         from bloomnative.interop import load_hf_model
 
         source = load_hf_model(hf_dir)
-        mine, theirs = self.model_args, source.args
+        mine, theirs = self.resolved.model_args, source.args
         for key in ("n_layer", "hidden_size", "n_head", "vocab_size"):
             if getattr(mine, key) != getattr(theirs, key):
                 raise ValueError(
@@ -409,17 +351,14 @@ class Trainer:
                     f"model.{key} to match"
                 )
         load_model_state(self.model_parts, model_state([source]), full=True)
-        self._say(f"initial weights from Hugging Face folder {hf_dir}")
-
-    def _say(self, message: str) -> None:
-        if self.rank == 0:
-            print(f"[bloomnative] {message}", flush=True)
+        _log.info(f"initial weights from Hugging Face folder {hf_dir}")
 
     def save_checkpoint(self) -> None:
         start = time.perf_counter()
-        self.checkpointer.save(self.step, self._state())
+        state = {name: c.state_dict() for name, c in self._checkpointed().items()}
+        self.checkpointer.save(self.step, state)
         mode = "started" if self.checkpointer.async_mode else "saved"
-        self._say(
+        _log.info(
             f"{mode} checkpoint step-{self.step} in {self.ckpt_folder} "
             f"({time.perf_counter() - start:.2f}s blocking)"
         )
@@ -427,13 +366,8 @@ class Trainer:
     # ------------------------------------------------------------------ the step
 
     def global_batch_size(self) -> int:
-        t = self.config.training
-        if not t.rampup_batch_size:
-            return t.global_batch_size
-        start, increment, samples = t.rampup_batch_size
-        return rampup_batch_size(
-            self.consumed_samples, start, increment, samples, t.global_batch_size
-        )
+        """The next step's global batch size (batch-size rampup follows the samples consumed)."""
+        return self.resolved.batch_size(self.train_loader.consumed_samples)
 
     def forward_backward(self, micro_batches) -> torch.Tensor:
         """Accumulates the gradients of the global batch's mean token loss over this rank's
@@ -485,7 +419,7 @@ class Trainer:
         """One optimizer step; returns its loss, gradient norm and learning rate (0-d tensors on
         the device, not read back) and its global batch size."""
         gbs = self.global_batch_size()
-        lr = self.lr_schedule(self.scheduled_samples)
+        lr = self.lr_clock.lr()
         micro_batches = self.train_loader.next_batch(gbs)
         loss = self.forward_backward(micro_batches)
         grad_norm = clip_grad_norm_(
@@ -495,11 +429,10 @@ class Trainer:
             not_counted=self.untied_copies,
         )
         applied = self.nonfinite.step(loss, grad_norm, lr)  # skips the update on NaN/inf
-        self.scheduled_samples += applied * gbs
+        self.lr_clock.advance(applied, gbs)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
-        self.consumed_samples += gbs
         return loss, grad_norm, lr, gbs
 
     def _reduce_loss(self, value: torch.Tensor) -> float | list[float]:
@@ -568,8 +501,8 @@ class Trainer:
                 checkpoint_step = ckpt_cfg.enable and (
                     self.step % ckpt_cfg.interval == 0 or self.step == t.steps
                 )
-                if self.spikes.detector and self.spikes.rolled_back(
-                    self._global_loss(loss), grad_norm, read_now=log_step or checkpoint_step
+                if self.spike_detector and self._rolled_back(
+                    loss, grad_norm, read_now=log_step or checkpoint_step
                 ):
                     self.interval_losses = []  # steps that were undone are not logged
                     continue
@@ -582,13 +515,85 @@ class Trainer:
                 if checkpoint_step or (ckpt_cfg.enable and stopping):
                     self.save_checkpoint()
                 if stopping:
-                    self._say(f"stopping at step {self.step}: {stop.reason}")
+                    _log.info(f"stopping at step {self.step}: {stop.reason}")
                     break
             self.checkpointer.wait()
         finally:
             profiler.close()
             stop.restore()
             self.metrics.close()
+
+    # ------------------------------------------------------------------ loss spikes
+
+    def _rolled_back(self, loss: torch.Tensor, grad_norm: torch.Tensor, read_now: bool) -> bool:
+        """Feeds the step's global loss and gradient norm to the spike detector; when `read_now`
+        (log and checkpoint steps, where the host reads the device anyway) rolls back if it
+        fired."""
+        self.spike_detector.observe(self.step, self._global_loss(loss), grad_norm)
+        if not read_now:
+            return False
+        trigger = self.spike_detector.fired()
+        if trigger is None:
+            return False
+        self.roll_back(trigger)
+        return True
+
+    def roll_back(self, trigger: Trigger) -> None:
+        """Restores the newest verified checkpoint from before the spike and skips the data
+        trained on since it, plus spikes.skip_steps batches; records the rollback
+        (train/spikes.py)."""
+        cfg, done = self.config.spikes, self.rollback_log.rollbacks
+        what = f"loss spike detected at step {self.step} ({trigger.describe(cfg)})"
+        if len(done) >= cfg.max_rollbacks:
+            raise SpikeError(
+                f"{what}, but spikes.max_rollbacks = {cfg.max_rollbacks} rollbacks have been "
+                f"made already (at steps {[r.step for r in done]}); giving up: lower the "
+                "learning rate, inspect the data, or raise spikes.max_rollbacks"
+            )
+        self.checkpointer.wait()
+        restored = self.checkpointer.newest_verified(before=trigger.first_step)
+        if restored is None:
+            raise SpikeError(
+                f"{what}, but no checkpoint from before step {trigger.first_step} verifies in "
+                f"{self.ckpt_folder}, so there is nothing to roll back to"
+            )
+        self.checkpointer.set_aside_after(restored, "rolled-back")
+        detected_step = self.step
+        loader = self.train_loader
+        spike_end = loader.position(loader.consumed_samples)
+        skip = cfg.skip_steps * self.global_batch_size()
+        self.load_training_state(self.checkpointer.path(restored))
+        window = (loader.position(loader.consumed_samples), spike_end + skip)
+        loader.skip(*window)
+        self._check_data_left(what)
+        self.rollback_log.add(Rollback(detected_step, trigger.first_step, restored, what, window))
+        self.metrics.log(
+            {
+                "step": detected_step,
+                "rollback": len(self.rollback_log.rollbacks),
+                "rollback_to_step": restored,
+                "rollback_trigger": what,
+                "skipped_samples": list(window),
+                "skipped_sample_count": window[1] - window[0],
+            }
+        )
+        _log.info(
+            f"{what}: rolled back to step {restored}, skipping samples "
+            f"[{window[0]}, {window[1]}) of the training order"
+        )
+
+    def _check_data_left(self, what: str) -> None:
+        """After a skip: the training split must still hold the data of every remaining step."""
+        loader, t = self.train_loader, self.config.training
+        remaining = t.steps - self.step
+        last = loader.position(loader.consumed_samples + remaining * t.global_batch_size - 1)
+        if last >= len(loader.dataset):
+            raise SpikeError(
+                f"{what}: after skipping {loader.skipped} the remaining {remaining} steps need "
+                f"the training order up to position {last}, but it has {len(loader.dataset)} "
+                "samples; lower spikes.skip_steps or restart (the index is sized for "
+                "spikes.max_rollbacks windows)"
+            )
 
     def _is_log_step(self) -> bool:
         steps = self.config.training.steps
@@ -606,7 +611,7 @@ class Trainer:
             "lr": lr.item(),
             "grad_norm": grad_norm.item(),
             "global_batch_size": gbs,
-            "consumed_samples": self.consumed_samples,
+            "consumed_samples": self.train_loader.consumed_samples,
             **self.throughput.read_and_reset(),
             "mem_peak_gib": self._max_over_ranks(self.peak_memory.interval_peak_gib()),
             "nonfinite_skipped": self.nonfinite.skipped,

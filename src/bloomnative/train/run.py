@@ -1,0 +1,245 @@
+"""A run, worked out once: `resolve_run(config, world_size, device)` derives every fact the
+trainer, preflight and the tools need from a config — the parallel layout, the model's shape with
+every "auto" replaced by what it stands for (attention backend, activation checkpointing, AdamW
+kernel), the EOD whose positions carry no loss, the batch-size schedule and how the data is cut —
+and checks the layout. Nothing else derives these; the config itself is never changed (the
+resolved copy is `ResolvedRun.config`, what the trainer writes to config.toml).
+
+The parts that need a process group or a GPU are injected: timing the attention backends on
+rank 0 and broadcasting the choice (`choose_attention`), and the device memory that "auto"
+recomputation plans against (`device_memory`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bloomnative.config import Config, ConfigError, DataConfig, model_args_from_config
+from bloomnative.data.rampup import BatchSizeSchedule
+from bloomnative.model import BloomArgs
+from bloomnative.model.attention import PORTABLE_BACKEND, TRAITS, backends_with
+from bloomnative.parallel.dims import ParallelDims
+from bloomnative.parallel.layout_check import check_layout
+from bloomnative.planner import Layout, RecomputeChoice, auto_recompute
+from bloomnative.train.attention_choice import AttentionShape, context_parallel_attention
+from bloomnative.train.optimizer import adamw_implementation
+from bloomnative.train.spikes import data_reserve
+
+AttentionChooser = Callable[[AttentionShape], str]
+"""Times the candidates for one micro batch's attention and returns the backend every rank uses."""
+
+
+@dataclass(frozen=True)
+class DataShaping:
+    """How the run's data is cut: what the datasets are built for and what each sample becomes."""
+
+    seq_len: int
+    micro_batch_size: int
+    eod_mask_id: int | None
+    """The token whose positions carry no loss (data.eod_mask_loss), or None."""
+    train_samples: int
+    """Samples the training order must hold: every step's batch, plus the windows loss-spike
+    rollbacks may skip."""
+    valid_samples: int
+    """Samples of one evaluation (0: no validation)."""
+    long_seq_len: int
+    """validation.seq_len when the run also evaluates at that second length, else 0."""
+    cache_dir: str
+    """Where the sample-index arrays are cached."""
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """Everything `resolve_run` derived; see the module docstring."""
+
+    config: Config
+    """The config with every "auto" replaced by its choice (model.attention,
+    activation_checkpoint.mode and every, optimizer.implementation)."""
+    world_size: int
+    device_type: str
+    dims: ParallelDims
+    model_args: BloomArgs
+    recompute: RecomputeChoice | None
+    """What the planner chose for activation_checkpoint.mode = "auto" (None: not "auto", or
+    "auto" on CPU without a memory budget, which recomputes nothing)."""
+    batch_size: BatchSizeSchedule
+    data: DataShaping
+
+    def planner_layout(self) -> Layout:
+        """The memory planner's description of this run's layout."""
+        par = self.config.parallelism
+        return Layout(
+            dp_replicate=self.dims.dp_replicate,
+            dp_shard=self.dims.dp_shard,
+            cp=self.dims.cp,
+            tp=self.dims.tp,
+            pp=self.dims.pp,
+            pp_schedule=par.pp_schedule,
+            pp_stages_per_rank=par.pp_stages_per_rank,
+            pp_embedding_as_layer=par.pp_embedding_as_layer,
+            pp_layers_per_stage=tuple(par.pp_layers_per_stage),
+            sequence_parallel=par.sequence_parallel,
+            loss_parallel=par.loss_parallel,
+            cpu_offload=par.cpu_offload,
+            zero_stage=par.zero_stage,
+        )
+
+
+def resolve_run(
+    config: Config,
+    world_size: int,
+    device: torch.device | str,
+    *,
+    choose_attention: AttentionChooser | None = None,
+    device_memory: Callable[[], int] | None = None,
+    log: Callable[[str], None] = lambda message: None,
+) -> ResolvedRun:
+    """The run `config` describes on `world_size` processes computing on `device` (its type is
+    what matters). Raises LayoutError for a layout the trainer cannot run, ConfigError for an
+    attention backend that cannot train on the device or a data.eod_mask_loss without a usable
+    EOD, and PlanError when "auto" recomputation finds nothing that fits.
+
+    choose_attention: what model.attention = "auto" picks by timing (the trainer's: rank 0 times
+        the backends and broadcasts the choice). None (preflight, the tools): the portable
+        backend stands in, except with context parallelism, where "auto" is decided without
+        timing.
+    device_memory: bytes of the smallest device of the job, which activation_checkpoint.mode =
+        "auto" plans against on CUDA without memory_budget_gib. None: the smallest CUDA device
+        of this machine.
+    log: receives one line per "auto" resolved.
+    """
+    device_type = torch.device(device).type
+    dims = ParallelDims.from_config(config.parallelism, world_size)
+    args = model_args_from_config(config.model)
+    if config.model.attention == "auto":
+        attention = _auto_attention(config, dims, args, device_type, choose_attention, log)
+        args = dataclasses.replace(args, attention=attention)
+    check_layout(
+        dims,
+        args,
+        config.parallelism,
+        config.training,
+        config.model.fused_loss,
+        config.validation,
+    )
+    traits = TRAITS[args.attention]
+    if device_type == "cpu" and not traits.cpu_backward:
+        raise ConfigError(
+            f"model.attention = {args.attention!r}: {traits.title} has no backward on CPU; use "
+            f"{' or '.join(backends_with('cpu_backward'))} there, or train on a CUDA device"
+        )
+    optimizer = dataclasses.replace(
+        config.optimizer,
+        implementation=adamw_implementation(config.optimizer.implementation, device_type),
+    )
+    resolved = dataclasses.replace(
+        copy.deepcopy(config),  # shares nothing with `config`
+        model=dataclasses.replace(config.model, attention=args.attention),
+        optimizer=optimizer,
+    )
+    recompute = auto_recompute(
+        resolved, args, world_size, device_type, device_memory or _this_machines_device_memory
+    )
+    ac = config.activation_checkpoint
+    if ac.mode == "auto":
+        log(
+            recompute.describe()
+            if recompute
+            else 'activation_checkpoint.mode = "auto" on CPU without memory_budget_gib: '
+            "no recomputation"
+        )
+        mode, every = (recompute.mode, recompute.every) if recompute else ("none", ac.every)
+        resolved = dataclasses.replace(
+            resolved, activation_checkpoint=dataclasses.replace(ac, mode=mode, every=every)
+        )
+    t = config.training
+    return ResolvedRun(
+        config=resolved,
+        world_size=world_size,
+        device_type=device_type,
+        dims=dims,
+        model_args=args,
+        recompute=recompute,
+        batch_size=BatchSizeSchedule(
+            t.global_batch_size, tuple(t.rampup_batch_size) if t.rampup_batch_size else None
+        ),
+        data=_data_shaping(config, args.vocab_size),
+    )
+
+
+def eod_mask_id(data: DataConfig, vocab_size: int) -> int | None:
+    """The token whose positions carry no loss: with `data.eod_mask_loss`, the EOD of
+    `data.tokenizer` (named by `data.eod_token`, else found as preprocessing finds it); else
+    None."""
+    if not data.eod_mask_loss:
+        return None
+    from bloomnative.data import load_tokenizer
+
+    try:
+        eod = load_tokenizer(data.tokenizer, data.eod_token or None).eod_id
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"data.eod_mask_loss needs the EOD token of data.tokenizer (data.eod_token names "
+            f"it; empty: found as preprocessing finds it): {e}"
+        ) from e
+    if eod >= vocab_size:
+        raise ConfigError(
+            f"data.tokenizer {data.tokenizer}: its EOD id {eod} is outside the model's "
+            f"vocabulary of {vocab_size} (model.vocab_size); use the tokenizer the data was made "
+            "with"
+        )
+    return eod
+
+
+def _auto_attention(
+    config: Config,
+    dims: ParallelDims,
+    args: BloomArgs,
+    device_type: str,
+    choose_attention: AttentionChooser | None,
+    log: Callable[[str], None],
+) -> str:
+    """What model.attention = "auto" stands for on this run (train/attention_choice.py)."""
+    if dims.cp > 1:
+        return context_parallel_attention(device_type, log)
+    if choose_attention is None:
+        return PORTABLE_BACKEND
+    t = config.training
+    return choose_attention(
+        AttentionShape(
+            batch=t.micro_batch_size,
+            heads=args.n_head // dims.tp,
+            seq_len=t.seq_len,
+            head_dim=args.head_dim,
+            dtype="bfloat16" if t.dtype == "bf16" else "float32",
+            dropout_p=args.attention_dropout,
+            compiled=config.compile.enable,
+        )
+    )
+
+
+def _data_shaping(config: Config, vocab_size: int) -> DataShaping:
+    t, v = config.training, config.validation
+    reserve = data_reserve(config.spikes, config.checkpoint, config.metrics.log_freq)
+    return DataShaping(
+        seq_len=t.seq_len,
+        micro_batch_size=t.micro_batch_size,
+        eod_mask_id=eod_mask_id(config.data, vocab_size),
+        train_samples=(t.steps + reserve) * t.global_batch_size,
+        valid_samples=max(v.steps * t.global_batch_size, 1) if v.freq else 0,
+        long_seq_len=v.seq_len if v.freq else 0,
+        cache_dir=config.data.cache_dir or str(Path(config.job.dump_folder) / "data_cache"),
+    )
+
+
+def _this_machines_device_memory() -> int:
+    """Total memory of the smallest CUDA device of this machine."""
+    return min(
+        torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())
+    )

@@ -16,8 +16,6 @@ SOURCE = REPO / "src"
 # The one edge against the grain: DESIGN.md puts `Bloom.from_pretrained_hf`/`save_pretrained_hf`
 # on the model; they import the converter lazily, inside the methods.
 FACADE = ("bloomnative.model.bloom", "bloomnative.interop.hf")
-# Goes with issue 25 item 2 (the spike detector stops reaching into the trainer); then drop it.
-SPIKES_TO_TRAINER = ("bloomnative.train.spikes", "bloomnative.train.trainer")
 
 
 def modules() -> dict[str, Path]:
@@ -106,7 +104,7 @@ def test_the_package_graph_has_no_cycle():
 
 def test_the_module_graph_has_no_cycle():
     """Also inside a package: no module imports, however lazily, a module that imports it."""
-    graph = without_facade(without_facade(module_graph(), FACADE), SPIKES_TO_TRAINER)
+    graph = without_facade(module_graph(), FACADE)
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 

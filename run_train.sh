@@ -2,27 +2,17 @@
 # Trains with torchrun. No arguments: configs/debug.toml on the bundled corpus.
 #   ./run_train.sh --config configs/bloom-560m.toml --training.steps=100
 #   NPROC=8 ./run_train.sh --parallelism.tp=2 --parallelism.pp=2 --training.micro_batch_size=1
-# NPROC (default 1) is the number of processes on this node (NNODES nodes; multi-node runs also
-# set RDZV_ENDPOINT=host:port); MAX_RESTARTS (default 3) is passed to torchrun so a crashed rank
-# restarts the job, which resumes from the newest checkpoint that verifies.
+# Relative paths (--config, data, dump folder) are relative to the directory you run it from.
+# NPROC (default 1) is the number of processes on this node (NNODES nodes, or an elastic range
+# min:max; multi-node runs also set RDZV_ENDPOINT=host:port); MAX_RESTARTS (default 3) is how
+# often a crashed or lost rank restarts the job, which resumes from the newest checkpoint that
+# verifies (a configuration, data or checkpoint error is not retried: exit 2).
 # SIGTERM or SIGINT (Ctrl-C) stops the run cleanly: the workers finish their step, save and exit,
 # and so does this command, with code 0. STOP_GRACE_S (default 120) is how long they get before
 # they are killed; keep it below the scheduler's own grace period (Kubernetes'
 # terminationGracePeriodSeconds, SLURM's KillWait).
+# The variables are checked (whole numbers; NNODES also min:max) by bloomnative.train.job, which
+# runs the preflight checks and then torchrun; nothing here evaluates them.
 set -euo pipefail
-cd "$(dirname "$0")"
-source scripts/ensure_env.sh
-NPROC="${NPROC:-1}"
-NNODES="${NNODES:-1}"
-MAX_RESTARTS="${MAX_RESTARTS:-3}"
-# Config, layout and data files are checked here, once, before any process is started.
-"$BLOOMNATIVE_PYTHON" -m bloomnative.train.preflight --world-size "$(( NPROC * NNODES ))" "$@"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
-if [ "$NNODES" = 1 ]; then
-  rendezvous=(--standalone)
-else
-  rendezvous=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port for multi-node runs}")
-fi
-exec "$BLOOMNATIVE_PYTHON" -m bloomnative.train.launch ${STOP_GRACE_S:+"--stop-grace-s=$STOP_GRACE_S"} \
-  "${rendezvous[@]}" --nproc-per-node="$NPROC" --max-restarts="$MAX_RESTARTS" \
-  -m bloomnative.train.main "$@"
+source "$(dirname "${BASH_SOURCE[0]}")/scripts/ensure_env.sh"
+exec "$BLOOMNATIVE_PYTHON" -m bloomnative.train.job "$@"

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from cli_args import ArgumentParser, whole_number
 
 from bloomnative.interop import (
     CheckpointFormatError,
@@ -61,11 +62,14 @@ def parse_size(text: str) -> int:
             f"{text!r} is not a size; use bytes or a number with KB, MB, GB, KiB, MiB or GiB"
         )
     number, unit = match.groups()
-    return int(float(number) * (_UNITS[unit.lower()] if unit else 1))
+    size = int(float(number) * (_UNITS[unit.lower()] if unit else 1))
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return size
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="convert_hf.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True)
@@ -91,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype")
     to_hf.add_argument("--tokenizer", type=Path, help="tokenizer.json (or a folder with one)")
     heads = to_hf.add_mutually_exclusive_group()
-    heads.add_argument("--n-head", type=int, help="attention heads of the model")
+    heads.add_argument("--n-head", type=whole_number(1), help="attention heads of the model")
     heads.add_argument("--preset", choices=list(PRESETS), help="take the head count (and init std)")
     to_hf.add_argument(
         "--max-shard-size",
@@ -99,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=5 * GiB,
         help="largest safetensors file, e.g. 5GiB (default) or 2GB",
     )
-    to_hf.add_argument("--bos-token-id", type=int, help="written to config.json")
-    to_hf.add_argument("--eos-token-id", type=int, help="written to config.json")
+    to_hf.add_argument("--bos-token-id", type=whole_number(0), help="written to config.json")
+    to_hf.add_argument("--eos-token-id", type=whole_number(0), help="written to config.json")
     to_hf.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     return parser
 
@@ -143,14 +147,15 @@ def _describe(model) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 converted, 2 a bad argument or input (one line naming the file or flag)."""
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
     convert = convert_to_native if args.command == "to-native" else convert_to_hf
     try:
         convert(args)
-    except (CheckpointFormatError, FileExistsError, FileNotFoundError) as e:
+    except (CheckpointFormatError, OSError) as e:  # OSError: a file missing, in the way, unwritable
         log(f"error: {e}")
-        return 1
+        return 2
     log(f"done in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -24,6 +24,8 @@ import dataclasses
 import json
 import sys
 
+from cli_args import ArgumentParser, number, output_file, whole_number
+
 from bloomnative import planner
 from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.parallel.dims import LayoutError
@@ -31,7 +33,7 @@ from bloomnative.train.run import ResolvedRun, resolve_run
 
 
 def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="estimate_memory.py",
         description=__doc__.split("\n\n")[0],
         epilog="Any --section.key=value of the trainer config may follow. "
@@ -39,14 +41,14 @@ def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     )
     parser.add_argument(
         "--world-size",
-        type=int,
+        type=whole_number(1),
         default=0,
         help="number of devices (needed when parallelism.dp_shard = -1; default: dp_shard = 1)",
     )
     parser.add_argument("--device-type", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument(
         "--device-memory-gib",
-        type=float,
+        type=number(0, above=True),
         default=80.0,
         help="memory of one device, for 'fits' and the largest micro batch (default 80)",
     )
@@ -70,12 +72,12 @@ def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
     )
     parser.add_argument(
         "--overhead-gib",
-        type=float,
+        type=number(0),
         help="CUDA context + NCCL + workspaces per device (default 1.5 on cuda, 0 on cpu)",
     )
     parser.add_argument(
         "--fragmentation",
-        type=float,
+        type=number(0),
         help="allocator slack as a fraction of the allocated peak (default 0.10 on cuda, 0 on cpu)",
     )
     parser.add_argument(
@@ -90,7 +92,9 @@ def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         help="plan every dp_shard x cp x tp x pp layout of --world-size devices (dp_replicate 1) "
         "with the config's recompute (its least that fits for mode auto) and list them",
     )
-    parser.add_argument("--json", dest="json_path", help="write the plan as JSON ('-': stdout)")
+    parser.add_argument(
+        "--json", dest="json_path", type=output_file, help="write the plan as JSON ('-': stdout)"
+    )
     known, rest = parser.parse_known_args(argv)
     return known, parse_args(rest)
 
@@ -369,8 +373,12 @@ def main(argv: list[str] | None = None) -> int:
         if known.json_path == "-":
             print(text)
         else:
-            with open(known.json_path, "w") as f:
-                f.write(text + "\n")
+            try:
+                with open(known.json_path, "w") as f:
+                    f.write(text + "\n")
+            except OSError as e:
+                print(f"estimate_memory.py: error: --json {known.json_path}: {e}", file=sys.stderr)
+                return 2
     return 0
 
 

@@ -10,6 +10,7 @@ The logic lives in bloomnative.data.preprocess; this is its command line.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from bloomnative.data.preprocess import (
@@ -71,7 +72,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class Terminated(Exception):
+    """SIGTERM arrived: unwinds `preprocess` like an error, which ends its worker pool and
+    removes the partial outputs."""
+
+
+def _on_sigterm(signum: int, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 written, 1 a bad input (nothing written), 143 stopped by SIGTERM (its
+    workers ended, nothing written)."""
     args = parse_args(argv)
     config = PreprocessConfig(
         inputs=tuple(args.input),
@@ -84,11 +96,15 @@ def main(argv: list[str] | None = None) -> int:
         skip_bad_lines=args.skip_bad_lines,
         log_interval=args.log_interval,
     )
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         summary = preprocess(config)
     except (BadLineError, FileNotFoundError, ValueError) as error:
         print(f"preprocess_data: error: {error}", file=sys.stderr)
         return 1
+    except Terminated:
+        print("preprocess_data: stopped by SIGTERM; nothing was written", file=sys.stderr)
+        return 128 + signal.SIGTERM
     print(f"[preprocess] done: {summary.describe()}", file=sys.stderr)
     return 0
 

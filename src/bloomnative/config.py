@@ -346,7 +346,25 @@ def _toml_value(value: Any) -> str:
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(value)  # bool, int, float and str are spelled alike in JSON and TOML
+    if isinstance(value, str):
+        return _toml_string(value)
+    return json.dumps(value)  # bool, int and float are spelled alike in JSON and TOML
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string of ASCII characters only, so the file reads back the same whatever
+    encoding it was written in: every character outside printable ASCII is a \\u or \\U escape
+    of its code point (JSON's surrogate pairs for characters beyond U+FFFF are not valid TOML)."""
+    out = []
+    for char in text:
+        code = ord(char)
+        if char in '"\\':
+            out.append("\\" + char)
+        elif 0x20 <= code < 0x7F:
+            out.append(char)
+        else:
+            out.append(f"\\u{code:04X}" if code <= 0xFFFF else f"\\U{code:08X}")
+    return '"' + "".join(out) + '"'
 
 
 def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
@@ -434,9 +452,13 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
             return float(value)
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if tp is str or origin is Literal:
-        if isinstance(value, str):
-            return value  # a Literal's choices are checked by validate, also for configs in code
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # bytes of a command line that are not UTF-8
+            raise ConfigError(f"{key}: {value!r} is not valid UTF-8 text") from None
+        return value  # a Literal's choices are checked by validate, also for configs in code
     raise AssertionError(f"{key}: unsupported field type {tp}")
 
 
@@ -462,11 +484,20 @@ def _set(config: Config, section: str, key: str, value: Any, from_cli: bool, whe
 def load_toml(config: Config, path: str | Path) -> None:
     """Applies a TOML file to `config`."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; give the path of a .toml file")
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        raise ConfigError(f"config file {path} does not exist{where}")
     try:
-        with path.open("rb") as f:
-            data = tomllib.load(f)
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); TOML "
+            "files are UTF-8"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
     for section, values in data.items():
@@ -537,6 +568,20 @@ def _check_choices(config: Config) -> None:
                 _one_of(f"{section.name}.{name}", getattr(values, name), typing.get_args(tp))
 
 
+def _check_finite(config: Config) -> None:
+    """Every float field holds a number: NaN and infinity mean nothing in any of them."""
+    for section in dataclasses.fields(Config):
+        values = getattr(config, section.name)
+        for name, tp in _field_types(type(values)).items():
+            value = getattr(values, name)
+            if tp is float and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{name} = {value}: must be a finite number")
+
+
+# Seeds feed numpy's RandomState (the data order), which takes 32-bit unsigned seeds.
+_MAX_SEED = 2**32 - 1
+
+
 def validate(config: Config) -> None:
     """Checks that do not need the world size; `parallel.ParallelDims` checks the layout."""
     from bloomnative.model.args import PRESETS
@@ -544,6 +589,15 @@ def validate(config: Config) -> None:
     m, t, o, s = config.model, config.training, config.optimizer, config.lr_scheduler
     _one_of("model.preset", m.preset, tuple(PRESETS))
     _check_choices(config)
+    _check_finite(config)
+    _check(
+        0 <= config.job.seed <= _MAX_SEED,
+        f"job.seed = {config.job.seed}: must be in [0, {_MAX_SEED}]",
+    )
+    _check(
+        config.job.collective_timeout_s > 0,
+        f"job.collective_timeout_s must be positive, got {config.job.collective_timeout_s}",
+    )
     for key in ("n_layer", "hidden_size", "n_head", "vocab_size"):
         _check(getattr(m, key) >= 0, f"model.{key} must be >= 0 (0 keeps the preset)")
     _validate_dropout(config)
@@ -577,10 +631,16 @@ def validate(config: Config) -> None:
         )
     _check(t.max_norm >= 0, "training.max_norm must be >= 0")
     _check(
+        t.max_nonfinite_steps > 0,
+        f"training.max_nonfinite_steps must be positive, got {t.max_nonfinite_steps}",
+    )
+    _check(
         0 < o.lr and 0 <= o.min_lr <= o.lr,
         f"optimizer: need 0 < lr and 0 <= min_lr <= lr (lr={o.lr}, min_lr={o.min_lr})",
     )
     _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and beta2 must be in [0, 1)")
+    _check(o.eps > 0, f"optimizer.eps must be positive, got {o.eps}")
+    _check(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
     _validate_lr_schedule(s)
     _check(len(config.data.blend) > 0, "data.blend is empty: give at least one dataset prefix")
     _check(config.metrics.log_freq > 0, "metrics.log_freq must be positive")
@@ -588,13 +648,24 @@ def validate(config: Config) -> None:
         config.activation_checkpoint.memory_budget_gib >= 0,
         "activation_checkpoint.memory_budget_gib must be >= 0 (0: the device's total memory)",
     )
-    _check(config.checkpoint.interval > 0, "checkpoint.interval must be positive")
+    _validate_checkpoint(config.checkpoint)
+    ac = config.activation_checkpoint
+    _check(ac.every > 0, f"activation_checkpoint.every must be positive, got {ac.every}")
+    _check(
+        config.metrics.peak_tflops >= 0,
+        f"metrics.peak_tflops must be >= 0 (0: look the device up), got "
+        f"{config.metrics.peak_tflops}",
+    )
     _validate_spikes(config.spikes, config.checkpoint)
     _check(
         config.validation.freq >= 0 and config.validation.steps > 0,
         "validation.freq must be >= 0 and validation.steps positive",
     )
     _check(config.validation.sample_tokens >= 0, "validation.sample_tokens must be >= 0")
+    _check(
+        config.validation.seq_len >= 0,
+        f"validation.seq_len must be >= 0 (0: no second length), got {config.validation.seq_len}",
+    )
     prof = config.profiling
     _check(
         prof.start_step >= 1 and prof.steps >= 1,
@@ -606,6 +677,16 @@ def validate(config: Config) -> None:
         f"profiling.start_step = {prof.start_step} is after the last step (training.steps = "
         f"{t.steps}): nothing would be profiled",
     )
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    _check(c.interval > 0, "checkpoint.interval must be positive")
+    _check(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k must be >= 0, got {c.keep_latest_k}")
+    _check(
+        c.load_step >= -1,
+        f"checkpoint.load_step must be a step >= 0, or -1 for the newest, got {c.load_step}",
+    )
+    _check(c.min_free_gib >= 0, f"checkpoint.min_free_gib must be >= 0, got {c.min_free_gib}")
 
 
 def _validate_dropout(config: Config) -> None:

@@ -13,6 +13,8 @@ Face folder. `tools/generate.py` is the command line.
 
 from __future__ import annotations
 
+import math
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +34,8 @@ from bloomnative.model import Bloom
 _log = get_logger(__name__)
 
 REPO_ROOT = DEFAULT_CONFIG.parents[1]
-"""run_train.sh runs from here, so a relative data.tokenizer in a run's config is relative to it."""
+"""The repository: a relative data.tokenizer in a run's config is relative to the folder the run
+was started from, which for the bundled configs (assets/...) is this one."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,10 @@ class Sampling:
     """Keep the smallest set of most likely tokens whose probability reaches p (1: all)."""
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature}"
+            )
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: no limit), got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -258,6 +263,6 @@ def print_final_sample(
         _log.info(f"no sample: {e}")
         return
     _log.info(
-        f"sample from {step_dir.name} (more: tools/generate.py --checkpoint {dump_folder} "
-        f"--prompt ...):\n{text}"
+        f"sample from {step_dir.name} (more: tools/generate.py --checkpoint "
+        f"{shlex.quote(str(dump_folder))} --prompt ...):\n{text}"
     )

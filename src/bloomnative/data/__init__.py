@@ -22,7 +22,7 @@ See docs/data.md for the formats and rules.
 from bloomnative.data.blend_order import build_blending_indices
 from bloomnative.data.blend_spec import BlendEntry, parse_blend
 from bloomnative.data.blended_dataset import BlendedDataset
-from bloomnative.data.build_datasets import build_gpt_datasets
+from bloomnative.data.build_datasets import build_gpt_datasets, check_gpt_datasets
 from bloomnative.data.gpt_dataset import GPTDataset
 from bloomnative.data.indexed_builder import IndexedDatasetBuilder
 from bloomnative.data.indexed_dataset import (
@@ -33,7 +33,7 @@ from bloomnative.data.indexed_dataset import (
 from bloomnative.data.indexed_format import optimal_token_dtype
 from bloomnative.data.rampup import rampup_batch_size
 from bloomnative.data.sample_index import SampleIndex, build_sample_index
-from bloomnative.data.splits import parse_split, split_boundaries
+from bloomnative.data.splits import SplitError, parse_split, split_boundaries
 from bloomnative.data.tokenizer import TextTokenizer, load_tokenizer, tokenizer_vocab_size
 
 
@@ -56,10 +56,12 @@ __all__ = [
     "IndexedDatasetError",
     "PretrainingLoader",
     "SampleIndex",
+    "SplitError",
     "TextTokenizer",
     "build_blending_indices",
     "build_gpt_datasets",
     "build_sample_index",
+    "check_gpt_datasets",
     "check_indexed_dataset",
     "load_tokenizer",
     "optimal_token_dtype",

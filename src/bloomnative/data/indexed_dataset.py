@@ -2,7 +2,7 @@
 
 Everything that can be checked cheaply is checked when the dataset is opened, so a truncated,
 corrupt or mismatched pair fails at start-up with the file and the problem named, not hours
-later with a garbage batch. The checks are O(1) or a single vectorised pass over the index.
+later with a garbage batch. The checks are O(1) or vectorised passes over the index.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from bloomnative.data.indexed_format import (
 
 # The magic of Megatron's older non-mmap ("lazy"/"cached") index format.
 _LEGACY_MAGIC = b"TNTIDX\x00\x00"
+# Sequences whose pointers are checked at a time when a dataset is opened.
+_POINTER_CHUNK = 1 << 22
 
 
 class IndexedDatasetError(ValueError):
@@ -132,16 +134,22 @@ class IndexedDataset:
                 f"{total_bytes // itemsize} tokens of {self.dtype} = {total_bytes} bytes: "
                 "the .bin is truncated or the pair does not belong together"
             )
-        n = len(self._sizes)
-        if n and (
-            self._pointers[0] != 0
-            or self._pointers[-1] + int(self._sizes[-1]) * itemsize != bin_size
-            or np.any(self._pointers % itemsize != 0)
-        ):
-            raise IndexedDatasetError(
-                f"{idx_path(self.prefix)}: corrupt sequence pointers: they must start at 0, be "
-                f"multiples of the token size {itemsize} and end at the .bin size {bin_size}"
-            )
+        # Each sequence starts where the ones before it end: a pointer off that (a size
+        # rewritten, a pointer damaged) would serve a sequence cut short by the end of the .bin
+        # or overlapping its neighbour. Compared a slice at a time, so memory stays flat.
+        end = 0
+        for start in range(0, len(self._sizes), _POINTER_CHUNK):
+            sizes = self._sizes[start : start + _POINTER_CHUNK]
+            expected = end + sequence_pointers(sizes, itemsize)
+            mismatch = np.flatnonzero(self._pointers[start : start + len(sizes)] != expected)
+            if len(mismatch):
+                i = start + int(mismatch[0])
+                raise IndexedDatasetError(
+                    f"{idx_path(self.prefix)}: corrupt sequence pointers: sequence {i} starts "
+                    f"at byte {int(self._pointers[i])}, but the sizes before it add up to byte "
+                    f"{int(expected[i - start])}"
+                )
+            end = int(expected[-1]) + int(sizes[-1]) * itemsize
 
     # -- access ------------------------------------------------------------------------------
 
@@ -215,9 +223,9 @@ def check_indexed_dataset(
     """Opens ``prefix`` and checks everything a training run will rely on; returns the dataset.
 
     Beyond the checks of opening (header, dtype code, both file sizes against the sizes, document
-    index), this reads the whole index and, with ``vocab_size``, the whole token stream: the
-    sequence pointers are the running sum of the sizes, the tokens are integers, and every token
-    id is in ``[0, vocab_size)``. The .bin is read once, ``chunk_tokens`` at a time (memory stays
+    index, sequence pointers the running sum of the sizes), this checks that the tokens are
+    integers and, with ``vocab_size``, reads the whole token stream: every token id is in
+    ``[0, vocab_size)``. The .bin is read once, ``chunk_tokens`` at a time (memory stays
     flat); a uint8/uint16 stream whose largest value fits the vocabulary is not read at all.
 
     Raises:
@@ -231,15 +239,7 @@ def check_indexed_dataset(
             f"{idx_file}: token dtype {dataset.dtype} is not an integer type; token ids are "
             "stored as integers (dtype codes 1-5 and 8)"
         )
-    sizes, pointers = dataset.sequence_lengths, dataset.sequence_pointers
-    expected = sequence_pointers(sizes, dataset.dtype.itemsize)
-    mismatch = np.flatnonzero(pointers != expected)
-    if len(mismatch):
-        i = int(mismatch[0])
-        raise IndexedDatasetError(
-            f"{idx_file}: corrupt sequence pointers: sequence {i} starts at byte "
-            f"{int(pointers[i])}, but the sizes before it add up to byte {int(expected[i])}"
-        )
+    pointers = dataset.sequence_pointers
     if vocab_size is None:
         return dataset
     if dataset.dtype.kind == "u" and np.iinfo(dataset.dtype).max < vocab_size:

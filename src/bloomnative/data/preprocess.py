@@ -25,6 +25,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -312,6 +313,8 @@ _WORKER_ENCODER: _Encoder | None = None
 
 def _init_worker(args: _EncoderArgs) -> None:
     global _WORKER_ENCODER
+    # The pool ends its workers with SIGTERM: they must not inherit a handler of the parent's.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # One thread per worker: the Rust tokenizer would otherwise spread each encode over every
     # core, and N workers would fight over the cores N times over.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"

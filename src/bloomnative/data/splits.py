@@ -6,7 +6,13 @@ of the document count, then shift the boundaries so the last one lands on the co
 
 from __future__ import annotations
 
+import math
+
 SPLIT_NAMES = ("train", "valid", "test")
+
+
+class SplitError(ValueError):
+    """A split string, or a split that leaves data a run needs without documents or tokens."""
 
 
 def parse_split(split: str) -> tuple[float, float, float]:
@@ -15,18 +21,18 @@ def parse_split(split: str) -> tuple[float, float, float]:
     text = str(split).strip()
     parts = [p.strip() for p in text.replace("/", ",").split(",")]
     if not 1 <= len(parts) <= 3 or any(p == "" for p in parts):
-        raise ValueError(
+        raise SplitError(
             f"split {split!r} must be up to three comma-separated non-negative numbers "
             '(train,valid,test), e.g. "969,30,1"'
         )
     try:
         weights = [float(p) for p in parts]
     except ValueError:
-        raise ValueError(
+        raise SplitError(
             f'split {split!r} has a part that is not a number; expected e.g. "969,30,1"'
         ) from None
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split {split!r} needs non-negative parts with a positive sum")
+    if not all(0 <= w < math.inf for w in weights) or sum(weights) <= 0:
+        raise SplitError(f"split {split!r} needs finite non-negative parts with a positive sum")
     weights += [0.0] * (3 - len(weights))
     total = sum(weights)
     return (weights[0] / total, weights[1] / total, weights[2] / total)

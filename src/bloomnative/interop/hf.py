@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from bloomnative.interop.native_checkpoint import (
@@ -94,11 +94,14 @@ def bloom_args_from_hf_config(config: dict, source: str | Path, **overrides) -> 
             "(residual taken after the LayerNorm); bloomnative implements BLOOM's false"
         )
     shape = {field: _shape_value(config, aliases, source) for field, aliases in _SHAPE_KEYS.items()}
-    args = BloomArgs(
-        **shape,
-        layer_norm_epsilon=float(config.get("layer_norm_epsilon", 1e-5)),
-        init_std=float(config.get("initializer_range", 0.02)),
-    )
+    try:
+        args = BloomArgs(
+            **shape,
+            layer_norm_epsilon=float(config.get("layer_norm_epsilon", 1e-5)),
+            init_std=float(config.get("initializer_range", 0.02)),
+        )
+    except (TypeError, ValueError) as e:  # a shape BLOOM cannot have, a number that is not one
+        raise CheckpointFormatError(f"{source}: {e}") from None
     return args_with(args, **overrides)
 
 
@@ -197,9 +200,12 @@ def read_hf_weights(hf_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.T
 
 def _tensors_in(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if path.suffix == ".safetensors":
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:  # truncated, or not a safetensors file at all
+            raise CheckpointFormatError(f"{path}: not a readable safetensors file: {e}") from None
     else:
         yield from _load_pickled_weights(path).items()
 
@@ -216,6 +222,8 @@ def _load_pickled_weights(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointFormatError(
             f"{path}: holds more than tensors and is not loaded (weights_only=True): {e}"
         ) from None
+    except (RuntimeError, EOFError) as e:  # truncated, or not a PyTorch file at all
+        raise CheckpointFormatError(f"{path}: not a readable PyTorch weights file: {e}") from None
 
 
 def native_state_from_hf(

@@ -138,9 +138,15 @@ def bloom_from_state_dict(
 
     The model is built on the meta device and the tensors are assigned (not copied), so a large
     model is allocated once. `state`'s tensors are cast to `dtype` in place of the dict entries.
+    A tensor of the wrong shape, or holding NaN or infinite values, is a CheckpointFormatError.
     """
     check_state_matches(args, state, source, display_name)
     for name, tensor in state.items():
+        if not torch.isfinite(tensor).all():
+            raise CheckpointFormatError(
+                f"{source}: {display_name(name)} holds NaN or infinite values: the weights are "
+                "broken (a diverged run, a bad copy); use another checkpoint"
+            )
         state[name] = tensor.to(device="cpu", dtype=dtype)
     with torch.device("meta"):
         model = Bloom(args)

@@ -14,14 +14,26 @@ before pre-empting, kills it outright). Here the agent leaves those signals alon
   newest), and the launcher exits 1.
 
 The workers are this process's children (torchrun starts each in its own session, so a signal
-sent to the launcher's process group reaches them only through here).
+sent to the launcher's process group reaches them only through here). Two more contracts bind
+them to this process, through the environment it gives them:
+
+- workers die with their launcher: each watches its parent (`exit_with_launcher`) and exits at
+  once when this process is gone (`kill -9` of it, or of its process group), so no orphan keeps
+  training and writing checkpoints into a dump folder that a restarted run then shares;
+- an error restarting cannot fix (a configuration, data or checkpoint mistake: bad input, not a
+  crash) is final: the worker hands its one-line message to this process
+  (`report_final_error`), which stops every worker, prints the line once and exits 2 instead
+  of letting torchrun restart the job `--max-restarts` times into the same error. Crashes and
+  lost ranks are restarted as before.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,9 +45,19 @@ _log = get_logger(__name__)
 DEFAULT_GRACE_S = 120.0
 _RESEND_S = 1.0
 
+LAUNCHER_PID_VAR = "BLOOMNATIVE_LAUNCHER_PID"
+"""Set for the workers: the launcher's pid, their parent while it lives."""
+FINAL_ERRORS_VAR = "BLOOMNATIVE_FINAL_ERRORS"
+"""Set for the workers: the folder where a worker leaves its final error's message."""
+FINAL_ERROR_SIGNAL = signal.SIGUSR2
+"""What a worker sends the launcher once its final error's message is written."""
+_WATCH_S = 0.5
+_KILL_WAIT_S = 5.0
 
-def children(pid: int) -> list[int]:
-    """The live (not zombie) processes whose parent is `pid`, by ascending pid (Linux /proc)."""
+
+def children(pid: int, zombies: bool = False) -> list[int]:
+    """The live (and with `zombies`, the ended but not yet reaped) processes whose parent is
+    `pid`, by ascending pid (Linux /proc)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -43,9 +65,18 @@ def children(pid: int) -> list[int]:
             state, ppid = stat.read_text().rpartition(")")[2].split()[:2]
         except OSError:
             continue  # exited meanwhile
-        if int(ppid) == pid and state != "Z":
+        if int(ppid) == pid and (zombies or state != "Z"):
             found.append(int(stat.parent.name))
     return sorted(found)
+
+
+def _running(pid: int) -> bool:
+    """Whether child `pid` has not ended yet: not waitable, asked without reaping it (its
+    Popen does that). A killed process with threads shows as a zombie before all of them end."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return False
 
 
 def _signal_workers(sig: signal.Signals) -> None:
@@ -100,9 +131,126 @@ class CleanStop:
         os._exit(1)
 
 
+# ---------------------------------------------------------------- the workers' side
+
+
+def _launcher_pid() -> int | None:
+    """The launcher's pid when this process is one of its workers (its child), else None."""
+    pid = os.environ.get(LAUNCHER_PID_VAR, "")
+    return int(pid) if pid.isdigit() and int(pid) == os.getppid() else None
+
+
+_watched_launcher: int | None = None
+
+
+def launcher_gone() -> bool:
+    """In a worker that `exit_with_launcher` watches: whether its launcher has ended."""
+    return _watched_launcher is not None and os.getppid() != _watched_launcher
+
+
+def exit_with_launcher() -> None:
+    """In a worker: exits this process as soon as its launcher is gone (checked every 0.5 s by
+    a daemon thread; orphaned, the worker's parent becomes another process). Does nothing
+    outside the launcher (a plain `python -m bloomnative.train.main`, or bare torchrun): there
+    nothing says the parent's death should end the run."""
+    global _watched_launcher
+    pid = _watched_launcher = _launcher_pid()
+    if pid is None:
+        return
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(_WATCH_S)
+        print(
+            f"[bloomnative] the launcher (pid {pid}) is gone: this worker (pid {os.getpid()}) "
+            "stops now, without saving",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    threading.Thread(target=watch, name="bloomnative-launcher-watch", daemon=True).start()
+
+
+def report_final_error(line: str) -> bool:
+    """In a worker: hands `line`, the one-line message of an error restarting cannot fix, to the
+    launcher, which prints it once and ends the job with exit code 2. Returns False outside the
+    launcher (the caller prints the line itself)."""
+    pid, folder = _launcher_pid(), os.environ.get(FINAL_ERRORS_VAR, "")
+    if pid is None or not Path(folder).is_dir():
+        return False
+    path = Path(folder) / f"rank-{os.environ.get('RANK', '0')}"
+    partial = path.with_suffix(".partial")
+    partial.write_text(line)
+    partial.rename(path)  # the launcher reads whole messages only
+    os.kill(pid, FINAL_ERROR_SIGNAL)
+    return True
+
+
+# ---------------------------------------------------------------- the launcher's side
+
+
+class FinalWorkerError(Exception):
+    """Raised in the launcher's main thread, inside torchrun's agent, when a worker reports a
+    final error: the agent then stops the workers and returns without a restart."""
+
+
+class FinalErrors:
+    """The launcher's end of `report_final_error`: a folder for the messages and the handler of
+    FINAL_ERROR_SIGNAL."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="bloomnative-final-errors-"))
+        self._raised = False
+
+    def install(self) -> None:
+        """Gives the workers to be started the folder and this process's pid, and catches the
+        signal."""
+        os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
+        os.environ[FINAL_ERRORS_VAR] = str(self.folder)
+        signal.signal(FINAL_ERROR_SIGNAL, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._raised:  # another worker's report: the first one already ends the job
+            return
+        self._raised = True
+        # The others would meet the same error or wait for the reporter in a collective:
+        # killed now, they are not restarted, and the agent has nothing left to stop.
+        workers = children(os.getpid(), zombies=True)
+        _signal_workers(signal.SIGKILL)
+        deadline = time.monotonic() + _KILL_WAIT_S
+        while any(map(_running, workers)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise FinalWorkerError
+
+    def messages(self) -> list[str]:
+        """The distinct messages the workers left, by rank."""
+        files = sorted(self.folder.glob("rank-*[0-9]"), key=lambda p: int(p.name[5:]))
+        return list(dict.fromkeys(p.read_text() for p in files))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _run_torchrun(torchrun, argv: list[str]) -> int:
+    """torchrun with final errors taken care of: 2 after one (its lines printed), else 0."""
+    final = FinalErrors()
+    final.install()
+    try:
+        torchrun(argv)
+    except FinalWorkerError:
+        for line in final.messages():
+            print(line, file=sys.stderr, flush=True)
+        return 2
+    finally:
+        final.remove()
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Exit codes: torchrun's (0: every worker exited 0, as after a clean stop), 1 workers killed
-    at the end of the grace period, 2 a bad --stop-grace-s or BLOOMNATIVE_LOG_* variable."""
+    at the end of the grace period, 2 a bad --stop-grace-s or BLOOMNATIVE_LOG_* variable, or a
+    worker's final error (configuration, data or checkpoint)."""
     try:
         setup_logging(tag="bloomnative launcher", all_to_stderr=True)
     except LogSettingError as e:
@@ -130,17 +278,16 @@ def main(argv: list[str]) -> int:
         _log.info(
             "this torch's torchrun handles SIGTERM itself (--signals-to-handle needs torch 2.9)"
         )
-        torchrun(argv)
-        return 0
+        return _run_torchrun(torchrun, argv)
     stop = CleanStop(grace)
     stop.install()
     try:
-        torchrun([*leave_signals, *argv])
+        code = _run_torchrun(torchrun, [*leave_signals, *argv])
     finally:
         stop.done.set()
-    if stop.first is not None:
+    if stop.first is not None and code == 0:
         _log.info(f"stopped cleanly on {stop.first}")
-    return 0
+    return code
 
 
 if __name__ == "__main__":

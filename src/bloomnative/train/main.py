@@ -7,27 +7,36 @@ import sys
 import traceback
 
 from bloomnative.config import Config, ConfigError, parse_args
-from bloomnative.data import IndexedDatasetError
+from bloomnative.data import IndexedDatasetError, SplitError
 from bloomnative.log import get_logger
 from bloomnative.parallel import LayoutError
 from bloomnative.planner import PlanError
 from bloomnative.train.distributed import exit_process
 from bloomnative.train.faults import catch_stop_signals
+from bloomnative.train.launch import exit_with_launcher, launcher_gone, report_final_error
 
 _log = get_logger(__name__)
+
+# The errors of the user's input: restarting the job cannot fix them (the launcher does not).
+_CONFIG_ERRORS = (ConfigError, LayoutError, PlanError)
+_DATA_ERRORS = (IndexedDatasetError, SplitError)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 trained (or stopped on request, with a checkpoint), 2 configuration or data
-    error (reported before any model is built) or a checkpoint.load_step that is missing or fails
-    verification, 1 any other failure (its traceback printed)."""
+    error (reported before any model is built) or a checkpoint that cannot be used (a
+    checkpoint.load_step that is missing or fails verification, a checkpoint.initial_hf folder
+    that cannot be read), 1 any other failure (its traceback printed). Under
+    bloomnative.train.launch an exit 2 is final (the job is not restarted) and its one line is
+    printed by the launcher, once; and the process ends when the launcher does."""
     catch_stop_signals()
+    exit_with_launcher()
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return final_error(f"config error: {e}")
     from bloomnative.checkpoint.checkpointer import BadCheckpointError
+    from bloomnative.interop import CheckpointFormatError
     from bloomnative.train.trainer import Trainer
 
     try:
@@ -35,16 +44,15 @@ def main(argv: list[str] | None = None) -> int:
         trainer.run()
         if trainer.rank == 0 and config.validation.sample_tokens:
             print_sample(config)
-    except (ConfigError, LayoutError, PlanError) as e:  # found before any model is built
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except IndexedDatasetError as e:
-        print(f"data error: {e}", file=sys.stderr)
-        return 2
-    except BadCheckpointError as e:
-        print(f"checkpoint error: {e}", file=sys.stderr)
-        return 2
+    except _CONFIG_ERRORS as e:  # found before any model is built
+        return final_error(f"config error: {e}")
+    except _DATA_ERRORS as e:
+        return final_error(f"data error: {e}")
+    except (BadCheckpointError, CheckpointFormatError) as e:
+        return final_error(f"checkpoint error: {e}")
     except Exception:
+        if launcher_gone():  # a peer stopped with it; the watchdog says so and ends this one
+            return 1
         # A failed rank leaves at once, so that torchrun sees it and stops (or restarts) the
         # job: the peers it was exchanging with fail in turn instead of waiting for it until
         # job.collective_timeout_s, and nothing here waits on them (process-group teardown,
@@ -52,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+def final_error(line: str) -> int:
+    """Reports an error of the user's input (to the launcher, else on stderr); returns 2."""
+    if not report_final_error(line):
+        print(line, file=sys.stderr)
+    return 2
 
 
 def print_sample(config: Config) -> None:

@@ -1,14 +1,21 @@
-"""Checks a run can start, before anything expensive: the config, the parallel layout for the
-world size, the data files, the tokenizer and, with `data.eod_mask_loss`, its EOD. `run_train.sh`
-calls it before launching torchrun:
+"""Checks a run can start, before anything expensive: every mistake in the user's input that a
+worker would otherwise meet is found here, one line, exit code 2. The config, the parallel layout
+for the world size, the data files, the split of every dataset, the tokenizer and, with
+`data.eod_mask_loss`, its EOD, the folders the run writes to, the checkpoint asked for by
+`checkpoint.load_step` and the Hugging Face folder of `checkpoint.initial_hf`. `run_train.sh`
+runs it (in its launcher process, `bloomnative.train.job`) before starting torchrun; alone:
 
     python -m bloomnative.train.preflight --world-size 8 --config configs/X.toml --k=v ...
+
+Relative paths are relative to the current directory, as for the workers.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -19,9 +26,16 @@ from bloomnative.device import pick_device
 from bloomnative.log import get_logger, setup_logging
 from bloomnative.model import BloomArgs
 from bloomnative.parallel import LayoutError
+from bloomnative.planner import PlanError
 from bloomnative.train.run import ResolvedRun, resolve_run
 
 _log = get_logger(__name__)
+
+
+def _missing(path: Path) -> str:
+    """`path` does not exist, said with the folder a relative path was looked up in."""
+    where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+    return f"{path} does not exist{where}"
 
 
 def check_data_files(config: Config) -> None:
@@ -33,18 +47,26 @@ def check_data_files(config: Config) -> None:
             path = Path(entry.prefix + suffix)
             if not path.is_file():
                 raise ConfigError(
-                    f"data.blend: {path} does not exist (prefix {entry.prefix!r}); make it with "
+                    f"data.blend: {_missing(path)} (prefix {entry.prefix!r}); make it with "
                     f"tools/preprocess_data.py or fix the path"
                 )
 
 
-def check_data(config: Config, args: BloomArgs) -> str:
+def check_data(config: Config, run: ResolvedRun) -> str:
     """Opens the tokenizer and every dataset of the blend as training will, reading the whole
-    index and token stream (`check_indexed_dataset`; its cost is in docs/data.md): a corrupt or
-    mismatched file is reported here, naming it, instead of failing inside a rank. Returns what
-    was checked, for the log."""
-    from bloomnative.data import check_indexed_dataset, parse_blend, tokenizer_vocab_size
+    index and token stream (`check_indexed_dataset`; its cost is in docs/data.md), and cuts each
+    dataset by `data.split` as the trainer will (`check_gpt_datasets`: each split asked for
+    samples holds tokens in every dataset): a corrupt or mismatched file, or a split that
+    leaves training or validation without data, is reported here, naming it, instead of
+    failing inside a rank. Returns what was checked, for the log."""
+    from bloomnative.data import (
+        check_gpt_datasets,
+        check_indexed_dataset,
+        parse_blend,
+        tokenizer_vocab_size,
+    )
 
+    args = run.model_args
     start = time.perf_counter()
     if config.data.tokenizer:
         try:
@@ -59,10 +81,108 @@ def check_data(config: Config, args: BloomArgs) -> str:
             )
     entries = parse_blend(config.data.blend)
     tokens = sum(check_indexed_dataset(e.prefix, args.vocab_size).num_tokens for e in entries)
+    shaping = run.data
+    try:
+        splits = check_gpt_datasets(
+            config.data.blend,
+            config.data.split,
+            (shaping.train_samples, shaping.valid_samples, 0),
+        )
+    except ValueError as e:
+        raise ConfigError(f"data.split: {e}") from None
     return (
         f"{len(entries)} dataset(s), {tokens:,} tokens checked in "
-        f"{time.perf_counter() - start:.2f} s"
+        f"{time.perf_counter() - start:.2f} s (train/valid/test splits: "
+        f"{'/'.join(f'{t:,}' for t in splits)} tokens)"
     )
+
+
+def check_writable_folder(key: str, folder: Path) -> None:
+    """`folder` is a folder this process can write in, or can be made: its nearest existing
+    ancestor is a writable folder. Nothing is created."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is" if existing == folder else f"would be inside {existing}, which is"
+        raise ConfigError(f"{key}: {folder} {what} a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "" if existing == folder else f" (it would be made inside {existing})"
+        raise ConfigError(f"{key}: {existing} is not writable by this user{what}")
+
+
+def check_output_folders(config: Config, run: ResolvedRun) -> None:
+    """The dump folder, its checkpoint folder and the data cache can be written."""
+    dump = Path(config.job.dump_folder)
+    check_writable_folder("job.dump_folder", dump)
+    if config.checkpoint.enable:
+        check_writable_folder("checkpoint.folder", dump / config.checkpoint.folder)
+    check_writable_folder(
+        "data.cache_dir" if config.data.cache_dir else "job.dump_folder (data cache)",
+        Path(run.data.cache_dir),
+    )
+
+
+def checkpoint_folder(config: Config) -> Path:
+    return Path(config.job.dump_folder) / config.checkpoint.folder
+
+
+def check_load_step(config: Config) -> None:
+    """`checkpoint.load_step` names a complete checkpoint of the dump folder (the workers then
+    verify its checksums)."""
+    from bloomnative.checkpoint.integrity import complete_steps
+
+    c = config.checkpoint
+    if not c.enable or c.load_step < 0:
+        return
+    folder = checkpoint_folder(config)
+    steps = complete_steps(folder)
+    if c.load_step in steps:
+        return
+    held = (
+        f"the complete checkpoints there are steps {', '.join(map(str, steps))}"
+        if steps
+        else "it holds no complete checkpoint"
+    )
+    raise ConfigError(
+        f"checkpoint.load_step = {c.load_step}: no complete checkpoint at "
+        f"{folder / f'step-{c.load_step}'}; {held} (set checkpoint.load_step to one of them, or "
+        "-1 for the newest that verifies)"
+    )
+
+
+def check_initial_hf(hf_dir: str, args: BloomArgs) -> None:
+    """The Hugging Face folder of `checkpoint.initial_hf` is a BLOOM model of the configured
+    shape with its weight files present (read from config.json and the file names; the weights
+    themselves are read by the workers). The trainer runs it too, before loading the folder."""
+    from bloomnative.interop import CheckpointFormatError
+    from bloomnative.interop.hf import bloom_args_from_hf_config, hf_weight_files, read_hf_config
+
+    folder = Path(hf_dir)
+    if not folder.is_dir():
+        raise ConfigError(f"checkpoint.initial_hf: {_missing(folder)} as a folder")
+    try:
+        theirs = bloom_args_from_hf_config(read_hf_config(folder), folder / "config.json")
+        hf_weight_files(folder)
+    except CheckpointFormatError as e:
+        raise ConfigError(f"checkpoint.initial_hf: {e}") from None
+    for key in ("n_layer", "hidden_size", "n_head", "vocab_size"):
+        if getattr(args, key) != getattr(theirs, key):
+            raise ConfigError(
+                f"checkpoint.initial_hf = {hf_dir}: its {key} is {getattr(theirs, key)} but "
+                f"the configured model has {getattr(args, key)}; set model.preset / "
+                f"model.{key} to match"
+            )
+
+
+def _starts_from_initial_hf(config: Config) -> bool:
+    """Whether the trainer would read `checkpoint.initial_hf`: only with no checkpoint to resume."""
+    from bloomnative.checkpoint.integrity import complete_steps
+
+    c = config.checkpoint
+    if not c.initial_hf:
+        return False
+    return not (c.enable and (c.load_step >= 0 or complete_steps(checkpoint_folder(config))))
 
 
 def check_run(config: Config, world_size: int, device: torch.device | str = "cpu") -> ResolvedRun:
@@ -74,33 +194,52 @@ def check_run(config: Config, world_size: int, device: torch.device | str = "cpu
     return run
 
 
-def main(argv: list[str]) -> int:
-    world_size = 1
-    if argv and argv[0].startswith("--world-size"):
-        name, _, value = argv[0].partition("=")
-        argv = argv[1:]
-        if not value:
-            value, argv = argv[0], argv[1:]
-        world_size = int(value)
+def preflight(argv: Sequence[str], world_sizes: Sequence[int]) -> int:
+    """Every check above for the run `argv` (`--config FILE --section.key=value ...`) describes,
+    the layout for each of `world_sizes` (an elastic job's possible sizes); prints the one-line
+    error and returns 2, or logs what was checked and returns 0."""
     try:
         setup_logging(all_to_stderr=True)
-        config = parse_args(argv)
-        run = check_run(config, world_size, pick_device(config.job.device))
-        data = check_data(config, run.model_args)
+        config = parse_args(list(argv))
+        device = pick_device(config.job.device)
+        runs = [check_run(config, world_size, device) for world_size in world_sizes]
+        run = runs[-1]
+        data = check_data(config, run)
+        check_output_folders(config, run)
+        check_load_step(config)
+        if _starts_from_initial_hf(config):
+            check_initial_hf(config.checkpoint.initial_hf, run.model_args)
     except IndexedDatasetError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
-    except (ConfigError, LayoutError, ValueError) as e:
+    except (ConfigError, LayoutError, PlanError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     params = run.model_args.num_params()
+    layouts = ", ".join(r.dims.summary for r in runs)
     _log.info(
         f"preflight ok: {config.model.preset} ({params / 1e6:.1f}M parameters), "
-        f"layout {run.dims.summary}, data: {data}"
+        f"layout {layouts}, data: {data}"
     )
     if run.recompute:
         _log.info(f"preflight: {run.recompute.describe()}")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    world_size = "1"
+    if argv and argv[0].startswith("--world-size"):
+        _, eq, world_size = argv[0].partition("=")
+        argv = argv[1:]
+        if not eq:
+            world_size, argv = (argv[0], argv[1:]) if argv else ("", [])
+    if not (world_size.isascii() and world_size.isdigit() and int(world_size) > 0):
+        print(
+            f"config error: --world-size {world_size!r}: expected a positive integer",
+            file=sys.stderr,
+        )
+        return 2
+    return preflight(argv, [int(world_size)])
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from bloomnative.train.matmul_precision import apply_tf32
 from bloomnative.train.metrics import MetricsLogger, PeakMemory, Throughput, device_peak_tflops
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
-from bloomnative.train.preflight import check_data_files
+from bloomnative.train.preflight import check_data_files, check_initial_hf
 from bloomnative.train.profiling import StepProfiler
 from bloomnative.train.run import resolve_run
 from bloomnative.train.spikes import (
@@ -341,15 +341,8 @@ class Trainer:
         """Continued pretraining: every rank reads the Hugging Face folder and keeps its shard."""
         from bloomnative.interop import load_hf_model
 
+        check_initial_hf(hf_dir, self.resolved.model_args)
         source = load_hf_model(hf_dir)
-        mine, theirs = self.resolved.model_args, source.args
-        for key in ("n_layer", "hidden_size", "n_head", "vocab_size"):
-            if getattr(mine, key) != getattr(theirs, key):
-                raise ValueError(
-                    f"checkpoint.initial_hf = {hf_dir}: its {key} is {getattr(theirs, key)} but "
-                    f"the configured model has {getattr(mine, key)}; set model.preset / "
-                    f"model.{key} to match"
-                )
         load_model_state(self.model_parts, model_state([source]), full=True)
         _log.info(f"initial weights from Hugging Face folder {hf_dir}")
 

@@ -127,7 +127,7 @@ def test_head_count_is_required_when_nothing_records_it(tmp_path, hf_folder, cap
     convert_hf.main(["to-native", "--hf", str(hf_folder), "--out", str(native)])
     (native / "bloom_args.json").unlink()
     out = tmp_path / "out"
-    assert convert_hf.main(["to-hf", "--checkpoint", str(native), "--out", str(out)]) == 1
+    assert convert_hf.main(["to-hf", "--checkpoint", str(native), "--out", str(out)]) == 2
     assert "--n-head" in capsys.readouterr().err
     assert not out.exists()
     with pytest.raises(CheckpointFormatError, match="not divisible by n_head=5"):
@@ -136,16 +136,16 @@ def test_head_count_is_required_when_nothing_records_it(tmp_path, hf_folder, cap
 
 def test_errors_are_reported_without_a_traceback(tmp_path, capsys):
     argv = ["to-hf", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x"), "--n-head", "2"]
-    assert convert_hf.main(argv) == 1
+    assert convert_hf.main(argv) == 2
     assert "not a DCP checkpoint folder" in capsys.readouterr().err
-    assert convert_hf.main(["to-native", "--hf", str(tmp_path), "--out", str(tmp_path / "y")]) == 1
+    assert convert_hf.main(["to-native", "--hf", str(tmp_path), "--out", str(tmp_path / "y")]) == 2
     assert "has no config.json" in capsys.readouterr().err
 
 
 def test_to_native_refuses_to_overwrite_without_the_flag(tmp_path, hf_folder, capsys):
     argv = ["to-native", "--hf", str(hf_folder), "--out", str(tmp_path / "native")]
     assert convert_hf.main(argv) == 0
-    assert convert_hf.main(argv) == 1
+    assert convert_hf.main(argv) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert convert_hf.main([*argv, "--overwrite"]) == 0
 

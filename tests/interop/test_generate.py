@@ -106,8 +106,11 @@ def test_bad_arguments_and_paths_are_one_line_errors(tmp_path, capsys):
     (empty_run / "config.toml").write_text("[job]\n")
     code, _, err = run_tool(["--checkpoint", str(empty_run)], capsys)
     assert code == 2 and "no complete checkpoint" in err
-    code, _, err = run_tool(["--checkpoint", str(empty_run), "--top-p", "0"], capsys)
-    assert code == 2 and "top_p must be in (0, 1]" in err
+    for flag, value in [("--top-p", "0"), ("--temperature", "nan"), ("--max-new-tokens", "-1")]:
+        with pytest.raises(SystemExit) as exit_:
+            run_tool(["--checkpoint", str(empty_run), flag, value], capsys)
+        (line,) = capsys.readouterr().err.splitlines()
+        assert exit_.value.code == 2 and line.startswith(f"generate.py: error: argument {flag}: ")
 
 
 def test_the_sample_stops_on_the_eod_token_the_run_trained_with(tmp_path):

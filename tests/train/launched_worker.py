@@ -1,0 +1,18 @@
+"""`python launched_worker.py STARTS final|crash` as torchrun's script under
+bloomnative.train.launch: a worker without a model that appends its rank to the file STARTS
+(one line per start, so restarts are counted), then fails the way `main` fails on a bad input
+(`final`: its one-line report, exit 2) or on a crash (`crash`: exit 1)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+starts, how = sys.argv[1:3]
+with open(starts, "a") as f:
+    f.write(f"{os.environ['RANK']}\n")
+if how == "final":
+    from bloomnative.train.main import final_error  # imported here: a crash needs no torch
+
+    sys.exit(final_error("checkpoint error: checkpoint.load_step = 7: planted by the test"))
+sys.exit(1)

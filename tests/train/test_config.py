@@ -256,3 +256,35 @@ def test_spike_recovery_is_on_in_the_bloom_configs_only():
 def test_spike_settings_that_cannot_work_are_rejected(override, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(["--spikes.enable=true", override])
+
+
+def test_the_written_config_round_trips_any_unicode(tmp_path):
+    # An emoji (beyond U+FFFF: JSON's surrogate pair is not TOML), a control character, quotes,
+    # a backslash and text of other scripts.
+    name = 'run 🌸 of "bloom" \\ 日本語 é\x7f\t'
+    config = parse_args([f"--job.name={name}", "--validation.sample_prompt=Ωmega\n"])
+    written = tmp_path / "config.toml"
+    written.write_bytes(config.to_toml().encode("ascii"))  # any encoding reads it back
+    again = parse_args(["--config", str(written)])
+    assert again == config and again.job.name == name
+
+
+def test_command_line_text_that_is_not_utf8_is_named():
+    # What Python makes of the bytes b"\xff\xfe" in argv (surrogateescape).
+    with pytest.raises(ConfigError, match=r"job.name: 'a\\udcff\\udcfeb' is not valid UTF-8"):
+        parse_args(["--job.name=a\udcff\udcfeb"])
+
+
+def test_a_config_that_is_a_folder_or_not_utf8_is_named(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--config", str(tmp_path)])
+    assert (
+        str(error.value) == f"config file {tmp_path} is a directory; give the path of a .toml file"
+    )
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('[job]\nname = "café"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--config", str(latin1)])
+    assert str(error.value) == (
+        f"{latin1}: not UTF-8 text (byte 0xe9 at offset 17); TOML files are UTF-8"
+    )

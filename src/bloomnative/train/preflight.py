@@ -140,14 +140,15 @@ def check_load_step(config: Config) -> None:
     if c.load_step in steps:
         return
     held = (
-        f"the complete checkpoints there are steps {', '.join(map(str, steps))}"
+        f"the complete checkpoints there are steps {', '.join(map(str, steps))} (set "
+        "checkpoint.load_step to one of them, or -1 for the newest that verifies)"
         if steps
-        else "it holds no complete checkpoint"
+        else f"{folder} holds no complete checkpoint (set checkpoint.load_step = -1 to start "
+        "afresh)"
     )
     raise ConfigError(
         f"checkpoint.load_step = {c.load_step}: no complete checkpoint at "
-        f"{folder / f'step-{c.load_step}'}; {held} (set checkpoint.load_step to one of them, or "
-        "-1 for the newest that verifies)"
+        f"{folder / f'step-{c.load_step}'}; {held}"
     )
 
 

@@ -10,6 +10,7 @@ The logic lives in bloomnative.data.preprocess; this is its command line.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -77,7 +78,12 @@ class Terminated(Exception):
     removes the partial outputs."""
 
 
+_MAIN_PID = os.getpid()
+
+
 def _on_sigterm(signum: int, frame) -> None:
+    if os.getpid() != _MAIN_PID:  # a pool worker, forked before it reset the handler
+        os._exit(128 + signum)
     raise Terminated
 
 

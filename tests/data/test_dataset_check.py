@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bloomnative.data import IndexedDatasetError, check_indexed_dataset
+from bloomnative.data import IndexedDatasetError, build_gpt_datasets, check_indexed_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLED = REPO / "assets" / "pydocs" / "pydocs_text_document"
@@ -71,3 +71,17 @@ def test_a_float_token_stream_is_refused(tmp_path):
     prefix = write_pair(tmp_path / "d", [np.array([1.0, 2.0], np.float32)])
     with pytest.raises(IndexedDatasetError, match=r"d\.idx: token dtype float32 is not an integ"):
         check_indexed_dataset(prefix, vocab_size=10)
+
+
+def test_the_dataset_api_refuses_sizes_that_overrun_the_bin(tmp_path):
+    """Sizes rewritten so that sequence 1 runs 20 tokens past the end of the .bin, while the
+    total, the first pointer and the end of the last sequence still match the file: without
+    preflight, build_gpt_datasets would serve it cut short."""
+    sequences = [np.zeros(0, np.uint16), np.arange(50, dtype=np.uint16), np.ones(10, np.uint16)]
+    prefix = write_pair(tmp_path / "d", sequences, pointers=[0, 60, 100])  # of sizes 30, 20, 10
+    with pytest.raises(IndexedDatasetError) as error:
+        build_gpt_datasets(prefix, "1", seq_len=8, seed=1, num_samples=(4, 0, 0))
+    assert str(error.value) == (
+        f"{prefix}.idx: corrupt sequence pointers: sequence 1 starts at byte 60, but the sizes "
+        "before it add up to byte 0"
+    )

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_testing import make_hf_bloom, relative_error, save_hf_bloom, tokens, transformers
+from safetensors.torch import load_file, save_file
 
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.interop import CheckpointFormatError, load_hf_model, load_native_model
@@ -154,3 +155,54 @@ def test_shard_sizes_parse_decimal_and_binary_units():
     assert convert_hf.parse_size("5GB") == 5 * 10**9
     assert convert_hf.parse_size("512MiB") == 512 * 2**20
     assert convert_hf.parse_size("1000") == 1000
+
+
+def _heads_not_dividing(folder: Path) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "n_head": 5}))
+    return folder / "config.json"
+
+
+def _truncated(folder: Path) -> Path:
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return weights
+
+
+def _nan_weight(folder: Path) -> Path:
+    weights = folder / "model.safetensors"
+    state = load_file(weights)
+    state["transformer.h.1.mlp.dense_h_to_4h.weight"][3, 5] = float("nan")
+    save_file(state, weights, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (_heads_not_dividing, "hidden_size=96 is not divisible by n_head=5"),
+        (_truncated, "not a readable safetensors file: "),
+        (_nan_weight, "transformer.h.1.mlp.dense_h_to_4h.weight holds NaN or infinite values"),
+    ],
+    ids=["n_head does not divide hidden_size", "truncated safetensors", "NaN weight"],
+)
+def test_a_broken_hugging_face_folder_is_one_line_naming_the_file(
+    tmp_path, hf_folder, capsys, damage, problem
+):
+    named = damage(hf_folder)
+    out = tmp_path / "native"
+    assert convert_hf.main(["to-native", "--hf", str(hf_folder), "--out", str(out)]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert line.startswith(f"[convert_hf] error: {named}: ") and problem in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--n-head", "0"), ("--max-shard-size", "0"), ("--bos-token-id", "-1")]
+)
+def test_a_bad_flag_is_one_line_naming_it(tmp_path, capsys, flag, value):
+    argv = ["to-hf", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "out"), flag, value]
+    with pytest.raises(SystemExit) as exit_:
+        convert_hf.main(argv)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and line.startswith(f"convert_hf.py to-hf: error: argument {flag}")

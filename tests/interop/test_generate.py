@@ -5,6 +5,7 @@ by save_pretrained_hf), against transformers' own generate for greedy decoding."
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 
 import pytest
@@ -130,3 +131,25 @@ def test_a_sample_that_cannot_be_made_is_reported_not_raised(fsdp_run, tmp_path,
     config.write_text(re.sub(r'tokenizer = ".*"', f'tokenizer = "{pydocs}"', config.read_text()))
     print_final_sample(copy, "The list type", 8, seed=0)
     assert "[bloomnative] no sample: the prompt has token ids up to" in capsys.readouterr().out
+
+
+def test_more_new_tokens_than_the_cache_can_hold_is_refused(fsdp_run, capsys):
+    dump, _ = fsdp_run
+    code, out, err = run_tool(["--checkpoint", str(dump), "--max-new-tokens", str(10**12)], capsys)
+    (line,) = err.splitlines()
+    assert code == 2 and out == ""
+    assert line.startswith(f"generate.py: error: --max-new-tokens {10**12}: the KV cache of ")
+    fits = int(line.rsplit("at most ", 1)[1].split()[0])
+    assert 0 < fits < 10**12
+
+
+def test_the_end_of_run_hint_quotes_the_dump_folder_for_the_shell(fsdp_run, tmp_path, capsys):
+    dump, _ = fsdp_run
+    copy = tmp_path / "Bob's run $(date)"
+    shutil.copytree(dump, copy)
+    print_final_sample(copy, SAMPLE_PROMPT, 4, seed=0)
+    quoted = shlex.quote(str(copy))
+    assert quoted != str(copy)
+    assert (
+        f"(more: tools/generate.py --checkpoint {quoted} --prompt ...)" in capsys.readouterr().out
+    )

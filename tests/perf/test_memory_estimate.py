@@ -377,3 +377,26 @@ def test_cli_reports_an_impossible_layout(capsys):
     argv = ["--config", str(REPO / "configs/bloom-1b7.toml"), "--parallelism.tp=3"]
     assert load_tool("estimate_memory").main(argv) == 2
     assert "tp = 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag, value, problem",
+    [
+        ("--device-memory-gib", "-80", "'-80' is not a finite number > 0"),
+        ("--device-memory-gib", "nan", "'nan' is not a finite number > 0"),
+        ("--overhead-gib", "inf", "'inf' is not a finite number >= 0"),
+        ("--fragmentation", "-0.1", "'-0.1' is not a finite number >= 0"),
+        ("--world-size", "0", "'0' is not a whole number >= 1"),
+        (
+            "--json",
+            "/no/such/folder/plan.json",
+            "'/no/such/folder/plan.json': the folder '/no/such/folder' does not exist",
+        ),
+    ],
+)
+def test_cli_refuses_a_bad_flag_in_one_line_naming_it(capsys, flag, value, problem):
+    with pytest.raises(SystemExit) as exit_:
+        load_tool("estimate_memory").main([flag, value])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2
+    assert line == f"estimate_memory.py: error: argument {flag}: {problem} (see --help)"

@@ -76,8 +76,12 @@ def test_every_config_of_every_kernel_fits_sm90_and_attention_uses_wgmma_and_tma
     attention = [
         r for r in compiled if r["kernel"] in ("_flash_alibi_fwd_kernel", "_flash_alibi_bwd_kernel")
     ]
-    variants = {(r["constexprs"]["HEAD_DIM"], r["constexprs"]["DROPOUT"]) for r in attention}
-    assert variants == {(d, p) for d in (64, 80, 96, 128) for p in (False, True)}
+    variants = {
+        (r["constexprs"]["HEAD_DIM"], r["constexprs"]["DROPOUT"], r["constexprs"]["SEGMENTS"])
+        for r in attention
+    }
+    flags = (False, True)
+    assert variants == {(d, p, s) for d in (64, 80, 96, 128) for p in flags for s in flags}
     for r in attention:
         c = r["constexprs"]
         where = f"{r['kernel']} d{c['HEAD_DIM']} {c['BLOCK_M']}x{c['BLOCK_N']}"

@@ -68,7 +68,7 @@ class MTFDataset:
                 f"{pairs.prefix!r}, which has {len(pairs)} pairs"
             )
         capacity = self.seq_len + 1
-        lengths = pairs.pair_lengths()[first:stop]
+        lengths = pairs.pair_lengths(first, stop)
         self.skipped_pairs = int(np.count_nonzero(lengths > capacity))
         if self.skipped_pairs:
             _log.warning(

@@ -55,9 +55,10 @@ class PairDataset:
     def __len__(self) -> int:
         return len(self.targets)
 
-    def pair_lengths(self) -> np.ndarray:
-        """int64 tokens of each pair, input plus target."""
-        return self.inputs.sequence_lengths.astype(np.int64) + self.targets.sequence_lengths
+    def pair_lengths(self, first: int = 0, stop: int | None = None) -> np.ndarray:
+        """int64 tokens of pairs ``[first, stop)``, input plus target."""
+        inputs = self.inputs.sequence_lengths[first:stop].astype(np.int64)
+        return inputs + self.targets.sequence_lengths[first:stop]
 
     def files(self) -> list[str]:
         """The four files, inputs then targets, .bin then .idx."""

@@ -143,7 +143,7 @@ READS = {
 
 def write_inputs(root: Path) -> None:
     """What the docs' placeholders stand for: a user's corpus and tokenizer (the bundled ones)
-    and the inputs of docs/data.md's preprocessing example."""
+    and the inputs of docs/data.md's preprocessing examples (documents, and pairs)."""
     corpus = REPO / "assets" / "pydocs" / "pydocs_text_document"
     tokenizer = REPO / "assets" / "pydocs" / "tokenizer.json"
     (root / "my").mkdir()
@@ -157,6 +157,15 @@ def write_inputs(root: Path) -> None:
     with gzip.open(root / "b.jsonl.gz", "wt") as f:
         f.write("\n".join(lines) + "\n")
     (root / "notes.txt").write_text("A note about dictionaries.\n\nAnother about sets.\n")
+    pairs = [
+        {"inputs": f"Is {i} even?", "targets": "yes" if i % 2 == 0 else "no"} for i in range(9)
+    ]
+    chat = [
+        {"role": "user", "content": "Name a mutable type."},
+        {"role": "assistant", "content": "list"},
+    ]
+    records = [*pairs, {"messages": chat}]
+    (root / "xp3_en.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,10 @@ class SharedWorld:
                 )
         return result
 
+    def results(self) -> dict[str, ScenarioResult]:
+        """Every scenario's `result`, by name (failing on the first that did not end well)."""
+        return {s["name"]: self.result(s["name"]) for s in self.scenarios}
+
     @staticmethod
     def _output(folder: Path, rank: int) -> str:
         parts = []

@@ -169,9 +169,7 @@ def runs(synthetic_corpus, eod_corpus, tmp_path_factory) -> Path:
         for name, overrides in layouts.items():
             argv = [*base, f"--job.dump_folder={out / name}", *overrides]
             world.add(name, TRAIN_LAYOUT, [arg.replace(EOD_CORPUS, eod_corpus) for arg in argv])
-        world.run()
-        for name in layouts:
-            world.result(name)  # fails on the first layout that did not train
+        world.run().results()  # fails on the first layout that did not train
     return out
 
 

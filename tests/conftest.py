@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+import launching
 from training_helpers import (
     SAMPLE_PROMPT,
     TINY_RUN,
@@ -18,6 +19,17 @@ from training_helpers import (
 os.environ["BLOOMNATIVE_PYTHON"] = sys.executable
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test may launch programs (its fixtures' set-up included) only if it is marked
+    `multiprocess` (see launching.py)."""
+    launching.launches_allowed = item.nodeid if item.get_closest_marker("multiprocess") else ""
+    try:
+        yield
+    finally:
+        launching.launches_allowed = None
+
+
 @pytest.fixture(scope="session")
 def synthetic_corpus(tmp_path_factory) -> str:
     """Prefix of a 200-document indexed dataset with a 128-token vocabulary."""
@@ -30,8 +42,8 @@ def synthetic_corpus(tmp_path_factory) -> str:
 def fsdp_run(tmp_path_factory, synthetic_corpus) -> tuple[Path, str]:
     """(dump folder, stdout) of one 2-process FSDP run of 3 steps on the synthetic corpus with
     its word tokenizer, that profiles steps 2-3, prints a sample from its final checkpoint and
-    writes per-rank log files to <dump folder>/logs. Shared by the generation, profiling and
-    logging tests (one torchrun world for all)."""
+    writes per-rank log files to <dump folder>/logs. Shared by the generation, profiling, logging
+    and Hugging Face export tests (one torchrun world for all)."""
     root = tmp_path_factory.mktemp("fsdp_run")
     tokenizer = write_word_tokenizer(root / "tokenizer.json")
     dump = root / "run"

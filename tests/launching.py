@@ -2,8 +2,10 @@
 torchrun world, the environment a launched program gets, running one to its end, starting one in
 the background and waiting on it.
 
-Every test that launches a program goes through here (and is marked `multiprocess`); tests that
-only need what a run leaves behind share their worlds through `world.py`.
+Every test that launches a program goes through here and is marked `multiprocess`, which leaves
+it out of the quick run (`-m "not multiprocess"`): under pytest, a test without the mark that
+launches one fails, saying so (the conftest sets `launches_allowed` for each test). Tests that
+only need what runs leave behind share their worlds (`shared_world.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 # Set by torchrun for its workers; a launched program must not inherit them from the test
 # process (a test run under torchrun, or a worker's leftovers).
 _LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"}
+
+launches_allowed: str | None = None
+"""Outside pytest None (launch freely); under it, the running test's id while it may launch
+(it is marked `multiprocess`), else ""."""
 
 
 def train_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -56,6 +62,7 @@ def run(
 ) -> subprocess.CompletedProcess:
     """Runs `command` to its end with its output captured (`env`: the whole environment,
     `train_env()` when None); `check`: a non-zero exit fails the test with the output."""
+    _refuse_unless_allowed(command)
     proc = subprocess.run(
         list(command),
         env=train_env() if env is None else dict(env),
@@ -77,7 +84,17 @@ def start(
 ) -> subprocess.Popen:
     """Starts `command` in the background (`env` as in `run`); `popen`: subprocess.Popen's
     other arguments (where the output goes, a session of its own)."""
+    _refuse_unless_allowed(command)
     return subprocess.Popen(list(command), env=train_env() if env is None else dict(env), **popen)
+
+
+def _refuse_unless_allowed(command: Sequence[str]) -> None:
+    if launches_allowed == "":
+        raise AssertionError(
+            f"this test launches {' '.join(map(str, command[:4]))} ...: mark it (or the test "
+            "whose set-up launches it) @pytest.mark.multiprocess, which keeps it out of the "
+            "quick run"
+        )
 
 
 def wait_for(

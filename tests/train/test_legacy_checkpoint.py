@@ -52,6 +52,7 @@ def uninterrupted(synthetic_corpus, tmp_path_factory) -> Path:
     return dump
 
 
+@pytest.mark.multiprocess
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("rollback_log", [True, False], ids=["with", "without_rollbacks_json"])
 def test_a_checkpoint_of_the_old_format_resumes_as_the_run_that_never_stopped(

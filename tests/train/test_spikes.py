@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import launching
 from bloomnative.config import SpikesConfig
 from bloomnative.train.spikes import SpikeDetector
-from training_helpers import TINY_RUN, losses_by_step, metric_rows, train_env
+from training_helpers import TINY_RUN, losses_by_step, metric_rows
 
 INJECT = Path(__file__).with_name("inject_spike.py")
 GBS = 8  # TINY_RUN's global batch
@@ -43,13 +43,8 @@ def run(dump: Path, corpus: str, spec: dict, *extra: str) -> subprocess.Complete
         *SPIKES,
         *extra,
     ]
-    return subprocess.run(
-        [sys.executable, str(INJECT), json.dumps(spec), *argv],
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    command = launching.python_command([str(INJECT), json.dumps(spec), *argv])
+    return launching.run(command, timeout=300, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +55,7 @@ def spiked_run(synthetic_corpus, tmp_path_factory) -> Path:
     return dump
 
 
+@pytest.mark.multiprocess
 def test_a_spike_rolls_back_skips_its_data_and_training_goes_on(spiked_run):
     rows = metric_rows(spiked_run)
     rollbacks = [row for row in rows if "rollback" in row]
@@ -82,6 +78,7 @@ def test_a_spike_rolls_back_skips_its_data_and_training_goes_on(spiked_run):
     assert [r["skipped"] for r in recorded["rollbacks"]] == [[48, 80]]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_the_rollback_is_in_tensorboard_and_in_later_checkpoints(spiked_run):
     events = EventAccumulator(str(spiked_run / "tb"))
@@ -92,6 +89,7 @@ def test_the_rollback_is_in_tensorboard_and_in_later_checkpoints(spiked_run):
     assert state["data"]["skipped"] == [(48, 80)]
 
 
+@pytest.mark.multiprocess
 def test_a_restart_right_after_a_rollback_skips_the_same_data(
     spiked_run, synthetic_corpus, tmp_path
 ):
@@ -107,6 +105,7 @@ def test_a_restart_right_after_a_rollback_skips_the_same_data(
     assert not [row for row in metric_rows(tmp_path)[-6:] if "rollback" in row]
 
 
+@pytest.mark.multiprocess
 def test_spikes_after_max_rollbacks_stop_the_run_with_a_message(synthetic_corpus, tmp_path):
     # Every batch from position 48 on spikes: the skip does not help, and the second spike is
     # one more than spikes.max_rollbacks = 1 allows.

@@ -94,7 +94,7 @@ class SharedWorld:
             if not exit_file.is_file():
                 raise AssertionError(
                     f"scenario {name!r} did not finish on rank {rank}: the world exited with "
-                    f"{self.launch.returncode}\n{self._output(folder, rank)}"
+                    f"{self.launch.returncode}{self._ended_by()}\n{self._output(folder, rank)}"
                     f"\nthe launcher's output:\n{self.launch.stderr[-4000:]}"
                 )
             ranks.append(
@@ -116,6 +116,17 @@ class SharedWorld:
     def results(self) -> dict[str, ScenarioResult]:
         """Every scenario's `result`, by name (failing on the first that did not end well)."""
         return {s["name"]: self.result(s["name"]) for s in self.scenarios}
+
+    def _ended_by(self) -> str:
+        """ ", ended by scenario X (exit code C on rank R)", for the first scenario that ended
+        with a code it was not expected to end with."""
+        for scenario in self.scenarios:
+            for exit_file in sorted((self.out / scenario["name"]).glob("rank*.exit")):
+                code = int(exit_file.read_text())
+                if code != scenario["expect"]:
+                    rank = exit_file.stem.removeprefix("rank")
+                    return f", ended by scenario {scenario['name']!r} (exit {code} on rank {rank})"
+        return ""
 
     @staticmethod
     def _output(folder: Path, rank: int) -> str:

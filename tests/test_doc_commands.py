@@ -23,13 +23,13 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+import launching
 from training_helpers import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -267,14 +267,8 @@ class DocRoot:
             (provider,) = [c for c in runnable_commands() if c.matches(*source)]
             self.run(provider)
         run = command.as_run()
-        proc = subprocess.run(
-            ["bash", "-c", "\n".join(["set -eo pipefail", *command.exports, run])],
-            cwd=self.root,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        script = "\n".join(["set -eo pipefail", *command.exports, run])
+        proc = launching.run(["bash", "-c", script], cwd=self.root, env=self.env, check=False)
         if proc.returncode != 0:
             raise AssertionError(
                 f"{command.doc}: {command.text}\nran as: {run}\nexit code {proc.returncode}\n"
@@ -299,6 +293,7 @@ def doc_root(tmp_path_factory) -> DocRoot:
     return DocRoot(root, bin_dir)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("block", shell_blocks(), ids=lambda b: b.id)
 def test_the_commands_of_a_doc_block_run(block, doc_root):
     if reason := block.skip_reason():

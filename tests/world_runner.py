@@ -13,9 +13,10 @@ returns one; the rank's stdout and stderr (the file descriptors, so C++ output t
 DIR/NAME/rank<R>.out and .err, and DIR/NAME/rank<R>.exit gets the exit code once it is done
 (an exception is exit code 1, its traceback on stderr).
 
-A rank whose code is not the scenario's `expect` (default 0) ends the world with that code at
-once, as a failed worker ends a torchrun job: its peers may be waiting for it in a collective.
-In a world of one every scenario runs, whatever the codes.
+The ranks start each scenario together, once every rank has ended the one before. A rank whose
+code is not the scenario's `expect` (default 0) ends the world with that code at once, as a
+failed worker ends a torchrun job: its peers may be waiting for it in a collective. In a world
+of one every scenario runs, whatever the codes.
 
 A trainer releases its process group at the end of its run and the next scenario's trainer
 forms a new one. torchrun's store still holds the previous group's addresses, so each scenario
@@ -31,6 +32,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -89,8 +91,17 @@ def run_scenario(scenario: dict, folder: Path, rank: int) -> int:
             traceback.print_exc()
             code = 1
     code = 0 if code is None else code
-    (folder / f"rank{rank}.exit").write_text(str(code))
+    written = folder / f"rank{rank}.exit.partial"
+    written.write_text(str(code))
+    written.rename(folder / f"rank{rank}.exit")
     return code
+
+
+def wait_for_every_rank(folder: Path, world: int) -> None:
+    """Until every rank has ended the scenario of `folder`: the next one starts together, and
+    a rank that fails in it cannot end the world before the others have recorded this one."""
+    while not all((folder / f"rank{rank}.exit").is_file() for rank in range(world)):
+        time.sleep(0.01)
 
 
 def main() -> None:
@@ -103,6 +114,7 @@ def main() -> None:
         code = run_scenario(scenario, out / scenario["name"], rank)
         if world > 1 and code != scenario.get("expect", 0):
             exit_process(code)
+        wait_for_every_rank(out / scenario["name"], world)
     if dist.is_initialized():  # left by a scenario that keeps it for the next one
         dist.destroy_process_group()
     exit_process(0)

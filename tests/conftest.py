@@ -3,8 +3,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 import launching
+from bloomnative.log import LogSettings, setup_logging
 from training_helpers import (
     SAMPLE_PROMPT,
     TINY_RUN,
@@ -22,12 +24,18 @@ os.environ["BLOOMNATIVE_PYTHON"] = sys.executable
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A test may launch programs (its fixtures' set-up included) only if it is marked
-    `multiprocess` (see launching.py)."""
+    `multiprocess` (see launching.py). What a test's in-process run leaves behind (a trainer's
+    process group, the logging an entry point set up) goes after it, so that the next test
+    starts as a fresh process would, whichever tests ran before (the quick run leaves many
+    out)."""
     launching.launches_allowed = item.nodeid if item.get_closest_marker("multiprocess") else ""
     try:
         yield
     finally:
         launching.launches_allowed = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        setup_logging(LogSettings())
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import launching
 from bloomnative.config import SpikesConfig
 from bloomnative.train.spikes import SpikeDetector
+from shared_world import SharedWorld
 from training_helpers import TINY_RUN, losses_by_step, metric_rows
 
 INJECT = Path(__file__).with_name("inject_spike.py")
@@ -31,8 +32,11 @@ SPIKES = [
 ]
 
 
-def run(dump: Path, corpus: str, spec: dict, *extra: str) -> subprocess.CompletedProcess:
-    argv = [
+TRAIN_WITH_SPIKES = f"{INJECT}:train_with_spikes"
+
+
+def spike_argv(dump: Path, corpus: str, *extra: str) -> list[str]:
+    return [
         *TINY_RUN,
         f"--data.blend={corpus}",
         f"--job.dump_folder={dump}",
@@ -43,16 +47,36 @@ def run(dump: Path, corpus: str, spec: dict, *extra: str) -> subprocess.Complete
         *SPIKES,
         *extra,
     ]
-    command = launching.python_command([str(INJECT), json.dumps(spec), *argv])
-    return launching.run(command, timeout=300, check=False)
+
+
+def run(dump: Path, corpus: str, spec: dict) -> subprocess.CompletedProcess:
+    """The spiking trainer in a process of its own."""
+    command = [str(INJECT), json.dumps(spec), *spike_argv(dump, corpus)]
+    return launching.run(launching.python_command(command), timeout=300, check=False)
 
 
 @pytest.fixture(scope="module")
-def spiked_run(synthetic_corpus, tmp_path_factory) -> Path:
-    dump = tmp_path_factory.mktemp("spiked")
-    proc = run(dump, synthetic_corpus, BAD, "--metrics.tensorboard=true")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return dump
+def runs(synthetic_corpus, tmp_path_factory) -> SharedWorld:
+    """ "spiked" (the BAD window, TensorBoard on) and "endless" (every batch from position 48 on
+    spikes: exit code 1), in one shared world; each dump folder is <world.out>/../<name>."""
+    out = tmp_path_factory.mktemp("spikes")
+    world = SharedWorld(out / "world")
+    spiked = spike_argv(out / "spiked", synthetic_corpus, "--metrics.tensorboard=true")
+    world.add("spiked", TRAIN_WITH_SPIKES, BAD, spiked)
+    world.add(
+        "endless",
+        TRAIN_WITH_SPIKES,
+        {**BAD, "bad_to": 10**9},
+        spike_argv(out / "endless", synthetic_corpus),
+        expect=1,
+    )
+    return world.run()
+
+
+@pytest.fixture(scope="module")
+def spiked_run(runs) -> Path:
+    runs.result("spiked")
+    return runs.out.parent / "spiked"
 
 
 @pytest.mark.multiprocess
@@ -106,14 +130,13 @@ def test_a_restart_right_after_a_rollback_skips_the_same_data(
 
 
 @pytest.mark.multiprocess
-def test_spikes_after_max_rollbacks_stop_the_run_with_a_message(synthetic_corpus, tmp_path):
+def test_spikes_after_max_rollbacks_stop_the_run_with_a_message(runs):
     # Every batch from position 48 on spikes: the skip does not help, and the second spike is
     # one more than spikes.max_rollbacks = 1 allows.
-    proc = run(tmp_path, synthetic_corpus, {**BAD, "bad_to": 10**9})
-    assert proc.returncode != 0
+    proc = runs.result("endless")  # exit code 1
     assert "spikes.max_rollbacks = 1 rollbacks have been made already" in proc.stderr
-    recorded = json.loads((tmp_path / "checkpoints" / "rollbacks.json").read_text())
-    assert len(recorded["rollbacks"]) == 1
+    rollbacks = runs.out.parent / "endless" / "checkpoints" / "rollbacks.json"
+    assert len(json.loads(rollbacks.read_text())["rollbacks"]) == 1
 
 
 def test_the_detector_fires_after_consecutive_spike_steps_only():

@@ -155,6 +155,11 @@ class DataConfig:
     ["0.3", "data/a_text_document", "0.7", "data/b_text_document"]."""
     split: str = "969,30,1"
     """train,valid,test proportions of each dataset's documents."""
+    format: Literal["gpt", "mtf"] = "gpt"
+    """"gpt": pretraining, each prefix one dataset of documents laid end to end. "mtf":
+    multitask fine-tuning as BLOOMZ was made (Megatron-DeepSpeed's finetune_t0.py): each prefix
+    names the pair <prefix>_inputs_document + <prefix>_targets_document, whole pairs are packed
+    into each sample and only target tokens count in the loss (docs/data.md)."""
     tokenizer: str = "assets/pydocs/tokenizer.json"
     """Path to a Hugging Face tokenizers tokenizer.json (its EOD token, sample output)."""
     eod_token: str = ""
@@ -163,6 +168,13 @@ class DataConfig:
     eod_mask_loss: bool = False
     """No loss at positions whose input token is the EOD, i.e. on predicting the first token of
     the next document (Megatron's --eod-mask-loss)."""
+    pad_token: str = ""
+    """With format = "mtf": the token that pads a sample after its last pair, whose labels count
+    in no loss; empty: the tokenizer's pad (its padding settings, else the first of <pad>,
+    <|pad|>, [PAD], <|padding|> it has; BLOOM's is <pad>)."""
+    norm_target_loss: bool = False
+    """With format = "mtf": every target sequence weighs the same in the loss, each of its
+    tokens 1 / its length (Megatron-DeepSpeed's --norm-target-loss), instead of every token."""
     cache_dir: str = ""
     """Where the sample-index arrays are cached; empty: <dump_folder>/data_cache."""
     prefetch: bool = True
@@ -643,6 +655,7 @@ def validate(config: Config) -> None:
     _check(o.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {o.weight_decay}")
     _validate_lr_schedule(s)
     _check(len(config.data.blend) > 0, "data.blend is empty: give at least one dataset prefix")
+    _validate_data_format(config.data)
     _check(config.metrics.log_freq > 0, "metrics.log_freq must be positive")
     _check(
         config.activation_checkpoint.memory_budget_gib >= 0,
@@ -687,6 +700,17 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
         f"checkpoint.load_step must be a step >= 0, or -1 for the newest, got {c.load_step}",
     )
     _check(c.min_free_gib >= 0, f"checkpoint.min_free_gib must be >= 0, got {c.min_free_gib}")
+
+
+def _validate_data_format(data: DataConfig) -> None:
+    if data.format == "mtf":
+        return
+    for key, value in (("norm_target_loss", data.norm_target_loss), ("pad_token", data.pad_token)):
+        _check(
+            not value,
+            f'data.{key} = {value!r} applies only to packed pairs; set data.format = "mtf" '
+            f"or leave data.{key} unset",
+        )
 
 
 def _validate_dropout(config: Config) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -11,9 +11,13 @@ from bloomnative.data.blend_spec import BlendEntry, parse_blend
 from bloomnative.data.blended_dataset import BlendedDataset
 from bloomnative.data.gpt_dataset import GPTDataset
 from bloomnative.data.indexed_dataset import IndexedDataset
+from bloomnative.data.mtf_dataset import MTFDataset
+from bloomnative.data.pair_dataset import PairDataset
 from bloomnative.data.splits import SPLIT_NAMES, SplitError, fraction_range, split_boundaries
 
-Dataset = GPTDataset | BlendedDataset
+Dataset = GPTDataset | MTFDataset | BlendedDataset
+MakeComponent = Callable[[BlendEntry, tuple[int, int], int, str], GPTDataset | MTFDataset]
+"""(blend entry, document range, samples, split name) -> that entry's dataset for the split."""
 
 
 def build_gpt_datasets(
@@ -57,10 +61,14 @@ def build_gpt_datasets(
     """
     entries, indexed = _open_blend(blend, num_samples, weights)
     lengths = (seq_len, valid_seq_len or seq_len, valid_seq_len or seq_len)
-    return tuple(  # type: ignore[return-value]
-        _build_split(entries, indexed, split, i, lengths[i], seed, num_samples[i], cache_dir)
-        for i in range(3)
-    )
+
+    def make(entry: BlendEntry, documents: tuple[int, int], samples: int, name: str):
+        _require_tokens(entry, indexed[entry.prefix], documents, split, name)
+        length = lengths[SPLIT_NAMES.index(name)]
+        return GPTDataset(indexed[entry.prefix], documents, length, samples, seed, cache_dir, name)
+
+    counts = {prefix: len(dataset) for prefix, dataset in indexed.items()}
+    return _build_splits(entries, counts, split, num_samples, make, cache_dir)
 
 
 def check_gpt_datasets(
@@ -74,45 +82,146 @@ def check_gpt_datasets(
     holding tokens in every dataset of the blend. Returns the tokens of each split (train,
     valid, test). Raises as `build_gpt_datasets` does."""
     entries, indexed = _open_blend(blend, num_samples, weights)
+    counts = {prefix: len(dataset) for prefix, dataset in indexed.items()}
     tokens = []
-    for i in range(3):
-        ranges = _split_ranges(entries, indexed, split, i, num_samples[i])
+    for i, name in enumerate(SPLIT_NAMES):
+        ranges = _split_ranges(entries, counts, split, i, num_samples[i])
         tokens.append(
             0
             if ranges is None
             else sum(
-                int(indexed[e.prefix].sequence_lengths[first:stop].sum(dtype=np.int64))
-                for e, (first, stop) in zip(entries, ranges, strict=True)
+                _require_tokens(entry, indexed[entry.prefix], documents, split, name)
+                for entry, documents in zip(entries, ranges, strict=True)
             )
         )
     return tokens[0], tokens[1], tokens[2]
 
 
-def _open_blend(
-    blend: str | list[str], num_samples: tuple[int, int, int], weights: Sequence[float] | None
-) -> tuple[list[BlendEntry], dict[str, IndexedDataset]]:
+def build_mtf_datasets(
+    prefixes: str | list[str],
+    split: str,
+    seq_len: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    weights: Sequence[float] | None = None,
+    cache_dir: str | None = None,
+    *,
+    pad_id: int,
+) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
+    """Train, valid and test datasets of packed (input, target) pairs, ``seq_len + 1`` tokens
+    each (``MTFDataset``: dicts of ``tokens``, ``segment_ids``, ``is_inputs``).
+
+    Each prefix names a pair of datasets, ``<prefix>_inputs_document`` and
+    ``<prefix>_targets_document``. Blends, ``:START:END`` ranges and splits cut the pairs as
+    ``build_gpt_datasets`` cuts documents.
+
+    Args:
+        prefixes: pair prefixes, as ``build_gpt_datasets``' ``blend`` (weights written in, or
+            given apart as ``weights``).
+        split: train,valid,test proportions of each prefix's pairs, e.g. ``"969,30,1"``.
+        seq_len: training sequence length.
+        seed: shuffle seed.
+        num_samples: samples needed per split (0: at least one).
+        weights: one positive weight per prefix.
+        cache_dir: where packing indices are cached (``None``/``""``: built in memory); with a
+            cache under ``torch.distributed`` the call is collective, as for ``build_gpt_datasets``.
+        pad_id: the token that fills each sample after its last pair (``data.pad_token``).
+
+    Returns:
+        ``(train, valid, test)``; a split without pairs is ``None``.
+
+    Raises:
+        IndexedDatasetError: a pair's datasets are missing, malformed or of unequal length.
+        SplitError: a split that is asked for samples has no pairs, or the split string is
+            malformed.
+        ValueError: no pair fits a sample.
+    """
+    _require_three(num_samples)
+    entries = parse_blend(prefixes, weights)
+    pairs = {entry.prefix: PairDataset(entry.prefix) for entry in entries}
+
+    def make(entry: BlendEntry, documents: tuple[int, int], samples: int, name: str):
+        return MTFDataset(
+            pairs[entry.prefix], documents, seq_len, samples, seed, pad_id, cache_dir, name
+        )
+
+    counts = {prefix: len(dataset) for prefix, dataset in pairs.items()}
+    return _build_splits(entries, counts, split, num_samples, make, cache_dir)
+
+
+def check_mtf_datasets(
+    prefixes: str | list[str],
+    split: str,
+    num_samples: tuple[int, int, int],
+    weights: Sequence[float] | None = None,
+) -> tuple[int, int, int]:
+    """The split checks of `build_mtf_datasets` without packing (what preflight runs): the
+    split string, and that each split asked for samples has pairs in every prefix of the blend.
+    Returns the pairs of each split (train, valid, test). Raises as `build_mtf_datasets` does."""
+    _require_three(num_samples)
+    entries = parse_blend(prefixes, weights)
+    counts = {entry.prefix: len(PairDataset(entry.prefix)) for entry in entries}
+    pairs = []
+    for i in range(3):
+        ranges = _split_ranges(entries, counts, split, i, num_samples[i])
+        pairs.append(sum(stop - first for first, stop in ranges or []))
+    return pairs[0], pairs[1], pairs[2]
+
+
+def _require_three(num_samples: tuple[int, int, int]) -> None:
     if len(num_samples) != 3:
         raise ValueError(
             f"num_samples needs one count per split (train, valid, test), got {num_samples}"
         )
+
+
+def _open_blend(
+    blend: str | list[str], num_samples: tuple[int, int, int], weights: Sequence[float] | None
+) -> tuple[list[BlendEntry], dict[str, IndexedDataset]]:
+    _require_three(num_samples)
     entries = parse_blend(blend, weights)
     return entries, {entry.prefix: IndexedDataset(entry.prefix) for entry in entries}
 
 
+def _require_tokens(
+    entry: BlendEntry, dataset: IndexedDataset, documents: tuple[int, int], split: str, name: str
+) -> int:
+    """The tokens of `documents` of `dataset`; SplitError when there are none to sample."""
+    first, stop = documents
+    tokens = int(dataset.sequence_lengths[first:stop].sum(dtype=np.int64))
+    if tokens == 0:
+        raise SplitError(
+            f"the {name} split of {entry.prefix!r} (documents [{first}, {stop}) under split "
+            f"{split!r}) holds no tokens; nothing to sample"
+        )
+    return tokens
+
+
+def _build_splits(
+    entries: list[BlendEntry],
+    counts: dict[str, int],
+    split: str,
+    num_samples: tuple[int, int, int],
+    make: MakeComponent,
+    cache_dir: str | None,
+) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
+    return tuple(  # type: ignore[return-value]
+        _build_split(entries, counts, split, i, num_samples[i], make, cache_dir) for i in range(3)
+    )
+
+
 def _split_ranges(
     entries: list[BlendEntry],
-    indexed: dict[str, IndexedDataset],
+    counts: dict[str, int],
     split: str,
     split_index: int,
     num_samples: int,
 ) -> list[tuple[int, int]] | None:
     """Each dataset's document range of one split; None for a split without documents that no
-    samples are asked of. Raises SplitError for a split asked for samples without documents, a
-    split empty in some datasets of the blend only, and documents without tokens."""
+    samples are asked of. Raises SplitError for a split asked for samples without documents and
+    a split empty in some datasets of the blend only."""
     name = SPLIT_NAMES[split_index]
-    ranges = [
-        _document_range(entry, indexed[entry.prefix], split, split_index) for entry in entries
-    ]
+    ranges = [_document_range(entry, counts[entry.prefix], split, split_index) for entry in entries]
     empty = [
         entry.prefix for entry, (first, stop) in zip(entries, ranges, strict=True) if first >= stop
     ]
@@ -120,7 +229,7 @@ def _split_ranges(
         if num_samples > 0:
             raise SplitError(
                 f"the {name} split is empty: split {split!r} gives it no documents of "
-                f"{_describe(entries, indexed)}, but {num_samples} {name} samples were asked "
+                f"{_describe(entries, counts)}, but {num_samples} {name} samples were asked "
                 f'for; give {name} a larger share of the split (e.g. "949,50,1") or ask for '
                 f"no {name} samples"
             )
@@ -130,45 +239,28 @@ def _split_ranges(
             f"the {name} split of {empty} is empty under split {split!r} while other datasets "
             f"of the blend have {name} documents; give {name} a larger share or drop them"
         )
-    for entry, (first, stop) in zip(entries, ranges, strict=True):
-        if not indexed[entry.prefix].sequence_lengths[first:stop].any():
-            raise SplitError(
-                f"the {name} split of {entry.prefix!r} (documents [{first}, {stop}) under split "
-                f"{split!r}) holds no tokens; nothing to sample"
-            )
     return ranges
 
 
 def _build_split(
     entries: list[BlendEntry],
-    indexed: dict[str, IndexedDataset],
+    counts: dict[str, int],
     split: str,
     split_index: int,
-    seq_len: int,
-    seed: int,
     num_samples: int,
+    make: MakeComponent,
     cache_dir: str | None,
 ) -> Dataset | None:
     name = SPLIT_NAMES[split_index]
-    ranges = _split_ranges(entries, indexed, split, split_index, num_samples)
+    ranges = _split_ranges(entries, counts, split, split_index, num_samples)
     if ranges is None:
         return None
     if len(entries) == 1:
-        return GPTDataset(
-            indexed[entries[0].prefix], ranges[0], seq_len, num_samples, seed, cache_dir, name
-        )
+        return make(entries[0], ranges[0], num_samples, name)
     # Each component needs at most ceil(weight * n) samples: the blend order keeps every
     # count within one sample of its share.
     components = [
-        GPTDataset(
-            indexed[entry.prefix],
-            doc_range,
-            seq_len,
-            math.ceil(entry.weight * num_samples),
-            seed,
-            cache_dir,
-            name,
-        )
+        make(entry, doc_range, math.ceil(entry.weight * num_samples), name)
         for entry, doc_range in zip(entries, ranges, strict=True)
     ]
     weights = [entry.weight for entry in entries]
@@ -178,14 +270,12 @@ def _build_split(
 
 
 def _document_range(
-    entry: BlendEntry, dataset: IndexedDataset, split: str, split_index: int
+    entry: BlendEntry, num_documents: int, split: str, split_index: int
 ) -> tuple[int, int]:
-    first, stop = fraction_range(*entry.doc_range, len(dataset))
+    first, stop = fraction_range(*entry.doc_range, num_documents)
     bounds = split_boundaries(split, stop - first)
     return first + bounds[split_index], first + bounds[split_index + 1]
 
 
-def _describe(entries: Sequence[BlendEntry], indexed: dict[str, IndexedDataset]) -> str:
-    return ", ".join(
-        f"{entry.prefix!r} ({len(indexed[entry.prefix])} documents)" for entry in entries
-    )
+def _describe(entries: Sequence[BlendEntry], counts: dict[str, int]) -> str:
+    return ", ".join(f"{entry.prefix!r} ({counts[entry.prefix]} documents)" for entry in entries)

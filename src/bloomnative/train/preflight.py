@@ -40,8 +40,11 @@ def _missing(path: Path) -> str:
 
 def check_data_files(config: Config) -> None:
     """Every dataset prefix of the blend has its .bin and .idx."""
-    from bloomnative.data import parse_blend
+    from bloomnative.data import check_pair_datasets, parse_blend
 
+    if config.data.format == "mtf":  # <prefix>_inputs_document + <prefix>_targets_document
+        check_pair_datasets(config.data.blend)
+        return
     for entry in parse_blend(config.data.blend):
         for suffix in (".bin", ".idx"):
             path = Path(entry.prefix + suffix)
@@ -55,13 +58,17 @@ def check_data_files(config: Config) -> None:
 def check_data(config: Config, run: ResolvedRun) -> str:
     """Opens the tokenizer and every dataset of the blend as training will, reading the whole
     index and token stream (`check_indexed_dataset`; its cost is in docs/data.md), and cuts each
-    dataset by `data.split` as the trainer will (`check_gpt_datasets`: each split asked for
-    samples holds tokens in every dataset): a corrupt or mismatched file, or a split that
-    leaves training or validation without data, is reported here, naming it, instead of
-    failing inside a rank. Returns what was checked, for the log."""
+    dataset by `data.split` as the trainer will (`check_gpt_datasets`, `check_mtf_datasets`:
+    each split asked for samples holds documents with tokens, or pairs, in every dataset): a
+    corrupt or mismatched file, or a split that leaves training or validation without data, is
+    reported here, naming it, instead of failing inside a rank. Returns what was checked, for
+    the log."""
     from bloomnative.data import (
+        SplitError,
         check_gpt_datasets,
         check_indexed_dataset,
+        check_mtf_datasets,
+        check_pair_datasets,
         parse_blend,
         tokenizer_vocab_size,
     )
@@ -80,20 +87,25 @@ def check_data(config: Config, run: ResolvedRun) -> str:
                 f"{tokenizer_ids} or use the tokenizer the data was made with"
             )
     entries = parse_blend(config.data.blend)
-    tokens = sum(check_indexed_dataset(e.prefix, args.vocab_size).num_tokens for e in entries)
     shaping = run.data
+    asked = (shaping.train_samples, shaping.valid_samples, 0)
     try:
-        splits = check_gpt_datasets(
-            config.data.blend,
-            config.data.split,
-            (shaping.train_samples, shaping.valid_samples, 0),
-        )
-    except ValueError as e:
+        if config.data.format == "mtf":
+            tokens = check_pair_datasets(config.data.blend, args.vocab_size)
+            splits = check_mtf_datasets(config.data.blend, config.data.split, asked)
+            unit = "pairs"
+        else:
+            tokens = sum(
+                check_indexed_dataset(e.prefix, args.vocab_size).num_tokens for e in entries
+            )
+            splits = check_gpt_datasets(config.data.blend, config.data.split, asked)
+            unit = "tokens"
+    except SplitError as e:
         raise ConfigError(f"data.split: {e}") from None
     return (
         f"{len(entries)} dataset(s), {tokens:,} tokens checked in "
         f"{time.perf_counter() - start:.2f} s (train/valid/test splits: "
-        f"{'/'.join(f'{t:,}' for t in splits)} tokens)"
+        f"{'/'.join(f'{t:,}' for t in splits)} {unit})"
     )
 
 

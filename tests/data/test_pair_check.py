@@ -75,7 +75,8 @@ def test_preflight_passes_pairs_and_names_a_broken_pair_in_one_line(pair_prefix,
     assert "preflight ok" in capsys.readouterr().err
     # The default split ("949,50,1") leaves 10 pairs no valid pair; validation asks for some.
     assert _preflight(pair_prefix) == 2
-    assert capsys.readouterr().err.strip().startswith(
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
         "config error: data.split: the valid split is empty: split '949,50,1' gives it no "
         f"documents of '{pair_prefix}' (10 documents)"
     )

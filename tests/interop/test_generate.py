@@ -136,6 +136,7 @@ def test_a_sample_that_cannot_be_made_is_reported_not_raised(fsdp_run, tmp_path,
     assert "[bloomnative] no sample: the prompt has token ids up to" in capsys.readouterr().out
 
 
+@pytest.mark.multiprocess  # the conftest's 2-process run
 def test_more_new_tokens_than_the_cache_can_hold_is_refused(fsdp_run, capsys):
     dump, _ = fsdp_run
     code, out, err = run_tool(["--checkpoint", str(dump), "--max-new-tokens", str(10**12)], capsys)
@@ -146,6 +147,7 @@ def test_more_new_tokens_than_the_cache_can_hold_is_refused(fsdp_run, capsys):
     assert 0 < fits < 10**12
 
 
+@pytest.mark.multiprocess  # the conftest's 2-process run
 def test_the_end_of_run_hint_quotes_the_dump_folder_for_the_shell(fsdp_run, tmp_path, capsys):
     dump, _ = fsdp_run
     copy = tmp_path / "Bob's run $(date)"

@@ -6,74 +6,60 @@ launcher."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from bloomnative.train.job import LaunchSettingError, LaunchSettings
-from training_helpers import (
-    REPO,
-    TINY_RUN,
-    build_synthetic_corpus,
-    flip_bytes,
-    metric_rows,
-    run_training,
-    train_env,
-)
+from launching import logged_rows, python_command, run, start, train_env, wait_for
+from training_helpers import REPO, TINY_RUN, build_synthetic_corpus, flip_bytes, metric_rows
 
 RUN_TRAIN = str(REPO / "run_train.sh")
 LAUNCHED_WORKER = str(Path(__file__).with_name("launched_worker.py"))
 
 
 def run_train_sh(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [RUN_TRAIN, *args],
-        cwd=cwd,
-        env={**train_env(), **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run([RUN_TRAIN, *args], env=train_env(env), cwd=cwd, timeout=300, check=False)
 
 
-@pytest.mark.parametrize(
-    "name, payload",
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["NPROC", "NNODES"])
+def test_a_launcher_variable_is_parsed_never_run_by_the_shell(tmp_path, name):
     # Bash arithmetic runs the command in an array subscript: `$(( NPROC * NNODES ))` did.
-    [("NPROC", "x[$(touch {marker})]"), ("NNODES", "x[$(touch {marker})]"), ("NPROC", "abc")],
-)
-def test_a_launcher_variable_is_parsed_never_run_by_the_shell(tmp_path, name, payload):
     marker = tmp_path / "pwned"
-    value = payload.format(marker=marker)
+    value = f"x[$(touch {marker})]"
     proc = run_train_sh([], tmp_path, **{name: value})
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines() == [
-        f"run_train.sh: {name}={value!r}: expected a whole "
-        + (
-            "number of processes per node, at least 1"
-            if name == "NPROC"
-            else "number of nodes, at least 1, or an elastic range min:max with 1 <= min <= max"
-        )
-    ]
+    expected = {
+        "NPROC": "a whole number of processes per node, at least 1",
+        "NNODES": "a whole number of nodes, at least 1, or an elastic range min:max with "
+        "1 <= min <= max",
+    }
+    assert (proc.returncode, proc.stdout) == (2, "")
+    line = f"run_train.sh: {name}={value!r}: expected {expected[name]}"
+    assert proc.stderr.splitlines() == [line]
     assert not marker.exists()
 
 
 @pytest.mark.parametrize(
     "env, named",
     [
+        ({"NPROC": "abc"}, "NPROC='abc'"),  # was bash's "abc: unbound variable"
         ({"NPROC": "0"}, "NPROC='0'"),  # not parallelism.dp_shard's fault
         ({"NPROC": " 2"}, "NPROC=' 2'"),
         ({"NPROC": "２"}, "NPROC='２'"),  # a digit to int(), not a plain one
         ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS='-1'"),
+        ({"MAX_RESTARTS": "3 "}, "MAX_RESTARTS='3 '"),
         ({"STOP_GRACE_S": "1.5"}, "STOP_GRACE_S='1.5'"),
         ({"STOP_GRACE_S": "0"}, "STOP_GRACE_S='0'"),
         ({"OMP_NUM_THREADS": "all"}, "OMP_NUM_THREADS='all'"),
         ({"NNODES": "0"}, "NNODES='0'"),
         ({"NNODES": "4:2"}, "NNODES='4:2'"),
         ({"NNODES": "2:x"}, "NNODES='2:x'"),
+        ({"NNODES": "1:2:3"}, "NNODES='1:2:3'"),
         ({"NNODES": "2"}, "RDZV_ENDPOINT=''"),
         ({"NNODES": "2", "RDZV_ENDPOINT": "node0;reboot:29500"}, "RDZV_ENDPOINT='node0;reboot"),
     ],
@@ -101,20 +87,22 @@ def test_launcher_variables_become_torchrun_arguments_and_world_sizes():
     single = LaunchSettings.from_env({}, cores=2)
     assert single.torchrun_args() == ["--standalone", "--nproc-per-node=1", "--max-restarts=3"]
     assert single.world_sizes() == [1] and single.omp_threads == 2
+    fixed = LaunchSettings.from_env({"NNODES": "2", "RDZV_ENDPOINT": "[fe80::1]:29500"})
+    assert fixed.torchrun_args()[0] == "--nnodes=2" and fixed.world_sizes() == [2]
 
 
+@pytest.mark.multiprocess
 def test_relative_paths_are_relative_to_the_users_directory(tmp_path):
-    """--config, the data and the dump folder, all relative, found from where the command ran
-    (preflight then stops at the load_step the test asks for, which names what it found)."""
+    """--config, the data and the dump folder, all relative, found from where the command ran,
+    not from the repository (preflight then stops at the load_step the test asks for, which
+    names what it found: a missing load_step is exit 2, as docs/checkpointing.md says)."""
     build_synthetic_corpus(str(tmp_path / "data" / "c_text_document"))
     (tmp_path / "my.toml").write_text(
         '[job]\ndump_folder = "run"\n[data]\nblend = ["data/c_text_document"]\n'
     )
     (tmp_path / "run" / "checkpoints" / "step-3").mkdir(parents=True)
-    proc = run_train_sh(
-        ["--config", "my.toml", *TINY_RUN, "--checkpoint.load_step=4"], tmp_path, NPROC="1"
-    )
-    assert proc.returncode == 2, proc.stderr
+    proc = run_train_sh(["--config", "my.toml", *TINY_RUN, "--checkpoint.load_step=4"], tmp_path)
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
     assert proc.stderr.splitlines() == [
         "config error: checkpoint.load_step = 4: no complete checkpoint at "
         "run/checkpoints/step-4; the complete checkpoints there are steps 3 (set "
@@ -122,24 +110,23 @@ def test_relative_paths_are_relative_to_the_users_directory(tmp_path):
     ]
 
 
-def launch(args: list[str], **env: str) -> subprocess.CompletedProcess:
+def launch(args: list[str], max_restarts: int) -> subprocess.CompletedProcess:
     """bloomnative.train.launch as run_train.sh runs it (torchrun's arguments, then the
-    worker's), on 2 workers allowed 3 restarts."""
-    launcher = [sys.executable, "-m", "bloomnative.train.launch", "--standalone"]
-    torchrun = ["--nproc-per-node=2", "--max-restarts=3", "--monitor-interval=0.05"]
-    return subprocess.run(
-        [*launcher, *torchrun, *args],
-        env={**train_env(), **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    worker's), on 2 workers."""
+    torchrun = [
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.05",
+    ]
+    command = python_command(["-m", "bloomnative.train.launch", *torchrun, *args])
+    return run(command, timeout=300, check=False)
 
 
 @pytest.mark.multiprocess
 def test_a_final_error_ends_the_job_with_its_line_once_and_a_crash_is_restarted(tmp_path):
     starts = tmp_path / "starts"
-    proc = launch([LAUNCHED_WORKER, str(starts), "final"])
+    proc = launch([LAUNCHED_WORKER, str(starts), "final"], max_restarts=3)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [
         "checkpoint error: checkpoint.load_step = 7: planted by the test"
@@ -147,25 +134,26 @@ def test_a_final_error_ends_the_job_with_its_line_once_and_a_crash_is_restarted(
     ranks = starts.read_text().split()
     assert sorted(set(ranks)) == sorted(ranks) and set(ranks) <= {"0", "1"}  # started once
     starts.unlink()
-    proc = launch([LAUNCHED_WORKER, str(starts), "crash"])
+    proc = launch([LAUNCHED_WORKER, str(starts), "crash"], max_restarts=1)
     assert proc.returncode == 1
-    assert sorted(starts.read_text().split()) == ["0"] * 4 + ["1"] * 4  # 1 start + 3 restarts
+    assert sorted(starts.read_text().split()) == ["0", "0", "1", "1"]  # 1 start + 1 restart
 
 
-@pytest.mark.multiprocess
-def test_run_train_sh_reports_a_checkpoint_that_fails_verification_once(tmp_path, synthetic_corpus):
-    """The worker meets it (preflight only sees that the folder exists): exit 2, the one line
-    once, no restart, no traceback."""
-    args = [*TINY_RUN, f"--data.blend={synthetic_corpus}", f"--job.dump_folder={tmp_path}"]
-    run_training([*args, "--training.steps=1"])
-    flip_bytes(next((tmp_path / "checkpoints" / "step-1").glob("*.distcp")))
+@pytest.mark.multiprocess  # the conftest's 2-process run, and 2 workers of run_train.sh
+def test_run_train_sh_reports_a_checkpoint_that_fails_verification_once(fsdp_run, tmp_path):
+    """The workers meet it (preflight only sees that the checkpoint is complete): exit 2, the
+    one line once, no restart, no traceback. The run is resumed as a user would, from the
+    config.toml it wrote."""
+    dump = tmp_path / "run"
+    shutil.copytree(fsdp_run[0], dump)
+    flip_bytes(next((dump / "checkpoints" / "step-3").glob("*.distcp")))
+    args = ["--config", "run/config.toml", "--job.dump_folder=run", "--training.steps=4"]
     started = time.monotonic()
-    proc = run_train_sh([*args, "--training.steps=2", "--checkpoint.load_step=1"], REPO, NPROC="2")
+    proc = run_train_sh([*args, "--checkpoint.load_step=3"], tmp_path, NPROC="2")
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and errors[0].startswith(
-        "checkpoint error: checkpoint.load_step = 1: "
-    ), proc.stderr[-3000:]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("checkpoint error: checkpoint.load_step = 3: ")
     assert "Traceback" not in proc.stderr and time.monotonic() - started < 120
 
 
@@ -184,42 +172,36 @@ def processes_naming(text: str) -> list[str]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "to_group, nproc", [(False, 2), (True, 1)], ids=["the launcher's pid", "its process group"]
-)
-def test_no_worker_outlives_a_killed_launcher(tmp_path, synthetic_corpus, to_group, nproc):
+def test_no_worker_outlives_its_launcher_killed_with_its_process_group(tmp_path, synthetic_corpus):
+    """kill -9 of the launcher's process group (a closed terminal, a scheduler's hard kill):
+    torchrun starts each worker in a session of its own, which the kill does not reach; the
+    workers end with their launcher instead of training and saving on their own."""
+    dump = tmp_path / "run"
     args = [
         *TINY_RUN,
         f"--data.blend={synthetic_corpus}",
-        f"--job.dump_folder={tmp_path}",
+        f"--job.dump_folder={dump}",
         "--training.steps=100000",
         "--lr_scheduler.decay_steps=10",
         "--checkpoint.interval=2",
     ]
-    proc = subprocess.Popen(
-        [RUN_TRAIN, *args],
-        env={**train_env(), "NPROC": str(nproc)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, as a terminal gives it
-    )
-    deadline = time.monotonic() + 180
-    metrics = tmp_path / "metrics.jsonl"
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the run did not start"
-        time.sleep(0.05)
-    if to_group:
-        os.killpg(proc.pid, signal.SIGKILL)
-    else:
-        proc.send_signal(signal.SIGKILL)
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        proc = start(
+            [RUN_TRAIN, *args],
+            env=train_env({"NPROC": "2"}),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,  # its own process group, as a terminal gives it
+        )
+    wait_for(lambda: logged_rows(dump) >= 3, proc, 180, "3 logged steps", log.read_text)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     deadline = time.monotonic() + 20
-    while processes_naming(str(tmp_path)):
-        assert time.monotonic() < deadline, processes_naming(str(tmp_path))
+    while processes_naming(str(dump)):
+        assert time.monotonic() < deadline, processes_naming(str(dump))
         time.sleep(0.1)
-    rows, checkpoints = len(metric_rows(tmp_path)), sorted((tmp_path / "checkpoints").iterdir())
+    rows, checkpoints = len(metric_rows(dump)), sorted((dump / "checkpoints").iterdir())
     time.sleep(3)
-    assert len(metric_rows(tmp_path)) == rows
-    assert sorted((tmp_path / "checkpoints").iterdir()) == checkpoints
+    assert len(metric_rows(dump)) == rows
+    assert sorted((dump / "checkpoints").iterdir()) == checkpoints

@@ -5,7 +5,6 @@ ok" and then the same traceback from every restart of the job.)"""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 
 from bloomnative.data import IndexedDatasetBuilder
 from bloomnative.train.preflight import main as preflight
-from training_helpers import REPO, TINY_RUN, run_training, train_env
+from training_helpers import TINY_RUN, run_training
 
 
 @pytest.fixture
@@ -111,23 +110,16 @@ def test_initial_hf_must_exist_and_have_the_models_shape(tiny, tmp_path, capsys)
     assert preflight(["--world-size=1", *tiny, f"--checkpoint.initial_hf={same}"]) == 0
 
 
-def test_run_train_sh_exits_2_on_a_load_step_that_does_not_exist(tiny, tmp_path):
-    proc = subprocess.run(
-        [str(REPO / "run_train.sh"), *tiny, "--checkpoint.load_step=999"],
-        cwd=tmp_path,
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines() == [
+def test_a_load_step_that_does_not_exist(tiny, tmp_path, capsys):
+    assert preflight(["--world-size=1", *tiny, "--checkpoint.load_step=999"]) == 2
+    assert one_line(capsys) == (
         f"config error: checkpoint.load_step = 999: no complete checkpoint at "
         f"{tmp_path / 'run' / 'checkpoints' / 'step-999'}; {tmp_path / 'run' / 'checkpoints'} "
         "holds no complete checkpoint (set checkpoint.load_step = -1 to start afresh)"
-    ]
+    )
 
 
+@pytest.mark.multiprocess
 def test_a_worker_launched_without_preflight_fails_final_on_an_empty_split(tiny):
     """The same mistake reaching a worker is still a one-line error with the code (2) that the
     launcher does not restart, not a traceback."""

@@ -15,13 +15,13 @@ The logic lives in bloomnative.data.preprocess; this is its command line.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 
 from bloomnative.data.preprocess import (
     BadLineError,
     PreprocessConfig,
+    PreprocessStopped,
     preprocess,
 )
 
@@ -88,20 +88,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class Terminated(Exception):
-    """SIGTERM arrived: unwinds `preprocess` like an error, which ends its worker pool and
-    removes the partial outputs."""
-
-
-_MAIN_PID = os.getpid()
-
-
-def _on_sigterm(signum: int, frame) -> None:
-    if os.getpid() != _MAIN_PID:  # a pool worker, forked before it reset the handler
-        os._exit(128 + signum)
-    raise Terminated
-
-
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 written, 1 a bad input (nothing written), 143 stopped by SIGTERM (its
     workers ended, nothing written)."""
@@ -118,17 +104,22 @@ def main(argv: list[str] | None = None) -> int:
         skip_bad_lines=args.skip_bad_lines,
         log_interval=args.log_interval,
     )
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    # SIGTERM is held pending, and preprocess sees it between chunks (stop_requested).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
-        summary = preprocess(config)
+        summary = preprocess(config, stop_requested=_sigterm_pending)
     except (BadLineError, FileNotFoundError, ValueError) as error:
         print(f"preprocess_data: error: {error}", file=sys.stderr)
         return 1
-    except Terminated:
+    except PreprocessStopped:
         print("preprocess_data: stopped by SIGTERM; nothing was written", file=sys.stderr)
         return 128 + signal.SIGTERM
     print(f"[preprocess] done: {summary.describe()}", file=sys.stderr)
     return 0
+
+
+def _sigterm_pending() -> bool:
+    return signal.SIGTERM in signal.sigpending()
 
 
 if __name__ == "__main__":

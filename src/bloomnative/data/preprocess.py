@@ -38,6 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.pool import AsyncResult
 from typing import TextIO
 
 import numpy as np
@@ -51,6 +52,8 @@ from bloomnative.data.tokenizer import load_tokenizer
 _JSON_LINES_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _CHUNK_RECORDS = 256
 _CHUNK_BYTES = 1 << 20
+# How often a wait for the workers asks `stop_requested`.
+_STOP_POLL_S = 0.1
 _MAX_BAD_LINES_SHOWN = 20
 
 
@@ -100,6 +103,10 @@ class BadLineError(ValueError):
     """An input line that cannot be used (invalid JSON or UTF-8, missing or non-text key)."""
 
 
+class PreprocessStopped(Exception):
+    """`preprocess`'s `stop_requested` asked it to stop: its workers ended, nothing written."""
+
+
 def writes_pairs(json_keys: tuple[str, ...]) -> bool:
     """Whether these keys make pair datasets: exactly ``inputs`` and ``targets``."""
     return sorted(json_keys) == sorted(PAIR_SIDES)
@@ -114,6 +121,7 @@ def preprocess(
     config: PreprocessConfig,
     log: Callable[[str], None] | None = None,
     progress_stream: TextIO | None = None,
+    stop_requested: Callable[[], bool] | None = None,
 ) -> PreprocessSummary:
     """Tokenize ``config.inputs`` into one MMIDIDX dataset per JSON key.
 
@@ -122,9 +130,15 @@ def preprocess(
         log: receives bad-line messages; by default they go to stderr.
         progress_stream: where the progress line goes (default stderr), only if it is a
             terminal.
+        stop_requested: asked once per chunk of input and every 0.1 s while waiting for the
+            workers; once it returns True, the run stops (a signal seen at these points, not
+            raised from a handler at any point: that could land inside multiprocessing's or
+            logging's own code and be lost there, leaving the pool running).
 
     Raises:
         BadLineError: a bad line without ``skip_bad_lines``; nothing is written in that case.
+        PreprocessStopped: ``stop_requested`` returned True; the worker pool has ended and
+            nothing is written.
     """
     if config.workers < 1:
         raise ValueError(f"workers must be at least 1, got {config.workers}")
@@ -159,7 +173,12 @@ def preprocess(
     )
     summary = PreprocessSummary()
     builders: list[IndexedDatasetBuilder] = []
-    encoded = _encode_in_order(_chunks(_read_records(config.inputs)), encoder_args, config.workers)
+    encoded = _encode_in_order(
+        _chunks(_read_records(config.inputs)),
+        encoder_args,
+        config.workers,
+        stop_requested or (lambda: False),
+    )
     try:
         for key in config.json_keys:
             prefix = output_prefix_for(config.output_prefix, key)
@@ -369,8 +388,10 @@ _WORKER_ENCODER: _Encoder | None = None
 
 def _init_worker(args: _EncoderArgs) -> None:
     global _WORKER_ENCODER
-    # The pool ends its workers with SIGTERM: they must not inherit a handler of the parent's.
+    # The pool ends its workers with SIGTERM: they take it as its default, whatever handler or
+    # mask (preprocess_data.py holds SIGTERM pending) the parent had.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     # One thread per worker: the Rust tokenizer would otherwise spread each encode over every
     # core, and N workers would fight over the cores N times over.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -383,19 +404,31 @@ def _encode_in_worker(chunk: list[_Record]) -> list[_Encoded]:
 
 
 def _encode_in_order(
-    chunks: Iterator[list[_Record]], args: _EncoderArgs, workers: int
+    chunks: Iterator[list[_Record]],
+    args: _EncoderArgs,
+    workers: int,
+    stop_requested: Callable[[], bool],
 ) -> Iterator[list[_Encoded]]:
     """Encoded chunks in input order; at most ``4 * workers`` chunks in flight. Even one
-    worker is a separate process, so ``workers`` is the number of cores used."""
+    worker is a separate process, so ``workers`` is the number of cores used. Raises
+    PreprocessStopped (the pool then ends) once `stop_requested` returns True."""
     with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(args,)) as pool:
         # Pool.imap would read the whole input ahead; a window of async calls bounds memory.
         pending: deque = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
             if len(pending) >= 4 * workers:
-                yield pending.popleft().get()
+                yield _result(pending.popleft(), stop_requested)
         while pending:
-            yield pending.popleft().get()
+            yield _result(pending.popleft(), stop_requested)
+
+
+def _result(pending: AsyncResult, stop_requested: Callable[[], bool]) -> list[_Encoded]:
+    while not stop_requested():
+        pending.wait(_STOP_POLL_S)
+        if pending.ready():
+            return pending.get()
+    raise PreprocessStopped("stopped on request; nothing was written")
 
 
 # -- progress ----------------------------------------------------------------------------------

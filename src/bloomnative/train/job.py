@@ -114,13 +114,13 @@ def _node_range(text: str) -> tuple[int, int]:
 def main(argv: list[str]) -> int:
     """Exit codes: those of bloomnative.train.launch; 2 also for a malformed variable or a
     preflight failure (before any worker starts)."""
-    from bloomnative.train import launch, preflight
-
     try:
         settings = LaunchSettings.from_env(cores=len(os.sched_getaffinity(0)))
     except LaunchSettingError as e:
         print(f"run_train.sh: {e}", file=sys.stderr)
         return 2
+    from bloomnative.train import launch, preflight  # torch and the rest: after the check
+
     code = preflight.preflight(argv, settings.world_sizes())
     if code:
         return code

@@ -19,8 +19,10 @@ _log = get_logger(__name__)
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 trained (or stopped on request, with a checkpoint), 2 configuration or data
-    error (reported before any model is built) or a checkpoint.load_step that is missing or fails
-    verification, 1 any other failure (its traceback printed)."""
+    error (reported before any model is built), a dump folder another run is using, or a
+    resume that cannot go on (a checkpoint.load_step that is missing or cannot be loaded, a
+    folder none of whose checkpoints can be, other data settings than the checkpoint's), 1 any
+    other failure (its traceback printed)."""
     catch_stop_signals()
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     from bloomnative.checkpoint.checkpointer import BadCheckpointError
+    from bloomnative.train.run_lock import DumpFolderInUseError
     from bloomnative.train.trainer import Trainer
 
     try:
@@ -43,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BadCheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
+        return 2
+    except DumpFolderInUseError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception:
         # A failed rank leaves at once, so that torchrun sees it and stops (or restarts) the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,6 +156,27 @@ def run_training(
             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def run_train_sh(
+    args: list[str], env: dict[str, str] | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """`./run_train.sh ARGS` as a user runs it, one process, torchrun's restarts off
+    (MAX_RESTARTS=0); `env`: variables added to `train_env()`'s."""
+    return subprocess.run(
+        [str(REPO / "run_train.sh"), *args],
+        env={**train_env(), "MAX_RESTARTS": "0", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def worker_exit_code(proc: subprocess.CompletedProcess) -> int:
+    """The exit code the training worker chose: run_train.sh's, or, where torchrun turned a
+    failed worker into its own exit 1, the worker's code from torchrun's failure report."""
+    reported = re.search(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
+    return int(reported.group(1)) if proc.returncode == 1 and reported else proc.returncode
 
 
 def metric_rows(dump: Path) -> list[dict]:

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from test_spikes import BAD
 from test_spikes import run as run_spiking
 
-from bloomnative.checkpoint.checkpointer import saved_shapes
+from bloomnative.checkpoint import reading
 from training_helpers import losses_by_step
 
 LEGACY = Path(__file__).resolve().with_name("legacy_checkpoint")
@@ -32,12 +31,13 @@ def run(dump: Path, corpus: str) -> subprocess.CompletedProcess:
 
 def entries(checkpoint: Path) -> dict:
     """Every entry of a checkpoint, read whole in this process."""
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    reader = reading.verified_reader(checkpoint)
+    metadata = reader.metadata.state_dict_metadata
     state = {
         key: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
         for key, m in metadata.items()
     }
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    reading.load(state, reader, no_dist=True)
     return state
 
 
@@ -61,7 +61,7 @@ def test_a_checkpoint_of_the_old_format_resumes_as_the_run_that_never_stopped(
     the end (weights, AdamW, data position and windows, learning-rate clock, spike detector,
     RNG) is the uninterrupted run's, entry by entry."""
     old = LEGACY / "checkpoints"
-    assert "train.consumed_samples" in saved_shapes(old / "step-10")
+    assert "train.consumed_samples" in reading.verified_reader(old / "step-10").shapes()
     shutil.copytree(old, tmp_path / "checkpoints")
     if not rollback_log:
         (tmp_path / "checkpoints" / "rollbacks.json").unlink()

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -74,6 +75,10 @@ from bloomnative.model.state import canonical_key, load_model_state, model_state
 _log = get_logger(__name__)
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+# What a failed save raises: DCP gathers the ranks' errors into a CheckpointException, which is
+# a BaseException.
+_WRITE_FAILURES = (Exception, CheckpointException)
 
 # torch 2.11's DefaultStager closes itself at the end of each staging, so it serves one save
 # (pytorch/pytorch#183413, fixed for 2.13): there every async save stages through a new one.
@@ -321,7 +326,7 @@ class Checkpointer:
                 self._complete(step, writer.sums, files or {})
                 check = self._checker.submit(_read_back, self.path(step), writer.sums)
                 self._pending = _PendingSave(step, writer, check)
-        except Exception as e:
+        except _WRITE_FAILURES as e:
             raise CheckpointWriteError(self._write_failure(step, writer, e)) from e
 
     def poll(self, step: int) -> None:
@@ -347,7 +352,7 @@ class Checkpointer:
             problems = pending.check.result()  # raises what a background write raised
             if self.async_mode:  # a synchronous save was completed by `save` itself
                 self._complete(pending.step, pending.writer.sums, pending.files)
-        except Exception as e:
+        except _WRITE_FAILURES as e:
             raise CheckpointWriteError(self._write_failure(pending.step, pending.writer, e)) from e
         _log.debug(
             f"step-{pending.step}: read back this rank's {len(pending.writer.sums)} files: "
@@ -382,11 +387,12 @@ class Checkpointer:
         """One line: which save failed and why, on which disk with how much space left, and
         which checkpoint is the newest intact one."""
         partial = self.folder / f"step-{step}.partial"
+        error = _unwrapped(error)
         os_error = next(iter(writer.write_errors), None) or _os_error_in(error)
         if os_error is not None:
             cause = describe_os_error(os_error)
         else:
-            cause = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+            cause = f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[0]}"
         when = f" (found at step {noticed_at}: it was written in the background)"
         newest = [s for s in complete_steps(self.folder) if s != step]
         intact = (
@@ -604,6 +610,13 @@ def _existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
+
+
+def _unwrapped(error: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's CheckpointException (else `error`)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return next(iter(error.failures.values()))[0]
+    return error
 
 
 def _os_error_in(error: BaseException) -> OSError | None:

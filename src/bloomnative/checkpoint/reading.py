@@ -32,6 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
@@ -175,9 +176,8 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            first_line = str(e).strip().splitlines()[0]
             raise UnsafeCheckpointError(
-                f"entry {fqn!r} is not plain data ({first_line}); not loaded"
+                f"entry {fqn!r} is not plain data ({_what_was_refused(e)}); not loaded"
             ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
@@ -185,16 +185,31 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
+def _what_was_refused(error: pickle.UnpicklingError) -> str:
+    """The line of torch's weights-only error that names what the pickle asked for (the rest
+    is advice to load it in full, which is what must not happen)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "?")
+
+
 def load(state: dict, reader: CheckpointReader, process_group=None, no_dist: bool = False) -> None:
-    """`dcp.load` of `state` through `reader`, non-tensor entries read as plain data."""
+    """`dcp.load` of `state` through `reader`, non-tensor entries read as plain data. Raises
+    UnsafeCheckpointError for an entry that is not (DCP would wrap it with the ranks' other
+    errors)."""
     with _single_process_quiet(no_dist):
-        dcp.load(
-            state,
-            storage_reader=reader,
-            planner=_WeightsOnlyLoadPlanner(),
-            process_group=process_group,
-            no_dist=no_dist,
-        )
+        try:
+            dcp.load(
+                state,
+                storage_reader=reader,
+                planner=_WeightsOnlyLoadPlanner(),
+                process_group=process_group,
+                no_dist=no_dist,
+            )
+        except CheckpointException as e:
+            for error, _ in e.failures.values():
+                if isinstance(error, UnsafeCheckpointError):
+                    raise UnsafeCheckpointError(f"{reader.folder}: {error}") from None
+            raise
 
 
 def verified_reader(folder: Path) -> CheckpointReader:

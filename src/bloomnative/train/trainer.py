@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from bloomnative.checkpoint import checkpointer as ckpt
-from bloomnative.checkpoint.reading import CheckpointReader
+from bloomnative.checkpoint.reading import CheckpointReader, UnsafeCheckpointError
 from bloomnative.checkpoint.run_record import ARGS_FILE, DATA_FILE, model_fields
 from bloomnative.config import Config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets
@@ -347,13 +347,16 @@ class Trainer:
                 self._load_initial_hf(cfg.initial_hf)
             return
         reader = self.checkpointer.reader(step)
-        if ckpt.is_model_only(reader):
-            model = {"model": ckpt.ModelState(self.model_parts)}
-            ckpt.load_components(reader, model, complete=("model",))
-            _log.info(f"initial weights from model-only checkpoint {reader.folder}")
-            return
-        self._check_data_settings(reader)
-        self.load_training_state(reader)
+        try:
+            if ckpt.is_model_only(reader):
+                model = {"model": ckpt.ModelState(self.model_parts)}
+                ckpt.load_components(reader, model, complete=("model",))
+                _log.info(f"initial weights from model-only checkpoint {reader.folder}")
+                return
+            self._check_data_settings(reader)
+            self.load_training_state(reader)
+        except UnsafeCheckpointError as e:
+            raise ckpt.BadCheckpointError(str(e)) from None
         _log.info(f"resumed from {reader.folder} at step {self.step}")
 
     def _fits(self, reader: CheckpointReader) -> str | None:

@@ -20,6 +20,7 @@ from bloomnative.kernels.flash_alibi_attention import (
     flash_alibi_attention_block,
     flash_alibi_attention_block_backward,
     flash_alibi_attention_reference,
+    segment_bounds,
 )
 from bloomnative.kernels.flex_alibi_attention import causal_block_mask, flex_alibi_attention
 from bloomnative.kernels.layer_norm import layer_norm, layer_norm_reference
@@ -45,6 +46,7 @@ __all__ = [
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "poison_outputs",
+    "segment_bounds",
     "use_triton",
     "vocab_parallel_linear_cross_entropy",
 ]

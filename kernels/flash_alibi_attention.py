@@ -96,6 +96,10 @@ _FWD_DROPOUT_CONFIGS = _configs((128, 64, 8, 3), (64, 64, 4, 3))  # + Philox sta
 # smaller key blocks (Triton 3.6 spills 32x128 and 32x64 with 4 warps at head_dim 96 and 128).
 _BWD_CONFIGS_NARROW = _configs((64, 128, 8, 2), (32, 128, 8, 2), (32, 64, 4, 3))  # head_dim <= 80
 _BWD_CONFIGS_WIDE = _configs((16, 128, 8, 2), (32, 64, 8, 3), (64, 64, 8, 2))
+# With segments the masked query loop after the unmasked one holds more registers: Triton 3.6
+# spills the 64-row tiles (64x128 at head_dim 80, 64x64 at 96 and 128), so they leave.
+_BWD_SEGMENTS_CONFIGS_NARROW = _BWD_CONFIGS_NARROW[1:]
+_BWD_SEGMENTS_CONFIGS_WIDE = _BWD_CONFIGS_WIDE[:2]
 _BWD_DROPOUT_CONFIGS = _configs((32, 64, 8, 2))
 # Small tiles for the interpreter, with BLOCK_M != BLOCK_N so the ragged-diagonal code runs.
 _INTERPRETER_FWD = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16})
@@ -181,14 +185,15 @@ def _dropout_keep(seed, b, h, offs_q, k0, threshold, BLOCK_N: tl.constexpr):
 @triton.jit
 def _fwd_kv_loop(
     acc, acc_t, m_i, l_i, q, q_t, k_src, k_src_t, v_src, v_src_t,
-    stride_ks, stride_kd, stride_vs, stride_vd, last_key, col0, slope2, qk_scale, seq_len,
-    seed, drop_threshold, drop_rows, k_offset, b, h, lo, hi,
+    stride_ks, stride_kd, stride_vs, stride_vd, last_key, first_key, col0, slope2, qk_scale,
+    seq_len, seed, drop_threshold, drop_rows, k_offset, b, h, lo, hi,
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
     USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # last_key: per query row, the last key it may see (causal); col0: the key index where the
-    # column term is 0 (the block's first row, shifted by the query-key offset).
+    # last_key: per query row, the last key it may see (causal); first_key: the first (where
+    # its segment starts, with SEGMENTS); col0: the key index where the column term is 0 (the
+    # block's first row, shifted by the query-key offset).
     PAD_D: tl.constexpr = D0 > HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -210,13 +215,19 @@ def _fwd_kv_loop(
             keep = (offs_n < seq_len)[None, :]
             if CAUSAL:
                 keep = keep & (offs_n[None, :] <= last_key[:, None])
+            if SEGMENTS:
+                keep = keep & (offs_n[None, :] >= first_key[:, None])
             s = tl.where(keep, s, float("-inf"))
-        # Every row sees at least one unmasked key in the first block it processes (key 0, as
-        # causal calls have shift >= 0), so m_new is finite and exp2(m_i - m_new) never meets
-        # -inf - -inf.
+        # Without segments every row sees at least one unmasked key in the first block it
+        # processes (key 0, as causal calls have shift >= 0), so m_new is finite and
+        # exp2(m_i - m_new) never meets -inf - -inf. With segments a row whose segment starts
+        # past this block sees none of its keys: its exponents use 0 until it meets its first.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_exp = m_new
+        if SEGMENTS and MASKED:
+            m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_exp[:, None])
+        alpha = tl.exp2(m_i - m_exp)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if DROPOUT:  # the statistics stay those of the full softmax; only the sum over v drops
             keep = _dropout_keep(seed, b, h, drop_rows, start_n + k_offset, drop_threshold, BLOCK_N)
@@ -239,15 +250,15 @@ def _fwd_kv_loop(
 
 @triton.jit
 def _flash_alibi_fwd_kernel(
-    Q, K, V, SLOPES, OUT, LSE, SEED, seq_len, num_heads, qk_scale, drop_threshold, drop_scale,
-    q_offset, k_offset,
+    Q, K, V, SLOPES, OUT, LSE, SEED, QSTART, seq_len, num_heads, qk_scale, drop_threshold,
+    drop_scale, q_offset, k_offset,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,
-    SEQ_BUCKET, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, D0: tl.constexpr,
-    D1: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEQ_BUCKET, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks see the most keys: launch them first
@@ -301,20 +312,43 @@ def _flash_alibi_fwd_kernel(
     else:
         unmasked_hi = full_blocks_end
         hi = seq_len
+    # With segments (causal only) a query sees the keys from its segment's start: key blocks
+    # before the block's first query's start are never visited, those before its last query's
+    # start are masked, the rest up to the diagonal are not. Segment starts never decrease.
+    lo = 0
+    unmasked_lo = 0
+    first_key = last_key  # unused unless SEGMENTS
+    if SEGMENTS:
+        starts = QSTART + b * seq_len
+        first_key = tl.load(starts + offs_m, mask=offs_m < seq_len, other=0) - k_offset
+        last_row = tl.minimum(q0 + BLOCK_M, seq_len) - 1
+        lo = (tl.maximum(tl.load(starts + q0) - k_offset, 0) // BLOCK_N) * BLOCK_N
+        clear = tl.maximum(tl.load(starts + last_row) - k_offset, 0)
+        clear = ((clear + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        unmasked_lo = tl.minimum(tl.maximum(clear, lo), unmasked_hi)
+        acc, acc_t, m_i, l_i = _fwd_kv_loop(
+            acc, acc_t, m_i, l_i, q, q_t, k_src, k_src_t, v_src, v_src_t,
+            stride_ks, stride_kd, stride_vs, stride_vd, last_key, first_key, col0, slope2,
+            qk_scale, seq_len, seed, drop_threshold, drop_rows, k_offset, b, h, lo, unmasked_lo,
+            HEAD_DIM, D0, D1, BLOCK_N, True, CAUSAL, SEGMENTS, DROPOUT, USE_TMA, PRECISION,
+        )  # fmt: skip
     acc, acc_t, m_i, l_i = _fwd_kv_loop(
         acc, acc_t, m_i, l_i, q, q_t, k_src, k_src_t, v_src, v_src_t,
-        stride_ks, stride_kd, stride_vs, stride_vd, last_key, col0, slope2, qk_scale, seq_len,
-        seed, drop_threshold, drop_rows, k_offset, b, h, 0, unmasked_hi,
-        HEAD_DIM, D0, D1, BLOCK_N, False, CAUSAL, DROPOUT, USE_TMA, PRECISION,
+        stride_ks, stride_kd, stride_vs, stride_vd, last_key, first_key, col0, slope2, qk_scale,
+        seq_len, seed, drop_threshold, drop_rows, k_offset, b, h, unmasked_lo, unmasked_hi,
+        HEAD_DIM, D0, D1, BLOCK_N, False, CAUSAL, SEGMENTS, DROPOUT, USE_TMA, PRECISION,
     )  # fmt: skip
     acc, acc_t, m_i, l_i = _fwd_kv_loop(
         acc, acc_t, m_i, l_i, q, q_t, k_src, k_src_t, v_src, v_src_t,
-        stride_ks, stride_kd, stride_vs, stride_vd, last_key, col0, slope2, qk_scale, seq_len,
-        seed, drop_threshold, drop_rows, k_offset, b, h, unmasked_hi, hi,
-        HEAD_DIM, D0, D1, BLOCK_N, True, CAUSAL, DROPOUT, USE_TMA, PRECISION,
+        stride_ks, stride_kd, stride_vs, stride_vd, last_key, first_key, col0, slope2, qk_scale,
+        seq_len, seed, drop_threshold, drop_rows, k_offset, b, h, tl.maximum(lo, unmasked_hi), hi,
+        HEAD_DIM, D0, D1, BLOCK_N, True, CAUSAL, SEGMENTS, DROPOUT, USE_TMA, PRECISION,
     )  # fmt: skip
 
-    inv_l = drop_scale / l_i
+    seen = l_i
+    if SEGMENTS:  # a query whose segment starts past this block's keys sees none: out 0
+        seen = tl.where(l_i > 0.0, l_i, 1.0)
+    inv_l = drop_scale / seen
     o_src = _matrix(o_base, seq_len, stride_os, HEAD_DIM, BLOCK_M, D0, USE_TMA)
     _store_tile(
         o_src, (acc * inv_l[:, None]).to(OUT.dtype.element_ty), q0, 0, seq_len,
@@ -327,7 +361,7 @@ def _flash_alibi_fwd_kernel(
             stride_os, stride_od, HEAD_DIM, BLOCK_M, DT, USE_TMA, False,
         )  # fmt: skip
     # Back from this block's column form to the relative form: subtract m (i - q0) (log2 units).
-    lse2 = m_i + tl.log2(l_i) - slope2 * (offs_m - q0).to(tl.float32)
+    lse2 = m_i + tl.log2(seen) - slope2 * (offs_m - q0).to(tl.float32)  # -inf without keys
     tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, lse2, mask=offs_m < seq_len)
 
 
@@ -379,18 +413,20 @@ def _add_dq(
 @triton.jit
 def _bwd_q_loop(
     dk, dk_t, dv, dv_t, k, k_t, v, v_t, q_src, q_src_t, do_src, do_src_t, dq_dst, dq_dst_t,
-    LSE_ROW, DELTA_ROW, stride_qs, stride_qd, stride_gs, stride_gd,
-    first_row, row0, column, slope2, qk_scale, sm_scale, seq_len,
+    LSE_ROW, DELTA_ROW, QSTART_ROW, stride_qs, stride_qd, stride_gs, stride_gd,
+    first_row, key_pos, row0, column, slope2, qk_scale, sm_scale, seq_len,
     seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, lo, hi,
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, DT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
-    USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
+    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # Works in the transposed [key, query] layout so dk and dv accumulate row-major. Query rows
     # past the end load as zeros with lse = +inf, so their p is exactly 0; key rows past the end
     # are zero, so they add nothing to dq (and their dk, dv rows are never stored). first_row:
-    # per key, the first query row that sees it (causal); row0: the query row where this key
-    # block's column form of the lse needs no correction (n0 shifted by the query-key offset).
+    # per key, the first query row that sees it (causal); key_pos: the keys' global positions,
+    # which a query sees only from its segment's start on (QSTART_ROW, with SEGMENTS); row0: the
+    # query row where this key block's column form of the lse needs no correction (n0 shifted by
+    # the query-key offset).
     PAD_D: tl.constexpr = D0 > HEAD_DIM
     for start_m in tl.range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -421,6 +457,9 @@ def _bwd_q_loop(
         pt = tl.exp2(st * qk_scale + column[:, None] - lse[None, :])
         if MASKED:  # causal diagonal band (exp2 of a masked score may be inf: select, not scale)
             pt = tl.where(offs_m[None, :] >= first_row[:, None], pt, 0.0)
+            if SEGMENTS:
+                starts = tl.load(QSTART_ROW + offs_m, mask=m_ok, other=0)
+                pt = tl.where(starts[None, :] <= key_pos[:, None], pt, 0.0)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # matmul 2: dP^T
         if D1 > 0:
             dpt = tl.dot(v_t, tl.trans(do_t), dpt, input_precision=PRECISION)
@@ -450,7 +489,7 @@ def _bwd_q_loop(
 
 @triton.jit
 def _flash_alibi_bwd_kernel(
-    Q, K, V, SLOPES, DOUT, LSE, DELTA, DQ_ACC, DK, DV, SEED,
+    Q, K, V, SLOPES, DOUT, LSE, DELTA, DQ_ACC, DK, DV, SEED, QSTART, KEND,
     seq_len, num_heads, qk_scale, sm_scale, drop_threshold, drop_scale, q_offset, k_offset,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -458,9 +497,9 @@ def _flash_alibi_bwd_kernel(
     stride_gb, stride_gh, stride_gs, stride_gd,
     stride_dkb, stride_dkh, stride_dks, stride_dkd,
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
-    SEQ_BUCKET, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, D0: tl.constexpr,
-    D1: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEQ_BUCKET, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+    DQ_TMA: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
@@ -523,28 +562,55 @@ def _flash_alibi_bwd_kernel(
     row0 = n0 - shift
     first_row = offs_n - shift
     drop_k0 = n0 + k_offset
+    key_pos = offs_n + k_offset
+    qstart_row = QSTART + b * seq_len
+    # With segments (causal only) a key is seen by the queries up to its segment's end: query
+    # blocks past the last key's end are never visited, those past the first key's end are
+    # masked, the rest (after the causal band) are not. Segment ends never decrease.
+    rows_hi = seq_len
+    clear = seq_len
+    if SEGMENTS:
+        ends = KEND + b * seq_len
+        last_key = tl.minimum(n0 + BLOCK_N, seq_len) - 1
+        rows_hi = tl.maximum(tl.load(ends + last_key) - q_offset, 0)
+        rows_hi = tl.minimum(((rows_hi + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, seq_len)
+        clear = tl.maximum(tl.load(ends + n0) - q_offset, 0)
+        clear = tl.minimum((clear // BLOCK_M) * BLOCK_M, rows_hi)
     if CAUSAL:
         # Query blocks before this key block's first row never see it; those overlapping its
         # diagonal band need the causal mask; everything after sees the whole key block.
         lo = (tl.maximum(row0, 0) // BLOCK_M) * BLOCK_M
         band_end = tl.maximum(row0 + BLOCK_N, 0)
         band_hi = tl.minimum(((band_end + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, seq_len)
+        band_hi = tl.maximum(tl.minimum(band_hi, rows_hi), lo)
         dk, dk_t, dv, dv_t = _bwd_q_loop(
             dk, dk_t, dv, dv_t, k, k_t, v, v_t, q_src, q_src_t, do_src, do_src_t,
-            dq_dst, dq_dst_t, lse_row, delta_row, stride_qs, stride_qd, stride_gs, stride_gd,
-            first_row, row0, column, slope2, qk_scale, sm_scale, seq_len,
+            dq_dst, dq_dst_t, lse_row, delta_row, qstart_row, stride_qs, stride_qd, stride_gs,
+            stride_gd, first_row, key_pos, row0, column, slope2, qk_scale, sm_scale, seq_len,
             seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, lo, band_hi,
-            HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, True, DROPOUT, USE_TMA, DQ_TMA, PRECISION,
+            HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, True, SEGMENTS, DROPOUT, USE_TMA, DQ_TMA,
+            PRECISION,
         )  # fmt: skip
     else:
         band_hi = 0
+    unmasked_hi = tl.maximum(band_hi, clear)
     dk, dk_t, dv, dv_t = _bwd_q_loop(
         dk, dk_t, dv, dv_t, k, k_t, v, v_t, q_src, q_src_t, do_src, do_src_t,
-        dq_dst, dq_dst_t, lse_row, delta_row, stride_qs, stride_qd, stride_gs, stride_gd,
-        first_row, row0, column, slope2, qk_scale, sm_scale, seq_len,
-        seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, band_hi, seq_len,
-        HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, False, DROPOUT, USE_TMA, DQ_TMA, PRECISION,
+        dq_dst, dq_dst_t, lse_row, delta_row, qstart_row, stride_qs, stride_qd, stride_gs,
+        stride_gd, first_row, key_pos, row0, column, slope2, qk_scale, sm_scale, seq_len,
+        seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, band_hi, unmasked_hi,
+        HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, False, SEGMENTS, DROPOUT, USE_TMA, DQ_TMA,
+        PRECISION,
     )  # fmt: skip
+    if SEGMENTS:
+        dk, dk_t, dv, dv_t = _bwd_q_loop(
+            dk, dk_t, dv, dv_t, k, k_t, v, v_t, q_src, q_src_t, do_src, do_src_t,
+            dq_dst, dq_dst_t, lse_row, delta_row, qstart_row, stride_qs, stride_qd, stride_gs,
+            stride_gd, first_row, key_pos, row0, column, slope2, qk_scale, sm_scale, seq_len,
+            seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, unmasked_hi, rows_hi,
+            HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, True, SEGMENTS, DROPOUT, USE_TMA, DQ_TMA,
+            PRECISION,
+        )  # fmt: skip
 
     dk_base = DK + b * stride_dkb + h * stride_dkh
     dv_base = DV + b * stride_dvb + h * stride_dvh
@@ -580,19 +646,18 @@ _fwd_kernels = {
     False: _autotuned(_flash_alibi_fwd_kernel, _FWD_CONFIGS, _INTERPRETER_FWD),
     True: _autotuned(_flash_alibi_fwd_kernel, _FWD_DROPOUT_CONFIGS, _INTERPRETER_FWD),
 }
-_bwd_kernels = {  # (dropout, head_dim > 80)
-    (False, False): _autotuned(
-        _flash_alibi_bwd_kernel, _BWD_CONFIGS_NARROW, _INTERPRETER_BWD, ["DQ_ACC"]
-    ),
-    (False, True): _autotuned(
-        _flash_alibi_bwd_kernel, _BWD_CONFIGS_WIDE, _INTERPRETER_BWD, ["DQ_ACC"]
-    ),
-    (True, False): _autotuned(
-        _flash_alibi_bwd_kernel, _BWD_DROPOUT_CONFIGS, _INTERPRETER_BWD, ["DQ_ACC"]
-    ),
-    (True, True): _autotuned(
-        _flash_alibi_bwd_kernel, _BWD_DROPOUT_CONFIGS, _INTERPRETER_BWD, ["DQ_ACC"]
-    ),
+_BWD_SEARCH_SPACES = {  # (dropout, head_dim > 80, segments)
+    (False, False, False): _BWD_CONFIGS_NARROW,
+    (False, True, False): _BWD_CONFIGS_WIDE,
+    (False, False, True): _BWD_SEGMENTS_CONFIGS_NARROW,
+    (False, True, True): _BWD_SEGMENTS_CONFIGS_WIDE,
+    **{
+        (True, wide, segs): _BWD_DROPOUT_CONFIGS for wide in (False, True) for segs in (False, True)
+    },
+}
+_bwd_kernels = {
+    key: _autotuned(_flash_alibi_bwd_kernel, configs, _INTERPRETER_BWD, ["DQ_ACC"])
+    for key, configs in _BWD_SEARCH_SPACES.items()
 }
 
 
@@ -659,8 +724,10 @@ def _dropout_threshold(dropout_p: float) -> int:
     return math.ceil(dropout_p * (1 << _DROPOUT_BITS))
 
 
-def _seed_or_placeholder(rng_seed: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
-    return rng_seed if rng_seed is not None else fallback  # never read without dropout
+def _placeholder_if_none(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """A kernel's optional tensor argument: its constexpr (DROPOUT, SEGMENTS) says whether it
+    is read; when it is not, any tensor holds its place."""
+    return t if t is not None else placeholder
 
 
 @kernel_op("bloomnative::flash_alibi_attention_fwd")
@@ -675,9 +742,13 @@ def _flash_alibi_fwd(
     rng_seed: torch.Tensor | None,
     q_offset: int = 0,
     k_offset: int = 0,
+    q_segment_start: torch.Tensor | None = None,
+    k_segment_end: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse2): out like q, lse2 fp32 [batch, heads, seq], the log-sum-exp of the
-    relative-form scores in log2 units."""
+    relative-form scores in log2 units. The segment bounds (int32 [batch, seq], global
+    positions; `segment_bounds`) are given together or not at all; the forward reads the
+    queries' starts, the backward also the keys' ends."""
     batch, heads, seq, head_dim = q.shape
     d0, d1 = head_dim_split(head_dim)
     out = empty_like(q)
@@ -691,17 +762,21 @@ def _flash_alibi_fwd(
 
     launch(
         _fwd_kernels[dropout_p > 0], grid, q, k, v, slopes, out, lse,
-        _seed_or_placeholder(rng_seed, slopes), seq, heads, softmax_scale * _LOG2E,
-        _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), q_offset, k_offset,
+        _placeholder_if_none(rng_seed, slopes), _placeholder_if_none(q_segment_start, slopes),
+        seq, heads, softmax_scale * _LOG2E, _dropout_threshold(dropout_p),
+        1.0 / (1.0 - dropout_p), q_offset, k_offset,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), _seq_bucket(seq),
-        CAUSAL=causal, HEAD_DIM=head_dim, D0=d0, D1=d1, DROPOUT=dropout_p > 0,
-        USE_TMA=use_tma, PRECISION=dot_precision(q.dtype),
+        CAUSAL=causal, SEGMENTS=q_segment_start is not None, HEAD_DIM=head_dim, D0=d0, D1=d1,
+        DROPOUT=dropout_p > 0, USE_TMA=use_tma, PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     return out, lse
 
 
 @_flash_alibi_fwd.register_fake
-def _(q, k, v, slopes, causal, softmax_scale, dropout_p, rng_seed, q_offset=0, k_offset=0):
+def _(
+    q, k, v, slopes, causal, softmax_scale, dropout_p, rng_seed, q_offset=0, k_offset=0,
+    q_segment_start=None, k_segment_end=None,
+):  # fmt: skip
     batch, heads, seq, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, heads, seq), dtype=torch.float32)
 
@@ -721,6 +796,8 @@ def _flash_alibi_bwd(
     rng_seed: torch.Tensor | None,
     q_offset: int = 0,
     k_offset: int = 0,
+    q_segment_start: torch.Tensor | None = None,
+    k_segment_end: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv); dk and dv are laid out like k and v, dq is contiguous."""
     batch, heads, seq, head_dim = q.shape
@@ -743,14 +820,15 @@ def _flash_alibi_bwd(
         return (triton.cdiv(seq, meta["BLOCK_N"]), batch * heads)
 
     launch(
-        _bwd_kernels[(dropout_p > 0, head_dim > 80)], grid,
+        _bwd_kernels[(dropout_p > 0, head_dim > 80, q_segment_start is not None)], grid,
         q, k, v, slopes, grad_out, lse, delta, dq_acc, dk, dv,
-        _seed_or_placeholder(rng_seed, slopes), seq, heads, softmax_scale * _LOG2E,
+        _placeholder_if_none(rng_seed, slopes), _placeholder_if_none(q_segment_start, slopes),
+        _placeholder_if_none(k_segment_end, slopes), seq, heads, softmax_scale * _LOG2E,
         softmax_scale, _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), q_offset, k_offset,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-        _seq_bucket(seq), CAUSAL=causal, HEAD_DIM=head_dim, D0=d0, D1=d1,
-        DROPOUT=dropout_p > 0, USE_TMA=use_tma, DQ_TMA=use_tma,
-        PRECISION=dot_precision(q.dtype),
+        _seq_bucket(seq), CAUSAL=causal, SEGMENTS=q_segment_start is not None,
+        HEAD_DIM=head_dim, D0=d0, D1=d1, DROPOUT=dropout_p > 0, USE_TMA=use_tma,
+        DQ_TMA=use_tma, PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     return dq_acc.to(q.dtype), dk, dv
 
@@ -758,7 +836,7 @@ def _flash_alibi_bwd(
 @_flash_alibi_bwd.register_fake
 def _(
     grad_out, q, k, v, out, lse, slopes, causal, softmax_scale, dropout_p, rng_seed,
-    q_offset=0, k_offset=0,
+    q_offset=0, k_offset=0, q_segment_start=None, k_segment_end=None,
 ):  # fmt: skip
     return (
         q.new_empty(q.shape),
@@ -768,25 +846,25 @@ def _(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, slopes, causal, softmax_scale, dropout_p, rng_seed, *offsets = inputs
+    q, k, v, slopes, causal, softmax_scale, dropout_p, rng_seed, q_offset, k_offset, *bounds = (
+        inputs
+    )
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
     ctx.dropout_p = dropout_p
-    ctx.offsets = tuple(offsets)
-    ctx.has_seed = rng_seed is not None
-    saved = (q, k, v, out, lse, slopes) + ((rng_seed,) if rng_seed is not None else ())
-    ctx.save_for_backward(*saved)
+    ctx.offsets = (q_offset, k_offset)
+    ctx.save_for_backward(q, k, v, out, lse, slopes, rng_seed, *bounds)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, slopes, *seed = ctx.saved_tensors
+    q, k, v, out, lse, slopes, rng_seed, *bounds = ctx.saved_tensors
     dq, dk, dv = _flash_alibi_bwd(
         grad_out, q, k, v, out, lse, slopes, ctx.causal, ctx.softmax_scale, ctx.dropout_p,
-        seed[0] if ctx.has_seed else None, *ctx.offsets,
+        rng_seed, *ctx.offsets, *bounds,
     )  # fmt: skip
-    return dq, dk, dv, None, None, None, None, None, *(None for _ in ctx.offsets)
+    return dq, dk, dv, *(None for _ in range(7 + len(bounds)))
 
 
 _flash_alibi_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -847,6 +925,22 @@ def dropout_keep_mask(
     return (bits[..., first : first + k_len] >> 8) >= _dropout_threshold(dropout_p)
 
 
+def segment_bounds(segment_ids: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each token's segment starts and ends: ``(start, end)``, int32 ``[batch, seq]``
+    positions (``offset`` + index; end exclusive) of the run of equal ids in ``segment_ids``
+    ``[batch, seq]`` that holds the token. A segment is a run: ids that repeat after another
+    id begin a new segment."""
+    batch, seq = segment_ids.shape
+    index = torch.arange(seq, device=segment_ids.device).expand(batch, seq)
+    new_run = torch.ones_like(segment_ids, dtype=torch.bool)
+    new_run[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start = torch.where(new_run, index, 0).cummax(dim=1).values
+    run_ends = torch.ones_like(new_run)
+    run_ends[:, :-1] = new_run[:, 1:]
+    end = torch.where(run_ends, index + 1, seq).flip(1).cummin(dim=1).values.flip(1)
+    return (start + offset).to(torch.int32), (end + offset).to(torch.int32)
+
+
 def _alibi_scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -855,9 +949,11 @@ def _alibi_scores(
     scale: float,
     q_offset: int,
     k_offset: int,
+    q_segment_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``scale q.k + slope (key position - query position)``, -inf where a causal query may not
-    see the key, in fp32 (float64 for float64 inputs): ``[batch, heads, q_len, k_len]``."""
+    see the key (after it, or before its segment's start), in fp32 (float64 for float64
+    inputs): ``[batch, heads, q_len, k_len]``."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     q_pos = torch.arange(q_offset, q_offset + q.shape[-2], device=q.device)
     k_pos = torch.arange(k_offset, k_offset + k.shape[-2], device=q.device)
@@ -866,6 +962,9 @@ def _alibi_scores(
     scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) * scale + bias
     if causal:
         scores = scores.masked_fill(distance > 0, float("-inf"))
+    if q_segment_start is not None:
+        before_segment = k_pos[None, None, :] < q_segment_start.to(q.device)[:, :, None]
+        scores = scores.masked_fill(before_segment[:, None], float("-inf"))
     return scores
 
 
@@ -881,15 +980,17 @@ def flash_alibi_attention_reference(
     rng_seed: torch.Tensor | None = None,
     q_offset: int = 0,
     k_offset: int = 0,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch ALiBi attention, same contract as :func:`flash_alibi_attention` (dropout
-    included: the same elements are dropped for the same seed).
+    and segments included: the same elements are dropped for the same seed).
 
     Materializes the [batch, heads, seq, seq] scores in fp32 (float64 inputs stay float64): the
     portable CPU path and the test oracle, not something to run at seq 2048 on a GPU.
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    scores = _alibi_scores(q, k, slopes, causal, scale, q_offset, k_offset)
+    starts = segment_bounds(segment_ids, q_offset)[0] if segment_ids is not None else None
+    scores = _alibi_scores(q, k, slopes, causal, scale, q_offset, k_offset, starts)
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0:
         seed = rng_seed if rng_seed is not None else _draw_seed(q.device)
@@ -970,6 +1071,27 @@ def _check_inputs(
             )
 
 
+def _check_segment_bounds(
+    name: str, q: torch.Tensor, causal: bool, bounds: tuple[torch.Tensor | None, ...]
+) -> None:
+    """Segment bounds are int32 ``[batch, seq]`` on q's device, all given or none, with causal
+    attention (a segment's tokens see its earlier tokens: packed documents)."""
+    given = [t for t in bounds if t is not None]
+    if not given:
+        return
+    if len(given) != len(bounds):
+        raise ValueError(f"{name}: q_segment_start and k_segment_end go together")
+    if not causal:
+        raise ValueError(f"{name}: segments are supported with causal attention only")
+    for t in given:
+        if t.shape != q.shape[:1] + q.shape[2:3] or t.dtype != torch.int32 or t.device != q.device:
+            raise ValueError(
+                f"{name}: segment bounds must be int32 [batch, seq] = {[q.shape[0], q.shape[2]]} "
+                f"on {q.device} (segment_bounds makes them), got {t.dtype} {list(t.shape)} on "
+                f"{t.device}"
+            )
+
+
 def flash_alibi_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -982,6 +1104,7 @@ def flash_alibi_attention(
     rng_seed: torch.Tensor | None = None,
     q_offset: int = 0,
     k_offset: int = 0,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention with BLOOM's ALiBi bias, FlashAttention style (no seq x seq tensor).
 
@@ -1003,6 +1126,11 @@ def flash_alibi_attention(
             mask and the dropout draws of its place in the whole: query row i is position
             ``q_offset + i``, key row j position ``k_offset + j``. Causal needs
             ``q_offset >= k_offset``; dropout a ``k_offset`` that is a multiple of 4.
+        segment_ids: ``[batch, seq]`` integers, with causal attention and ``q_offset ==
+            k_offset``: packed sequences. A segment is a run of equal ids; a token attends only
+            to the earlier tokens of its own segment. Key blocks wholly before a query block's
+            segments are never visited, so many short segments cost less than one causal
+            sequence. ALiBi is relative, so no position resets.
 
     Returns:
         ``[batch, heads, seq, head_dim]`` in q's dtype (and, when possible, q's memory layout).
@@ -1010,23 +1138,33 @@ def flash_alibi_attention(
     Runs the Triton kernels on CUDA tensors (or under ``TRITON_INTERPRET=1``), otherwise
     :func:`flash_alibi_attention_reference`. Differentiable in q, k and v.
     """
-    _check_inputs(
-        "flash_alibi_attention", q, k, v, slopes, causal, dropout_p, rng_seed, q_offset, k_offset
-    )
+    name = "flash_alibi_attention"
+    _check_inputs(name, q, k, v, slopes, causal, dropout_p, rng_seed, q_offset, k_offset)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     if dropout_p == 0.0:
         rng_seed = None
     elif rng_seed is None:
         rng_seed = _draw_seed(q.device)
+    bounds: tuple[torch.Tensor, ...] = ()
+    if segment_ids is not None:
+        if segment_ids.shape != q.shape[:1] + q.shape[2:3] or q_offset != k_offset:
+            raise ValueError(
+                f"{name}: segment_ids must be [batch, seq] = {[q.shape[0], q.shape[2]]} for "
+                f"queries and keys at the same positions, got {list(segment_ids.shape)} "
+                f"(q_offset {q_offset}, k_offset {k_offset})"
+            )
+        bounds = segment_bounds(segment_ids.to(q.device), q_offset)
+        _check_segment_bounds(name, q, causal, bounds)
     if not use_triton(q) or q.numel() == 0:
         return flash_alibi_attention_reference(
             q, k, v, slopes, causal, scale, dropout_p=dropout_p, rng_seed=rng_seed,
-            q_offset=q_offset, k_offset=k_offset,
+            q_offset=q_offset, k_offset=k_offset, segment_ids=segment_ids,
         )  # fmt: skip
     slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous()
     out, _ = _flash_alibi_fwd(
-        q, k, v, slopes, causal, float(scale), float(dropout_p), rng_seed, q_offset, k_offset
-    )
+        q, k, v, slopes, causal, float(scale), float(dropout_p), rng_seed, q_offset, k_offset,
+        *bounds,
+    )  # fmt: skip
     return out
 
 
@@ -1042,6 +1180,8 @@ def flash_alibi_attention_block(
     k_offset: int,
     dropout_p: float = 0.0,
     rng_seed: torch.Tensor | None = None,
+    q_segment_start: torch.Tensor | None = None,
+    k_segment_end: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block of a longer attention (ring attention): the queries at ``q_offset`` against
     the keys at ``k_offset`` only, as :func:`flash_alibi_attention` with the same arguments.
@@ -1051,22 +1191,30 @@ def flash_alibi_attention_block(
     by which blocks of the same queries merge. Not differentiable: the gradient of the merged
     result comes from :func:`flash_alibi_attention_block_backward` per block. With dropout,
     ``rng_seed`` is required (every block of one attention passes the same seed).
+
+    Packed sequences: ``q_segment_start`` (where each query's segment starts) and
+    ``k_segment_end`` (where each key's ends), int32 ``[batch, seq]`` global positions of the
+    whole sequence (:func:`segment_bounds`), the keys' travelling with k and v around a ring.
+    A query that sees no key of this block gets ``out`` 0 and ``lse2`` -inf (weight 0 when
+    blocks merge).
     """
-    _check_inputs(
-        "flash_alibi_attention_block", q, k, v, slopes, causal, dropout_p, rng_seed,
-        q_offset, k_offset,
-    )  # fmt: skip
+    name = "flash_alibi_attention_block"
+    _check_inputs(name, q, k, v, slopes, causal, dropout_p, rng_seed, q_offset, k_offset)
     _check_block_seed(dropout_p, rng_seed)
+    bounds = (q_segment_start, k_segment_end)
+    _check_segment_bounds(name, q, causal, bounds)
     if not use_triton(q) or q.numel() == 0:
         return alibi_attention_block_reference(
             q, k, v, slopes, causal=causal, softmax_scale=softmax_scale, q_offset=q_offset,
             k_offset=k_offset, dropout_p=dropout_p, rng_seed=rng_seed,
+            q_segment_start=q_segment_start,
         )  # fmt: skip
     slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous()
     seed = rng_seed if dropout_p > 0 else None
     return _flash_alibi_fwd(
-        q, k, v, slopes, causal, float(softmax_scale), float(dropout_p), seed, q_offset, k_offset
-    )
+        q, k, v, slopes, causal, float(softmax_scale), float(dropout_p), seed, q_offset, k_offset,
+        *bounds,
+    )  # fmt: skip
 
 
 def flash_alibi_attention_block_backward(
@@ -1084,22 +1232,28 @@ def flash_alibi_attention_block_backward(
     k_offset: int,
     dropout_p: float = 0.0,
     rng_seed: torch.Tensor | None = None,
+    q_segment_start: torch.Tensor | None = None,
+    k_segment_end: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients of a merged attention: ``out`` and ``lse2`` are
     those of the whole (merged over every block of these queries), so the probabilities
     recomputed here are the whole softmax's. Returns ``(dq, dk, dv)`` in the inputs' dtype: dq
-    to be summed over the blocks of these queries, dk and dv over the blocks of these keys."""
+    to be summed over the blocks of these queries, dk and dv over the blocks of these keys.
+    The segment bounds are those given to the block's forward."""
     _check_block_seed(dropout_p, rng_seed)
+    bounds = (q_segment_start, k_segment_end)
+    _check_segment_bounds("flash_alibi_attention_block_backward", q, causal, bounds)
     if not use_triton(q) or q.numel() == 0:
         return alibi_attention_block_backward_reference(
             grad_out, q, k, v, out, lse2, slopes, causal=causal, softmax_scale=softmax_scale,
             q_offset=q_offset, k_offset=k_offset, dropout_p=dropout_p, rng_seed=rng_seed,
+            q_segment_start=q_segment_start,
         )  # fmt: skip
     slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous()
     seed = rng_seed if dropout_p > 0 else None
     return _flash_alibi_bwd(
         grad_out, q, k, v, out, lse2.contiguous(), slopes, causal, float(softmax_scale),
-        float(dropout_p), seed, q_offset, k_offset,
+        float(dropout_p), seed, q_offset, k_offset, *bounds,
     )  # fmt: skip
 
 
@@ -1123,13 +1277,15 @@ def alibi_attention_block_reference(
     k_offset: int,
     dropout_p: float = 0.0,
     rng_seed: torch.Tensor | None = None,
+    q_segment_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`flash_alibi_attention_block` in torch ops with an explicit bias block: the
     ``[batch, heads, q_len, k_len]`` scores with ALiBi at the blocks' positions, in fp32 (float64
-    for float64 inputs, whose lse2 is then float64 too)."""
-    scores = _alibi_scores(q, k, slopes, causal, softmax_scale, q_offset, k_offset)
+    for float64 inputs, whose lse2 is then float64 too). A query that sees no key of the block
+    gets out 0 and lse2 -inf, as from the kernel."""
+    scores = _alibi_scores(q, k, slopes, causal, softmax_scale, q_offset, k_offset, q_segment_start)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None])
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(nan=0.0)  # -inf - -inf: no key
     if dropout_p > 0:
         keep = dropout_keep_mask(rng_seed, tuple(scores.shape), dropout_p, q_offset, k_offset)
         probs = probs * keep / (1.0 - dropout_p)
@@ -1152,10 +1308,11 @@ def alibi_attention_block_backward_reference(
     k_offset: int,
     dropout_p: float = 0.0,
     rng_seed: torch.Tensor | None = None,
+    q_segment_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`flash_alibi_attention_block_backward` in torch ops (the softmax backward with the
     merged statistics: ``dS = P (dP - rowsum(dO * O))``)."""
-    scores = _alibi_scores(q, k, slopes, causal, softmax_scale, q_offset, k_offset)
+    scores = _alibi_scores(q, k, slopes, causal, softmax_scale, q_offset, k_offset, q_segment_start)
     compute = scores.dtype
     probs = torch.exp(scores - lse2.to(compute)[..., None] / _LOG2E)
     dout = grad_out.to(compute)

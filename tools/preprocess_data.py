@@ -4,6 +4,11 @@
     python tools/preprocess_data.py --input corpus.jsonl.gz --json-keys text \\
         --tokenizer tokenizer.json --output-prefix data/corpus --workers 8 --append-eod
 
+(input, target) pairs for data.format = "mtf" (xP3's conventions: EOD and space on targets):
+
+    python tools/preprocess_data.py --input pairs.jsonl --json-keys inputs targets \\
+        --tokenizer tokenizer.json --output-prefix data/xp3 --append-eod --prepend-space
+
 The logic lives in bloomnative.data.preprocess; this is its command line.
 """
 
@@ -35,7 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=["text"],
         metavar="KEY",
-        help="JSON keys to tokenize, one output dataset each (default: text)",
+        help="JSON keys to tokenize, one output dataset each (default: text). Exactly "
+        '"inputs targets" writes pairs for data.format = "mtf": both datasets get one sequence '
+        "per record (a record with an empty side is a bad line), and a record may hold chat "
+        '"messages" instead (docs/data.md: the last message, the assistant\'s, is the target)',
     )
     parser.add_argument("--tokenizer", required=True, help="Hugging Face tokenizers tokenizer.json")
     parser.add_argument(
@@ -47,7 +55,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--workers", type=int, default=1, help="tokenizer processes (output does not depend on it)"
     )
     parser.add_argument(
-        "--append-eod", action="store_true", help="append the EOD token to every document"
+        "--append-eod",
+        action="store_true",
+        help="append the EOD token to every document (pairs: to every target)",
+    )
+    parser.add_argument(
+        "--prepend-space",
+        action="store_true",
+        help='tokenize " " + text (pairs: for every target, as xP3\'s targets were tokenized)',
     )
     parser.add_argument(
         "--eod-token",
@@ -80,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         json_keys=tuple(args.json_keys),
         workers=args.workers,
         append_eod=args.append_eod,
+        prepend_space=args.prepend_space,
         eod_token=args.eod_token,
         skip_bad_lines=args.skip_bad_lines,
         log_interval=args.log_interval,

@@ -155,6 +155,11 @@ class DataConfig:
     ["0.3", "data/a_text_document", "0.7", "data/b_text_document"]."""
     split: str = "969,30,1"
     """train,valid,test proportions of each dataset's documents."""
+    format: Literal["gpt", "mtf"] = "gpt"
+    """"gpt": pretraining, each prefix one dataset of documents laid end to end. "mtf":
+    multitask fine-tuning as BLOOMZ was made (Megatron-DeepSpeed's finetune_t0.py): each prefix
+    names the pair <prefix>_inputs_document + <prefix>_targets_document, whole pairs are packed
+    into each sample and only target tokens count in the loss (docs/data.md)."""
     tokenizer: str = "assets/pydocs/tokenizer.json"
     """Path to a Hugging Face tokenizers tokenizer.json (its EOD token, sample output)."""
     eod_token: str = ""
@@ -163,6 +168,13 @@ class DataConfig:
     eod_mask_loss: bool = False
     """No loss at positions whose input token is the EOD, i.e. on predicting the first token of
     the next document (Megatron's --eod-mask-loss)."""
+    pad_token: str = ""
+    """With format = "mtf": the token that pads a sample after its last pair, whose labels count
+    in no loss; empty: the tokenizer's pad (its padding settings, else the first of <pad>,
+    <|pad|>, [PAD], <|padding|> it has; BLOOM's is <pad>)."""
+    norm_target_loss: bool = False
+    """With format = "mtf": every target sequence weighs the same in the loss, each of its
+    tokens 1 / its length (Megatron-DeepSpeed's --norm-target-loss), instead of every token."""
     cache_dir: str = ""
     """Where the sample-index arrays are cached; empty: <dump_folder>/data_cache."""
     prefetch: bool = True
@@ -590,6 +602,7 @@ def validate(config: Config) -> None:
     _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1 and beta2 must be in [0, 1)")
     _validate_lr_schedule(s)
     _check(len(config.data.blend) > 0, "data.blend is empty: give at least one dataset prefix")
+    _validate_data_format(config.data)
     _check(config.metrics.log_freq > 0, "metrics.log_freq must be positive")
     _check(
         config.activation_checkpoint.memory_budget_gib >= 0,
@@ -613,6 +626,17 @@ def validate(config: Config) -> None:
         f"profiling.start_step = {prof.start_step} is after the last step (training.steps = "
         f"{t.steps}): nothing would be profiled",
     )
+
+
+def _validate_data_format(data: DataConfig) -> None:
+    if data.format == "mtf":
+        return
+    for key, value in (("norm_target_loss", data.norm_target_loss), ("pad_token", data.pad_token)):
+        _check(
+            not value,
+            f'data.{key} = {value!r} applies only to packed pairs; set data.format = "mtf" '
+            f"or leave data.{key} unset",
+        )
 
 
 def _validate_dropout(config: Config) -> None:

@@ -9,10 +9,10 @@ family a GPU runs: the contract two tests check from both sides.
   these tensors, and nowhere outside its tensor arguments.
 
 ``CASES`` covers each dtype and head_dim family of the attention (powers of two, the split
-80 = 64 + 16 and 96 = 64 + 32, padded 72 through pointer loads), causal and not, dropout, a layout
-TMA cannot describe, the ring-attention blocks with offsets, both LayerNorm backwards (one-pass
-and BLOOM-176B's 14336 wide), bias-GeLU and the fused loss. Shapes are small: the interpreter
-runs them, and tracing does not depend on them.
+80 = 64 + 16 and 96 = 64 + 32, padded 72 through pointer loads), causal and not, dropout, packed
+segments, a layout TMA cannot describe, the ring-attention blocks with offsets and segments,
+both LayerNorm backwards (one-pass and BLOOM-176B's 14336 wide), bias-GeLU and the fused loss.
+Shapes are small: the interpreter runs them, and tracing does not depend on them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from bloomnative.kernels import (
     flash_alibi_attention_block_backward,
     layer_norm,
     linear_cross_entropy,
+    segment_bounds,
 )
 
 WRITES: dict[str, Callable[[dict], set[str]]] = {
@@ -73,16 +74,24 @@ def _leaves(*shape_dtype_scale: tuple) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _attention(head_dim: int, dtype: torch.dtype, causal: bool = True, dropout_p: float = 0.0):
+def _attention(
+    head_dim: int,
+    dtype: torch.dtype,
+    causal: bool = True,
+    dropout_p: float = 0.0,
+    segments: tuple[int, ...] = (),
+):
     def build():
         q, k, v = _leaves(*[((1, 2, 40, head_dim), dtype, 1.0)] * 3)
         slopes = torch.tensor([0.5, 0.25])
         seed = torch.tensor(7, dtype=torch.int64)
+        ids = torch.arange(len(segments)).repeat_interleave(torch.tensor(segments, dtype=int))
 
         def attend(q, k, v):
             return flash_alibi_attention(
-                q, k, v, slopes, causal=causal, dropout_p=dropout_p, rng_seed=seed
-            )
+                q, k, v, slopes, causal=causal, dropout_p=dropout_p, rng_seed=seed,
+                segment_ids=ids[None] if segments else None,
+            )  # fmt: skip
 
         return attend, (q, k, v)
 
@@ -107,15 +116,17 @@ def _attention_packed_qkv():
 
 def _attention_ring_block():
     """One ring-attention block (context parallelism): queries at positions 40..79 against keys
-    0..39, forward and the block backward, with dropout."""
+    0..39 of a packed sequence, forward and the block backward, with dropout."""
 
     def build():
         q, k, v, grad_out = (torch.randn(1, 2, 40, 128, dtype=torch.bfloat16) for _ in range(4))
         slopes = torch.tensor([0.5, 0.25])
         seed = torch.tensor(3, dtype=torch.int64)
+        start, end = segment_bounds(torch.tensor([[1] * 30 + [2] * 35 + [3] * 15]))
         block = dict(
             causal=True, softmax_scale=128**-0.5, q_offset=40, k_offset=0, dropout_p=0.1,
-            rng_seed=seed,
+            rng_seed=seed, q_segment_start=start[:, 40:].contiguous(),
+            k_segment_end=end[:, :40].contiguous(),
         )  # fmt: skip
 
         def ring_block(q, k, v, grad_out):
@@ -173,7 +184,12 @@ CASES = [
     Case("attention-fp16-d96-causal-dropout", _attention(96, torch.float16, dropout_p=0.1), _TMA),
     Case("attention-bf16-d72-padded", _attention(72, torch.bfloat16), _POINTERS),
     Case("attention-bf16-d64-packed-qkv-pointer-loads", _attention_packed_qkv(), _POINTERS),
-    Case("attention-ring-block-d128-offsets-dropout", _attention_ring_block(), _TMA),
+    Case(
+        "attention-bf16-d64-packed-segments-dropout",
+        _attention(64, torch.bfloat16, dropout_p=0.1, segments=(7, 1, 20, 12)),
+        _TMA,
+    ),
+    Case("attention-ring-block-d128-offsets-segments-dropout", _attention_ring_block(), _TMA),
     Case("layer_norm-bf16-n64-residual", _layer_norm(64, torch.bfloat16, residual=True)),
     Case("layer_norm-fp32-n96", _layer_norm(96, torch.float32, residual=False)),
     Case("layer_norm-bf16-n14336-wide-residual", _layer_norm(14336, torch.bfloat16, True)),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import os
 import re
@@ -147,12 +148,16 @@ def compile_all(all_configs: bool) -> list[dict]:
 
     dtype = torch.bfloat16
     seed = torch.zeros((), dtype=torch.int64)
+    packed = torch.arange(4).repeat_interleave(64)[None]  # 4 segments of 64
     for head_dim in ATTENTION_HEAD_DIMS:
-        for dropout_p in (0.0, 0.1):  # dropout: Philox in both kernels, other search spaces
+        # Dropout: Philox in both kernels, other search spaces. Segments: three loops each.
+        for dropout_p, segment_ids in itertools.product((0.0, 0.1), (None, packed)):
             q, k, v = (
                 torch.zeros(1, 2, 256, head_dim, dtype=dtype, requires_grad=True) for _ in range(3)
             )
-            out = flash_alibi_attention(q, k, v, torch.ones(2), dropout_p=dropout_p, rng_seed=seed)
+            out = flash_alibi_attention(
+                q, k, v, torch.ones(2), dropout_p=dropout_p, rng_seed=seed, segment_ids=segment_ids
+            )
             backward(out, q, k, v)
     for hidden in LAYER_NORM_SIZES:
         x = torch.zeros(8, hidden, dtype=dtype, requires_grad=True)

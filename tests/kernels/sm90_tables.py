@@ -25,17 +25,18 @@ def markdown_tables(results: list[dict]) -> str:
         key = (
             "forward" if r["kernel"] == ATTENTION[0] else "backward",
             "yes" if c["DROPOUT"] else "no",
+            "yes" if c["SEGMENTS"] else "no",
             f"{c['BLOCK_M']}x{c['BLOCK_N']} w{r['num_warps']} s{r['num_stages']}",
         )
         rows.setdefault(key, {})[c["HEAD_DIM"]] = _usage(r)
         dots.setdefault(key, set()).add(",".join(map(str, sorted(set(r["loop_dots"])))))
     lines = [
-        "| kernel | dropout | tile M x N, warps, stages | "
+        "| kernel | dropout | segments | tile M x N, warps, stages | "
         + " | ".join(f"d{d}" for d in head_dims)
         + " | dots / iteration |",
-        "| --- " * (len(head_dims) + 4) + "|",
+        "| --- " * (len(head_dims) + 5) + "|",
     ]
-    for key in sorted(rows, key=lambda k: (k[0] != "forward", k[1], k[2])):
+    for key in sorted(rows, key=lambda k: (k[0] != "forward", *k[1:])):
         cells = [rows[key].get(d, "") for d in head_dims]
         lines.append(
             f"| {' | '.join(key)} | {' | '.join(cells)} | {' / '.join(sorted(dots[key]))} |"

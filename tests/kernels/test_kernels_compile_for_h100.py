@@ -9,13 +9,13 @@ sm90_compile_check.py."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from kernel_test_utils import TEST_DEVICE
 from sm90_tables import documented_tables, markdown_tables
+
+from launching import python_command, run
 
 triton = pytest.importorskip("triton")
 
@@ -39,6 +39,7 @@ EXPECTED_KERNELS = {
 }
 
 pytestmark = [
+    pytest.mark.multiprocess,  # the kernels compile in a process of their own
     pytest.mark.skipif(
         not any((BIN_DIR / name).exists() for name in ("ptxas", "ptxas-blackwell")),
         reason="this Triton build ships no ptxas",
@@ -53,14 +54,7 @@ pytestmark = [
 def compiled() -> list[dict]:
     """Every autotune config of every kernel, compiled for sm_90 (one run for both tests)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--all-configs", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run(python_command([str(SCRIPT), "--all-configs", "--json"]), env=env, timeout=900)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -76,8 +70,12 @@ def test_every_config_of_every_kernel_fits_sm90_and_attention_uses_wgmma_and_tma
     attention = [
         r for r in compiled if r["kernel"] in ("_flash_alibi_fwd_kernel", "_flash_alibi_bwd_kernel")
     ]
-    variants = {(r["constexprs"]["HEAD_DIM"], r["constexprs"]["DROPOUT"]) for r in attention}
-    assert variants == {(d, p) for d in (64, 80, 96, 128) for p in (False, True)}
+    variants = {
+        (r["constexprs"]["HEAD_DIM"], r["constexprs"]["DROPOUT"], r["constexprs"]["SEGMENTS"])
+        for r in attention
+    }
+    flags = (False, True)
+    assert variants == {(d, p, s) for d in (64, 80, 96, 128) for p in flags for s in flags}
     for r in attention:
         c = r["constexprs"]
         where = f"{r['kernel']} d{c['HEAD_DIM']} {c['BLOCK_M']}x{c['BLOCK_N']}"

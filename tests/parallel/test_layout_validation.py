@@ -113,7 +113,7 @@ def check(world_size: int, *overrides: str):
         (
             2,
             ["--parallelism.cp=2", "--model.attention=flex"],
-            r"model.attention = 'flex' has no context-parallel form .* use triton or sdpa",
+            r"model.attention = 'flex' has no context-parallel form .* use sdpa or triton",
         ),
         (6, ["--parallelism.cp=4"], r"world size 6 is not divisible by dp_replicate\*cp\*tp\*pp"),
         (

@@ -59,7 +59,8 @@ class BlendedDataset:
     def __len__(self) -> int:
         return len(self.dataset_index)
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def __getitem__(self, i: int) -> np.ndarray | dict[str, np.ndarray]:
+        """Sample ``i`` of the blend: the sample its component serves."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for a blend of {len(self)} samples")
         dataset = self.datasets[int(self.dataset_index[i])]

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from bloomnative.data.blend_spec import BlendEntry, parse_blend
 from bloomnative.data.blended_dataset import BlendedDataset
 from bloomnative.data.gpt_dataset import GPTDataset
 from bloomnative.data.indexed_dataset import IndexedDataset
+from bloomnative.data.mtf_dataset import MTFDataset
+from bloomnative.data.pair_dataset import PairDataset
 from bloomnative.data.splits import SPLIT_NAMES, fraction_range, split_boundaries
 
-Dataset = GPTDataset | BlendedDataset
+Dataset = GPTDataset | MTFDataset | BlendedDataset
+MakeComponent = Callable[[BlendEntry, tuple[int, int], int, str], GPTDataset | MTFDataset]
+"""(blend entry, document range, samples, split name) -> that entry's dataset for the split."""
 
 
 def build_gpt_datasets(
@@ -52,33 +56,95 @@ def build_gpt_datasets(
         FileNotFoundError: a prefix of the blend has no .bin/.idx.
         ValueError: a split that is asked for samples has no documents.
     """
+    entries = parse_blend(blend, weights)
+    indexed = {entry.prefix: IndexedDataset(entry.prefix) for entry in entries}
+    lengths = (seq_len, valid_seq_len or seq_len, valid_seq_len or seq_len)
+
+    def make(entry: BlendEntry, documents: tuple[int, int], samples: int, name: str):
+        length = lengths[SPLIT_NAMES.index(name)]
+        return GPTDataset(indexed[entry.prefix], documents, length, samples, seed, cache_dir, name)
+
+    counts = {prefix: len(dataset) for prefix, dataset in indexed.items()}
+    return _build_splits(entries, counts, split, num_samples, make, cache_dir)
+
+
+def build_mtf_datasets(
+    prefixes: str | list[str],
+    split: str,
+    seq_len: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    weights: Sequence[float] | None = None,
+    cache_dir: str | None = None,
+    *,
+    pad_id: int,
+) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
+    """Train, valid and test datasets of packed (input, target) pairs, ``seq_len + 1`` tokens
+    each (``MTFDataset``: dicts of ``tokens``, ``segment_ids``, ``is_inputs``).
+
+    Each prefix names a pair of datasets, ``<prefix>_inputs_document`` and
+    ``<prefix>_targets_document``. Blends, ``:START:END`` ranges and splits cut the pairs as
+    ``build_gpt_datasets`` cuts documents.
+
+    Args:
+        prefixes: pair prefixes, as ``build_gpt_datasets``' ``blend`` (weights written in, or
+            given apart as ``weights``).
+        split: train,valid,test proportions of each prefix's pairs, e.g. ``"969,30,1"``.
+        seq_len: training sequence length.
+        seed: shuffle seed.
+        num_samples: samples needed per split (0: at least one).
+        weights: one positive weight per prefix.
+        cache_dir: where packing indices are cached (``None``/``""``: built in memory); with a
+            cache under ``torch.distributed`` the call is collective, as for ``build_gpt_datasets``.
+        pad_id: the token that fills each sample after its last pair (``data.pad_token``).
+
+    Returns:
+        ``(train, valid, test)``; a split without pairs is ``None``.
+
+    Raises:
+        IndexedDatasetError: a pair's datasets are missing, malformed or of unequal length.
+        ValueError: a split that is asked for samples has no pairs, or no pair fits a sample.
+    """
+    entries = parse_blend(prefixes, weights)
+    pairs = {entry.prefix: PairDataset(entry.prefix) for entry in entries}
+
+    def make(entry: BlendEntry, documents: tuple[int, int], samples: int, name: str):
+        return MTFDataset(
+            pairs[entry.prefix], documents, seq_len, samples, seed, pad_id, cache_dir, name
+        )
+
+    counts = {prefix: len(dataset) for prefix, dataset in pairs.items()}
+    return _build_splits(entries, counts, split, num_samples, make, cache_dir)
+
+
+def _build_splits(
+    entries: list[BlendEntry],
+    counts: dict[str, int],
+    split: str,
+    num_samples: tuple[int, int, int],
+    make: MakeComponent,
+    cache_dir: str | None,
+) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
     if len(num_samples) != 3:
         raise ValueError(
             f"num_samples needs one count per split (train, valid, test), got {num_samples}"
         )
-    entries = parse_blend(blend, weights)
-    indexed = {entry.prefix: IndexedDataset(entry.prefix) for entry in entries}
-    lengths = (seq_len, valid_seq_len or seq_len, valid_seq_len or seq_len)
     return tuple(  # type: ignore[return-value]
-        _build_split(entries, indexed, split, i, lengths[i], seed, num_samples[i], cache_dir)
-        for i in range(3)
+        _build_split(entries, counts, split, i, num_samples[i], make, cache_dir) for i in range(3)
     )
 
 
 def _build_split(
     entries: list[BlendEntry],
-    indexed: dict[str, IndexedDataset],
+    counts: dict[str, int],
     split: str,
     split_index: int,
-    seq_len: int,
-    seed: int,
     num_samples: int,
+    make: MakeComponent,
     cache_dir: str | None,
 ) -> Dataset | None:
     name = SPLIT_NAMES[split_index]
-    ranges = [
-        _document_range(entry, indexed[entry.prefix], split, split_index) for entry in entries
-    ]
+    ranges = [_document_range(entry, counts[entry.prefix], split, split_index) for entry in entries]
     empty = [
         entry.prefix for entry, (first, stop) in zip(entries, ranges, strict=True) if first >= stop
     ]
@@ -86,7 +152,7 @@ def _build_split(
         if num_samples > 0:
             raise ValueError(
                 f"the {name} split is empty: split {split!r} gives it no documents of "
-                f"{_describe(entries, indexed)}, but {num_samples} {name} samples were asked "
+                f"{_describe(entries, counts)}, but {num_samples} {name} samples were asked "
                 f'for; give {name} a larger share of the split (e.g. "949,50,1") or ask for '
                 f"no {name} samples"
             )
@@ -97,21 +163,11 @@ def _build_split(
             f"of the blend have {name} documents; give {name} a larger share or drop them"
         )
     if len(entries) == 1:
-        return GPTDataset(
-            indexed[entries[0].prefix], ranges[0], seq_len, num_samples, seed, cache_dir, name
-        )
+        return make(entries[0], ranges[0], num_samples, name)
     # Each component needs at most ceil(weight * n) samples: the blend order keeps every
     # count within one sample of its share.
     components = [
-        GPTDataset(
-            indexed[entry.prefix],
-            doc_range,
-            seq_len,
-            math.ceil(entry.weight * num_samples),
-            seed,
-            cache_dir,
-            name,
-        )
+        make(entry, doc_range, math.ceil(entry.weight * num_samples), name)
         for entry, doc_range in zip(entries, ranges, strict=True)
     ]
     weights = [entry.weight for entry in entries]
@@ -121,14 +177,12 @@ def _build_split(
 
 
 def _document_range(
-    entry: BlendEntry, dataset: IndexedDataset, split: str, split_index: int
+    entry: BlendEntry, num_documents: int, split: str, split_index: int
 ) -> tuple[int, int]:
-    first, stop = fraction_range(*entry.doc_range, len(dataset))
+    first, stop = fraction_range(*entry.doc_range, num_documents)
     bounds = split_boundaries(split, stop - first)
     return first + bounds[split_index], first + bounds[split_index + 1]
 
 
-def _describe(entries: Sequence[BlendEntry], indexed: dict[str, IndexedDataset]) -> str:
-    return ", ".join(
-        f"{entry.prefix!r} ({len(indexed[entry.prefix])} documents)" for entry in entries
-    )
+def _describe(entries: Sequence[BlendEntry], counts: dict[str, int]) -> str:
+    return ", ".join(f"{entry.prefix!r} ({counts[entry.prefix]} documents)" for entry in entries)

@@ -9,6 +9,9 @@ seen.
 
 A loss-spike rollback adds windows of the order to skip (``skip``): sample ``k`` is then the
 ``k``-th position of the order outside every window, and the windows go into checkpoints too.
+
+Batches are ``MicroBatch``es (``data/micro_batch.py``): the pair ``(input_ids, labels)``, plus
+segment ids and loss weights when the dataset serves packed (input, target) samples.
 """
 
 from __future__ import annotations
@@ -19,17 +22,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-Batch = list[tuple[torch.Tensor, torch.Tensor]]
+from bloomnative.data.micro_batch import (
+    IGNORE_INDEX,
+    MicroBatch,
+    packed_micro_batch,
+    stack_samples,
+)
 
-IGNORE_INDEX = -100
-"""The label of a position that counts in no loss (torch's cross-entropy default)."""
+Batch = list[MicroBatch]
 
 
 class PretrainingLoader:
     """Serves this rank's micro batches of each global batch.
 
     Args:
-        dataset: ``len`` and ``__getitem__(i) -> int64 array of seq_len + 1 tokens``.
+        dataset: ``len`` and ``__getitem__(i)``: an int64 array of ``seq_len + 1`` tokens, or a
+            packed sample (``MTFDataset``: a dict of ``tokens``, ``segment_ids``,
+            ``is_inputs``, each ``seq_len + 1`` long).
         micro_batch_size: samples per micro batch.
         dp_rank: this rank's index among the data-parallel ranks.
         dp_size: number of data-parallel ranks.
@@ -40,10 +49,15 @@ class PretrainingLoader:
         eod_mask_id: with a token id (the EOD), the label of every position whose input is that
             token becomes ``IGNORE_INDEX``: no loss on predicting what follows the end of a
             document (Megatron's ``--eod-mask-loss`` masks the same positions).
-        sequence_shard: applied to the inputs and the labels of every micro batch (``[micro
-            batch, seq_len]``) on the host, after the EOD masking: the part of each sequence
-            this rank holds under context parallelism
+        sequence_shard: applied to every tensor of every micro batch (``[micro batch,
+            seq_len]``: inputs, labels and, for packed samples, segment ids and loss weights)
+            on the host, after the masks and weights are made from whole sequences: the part of
+            each sequence this rank holds under context parallelism
             (``parallel.context_parallel.shard_sequence``). None: all of it.
+        pad_id: for packed samples: the padding token, whose labels count in no loss
+            (required with them).
+        norm_target_loss: for packed samples: serve ``loss_weights``, each target run's
+            labels weighted ``1 / its length`` (Megatron-DeepSpeed's ``--norm-target-loss``).
     """
 
     def __init__(
@@ -56,6 +70,8 @@ class PretrainingLoader:
         prefetch: bool = True,
         eod_mask_id: int | None = None,
         sequence_shard: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        pad_id: int | None = None,
+        norm_target_loss: bool = False,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
@@ -68,6 +84,13 @@ class PretrainingLoader:
         self.device = torch.device(device)
         self.eod_mask_id = eod_mask_id
         self.sequence_shard = sequence_shard
+        self.pad_id = pad_id
+        self.norm_target_loss = norm_target_loss
+        if pad_id is None and len(dataset) and isinstance(dataset[0], dict):
+            raise ValueError(
+                f"{dataset!r} serves packed samples, whose loss mask needs the padding token: "
+                "give the loader pad_id"
+            )
         self._pin = self.device.type == "cuda"
         self.consumed_samples = 0
         self.skipped: list[tuple[int, int]] = []
@@ -77,9 +100,10 @@ class PretrainingLoader:
         self._pending: tuple[tuple[int, int], Future] | None = None
 
     def next_batch(self, global_batch_size: int) -> Batch:
-        """This rank's micro batches of the next step: ``(input_ids, labels)`` pairs of int64
-        ``[micro_batch_size, seq_len]`` tensors (this rank's part of the sequence with a
-        ``sequence_shard``) on the loader's device."""
+        """This rank's micro batches of the next step: ``MicroBatch``es, i.e. ``(input_ids,
+        labels)`` pairs of int64 ``[micro_batch_size, seq_len]`` tensors (this rank's part of
+        the sequence with a ``sequence_shard``) on the loader's device, with ``segment_ids``
+        (and with ``norm_target_loss`` ``loss_weights``) for packed samples."""
         self._check_batch_size(global_batch_size)
         key = (self.consumed_samples, global_batch_size)
         if self._pending is not None and self._pending[0] == key:
@@ -91,13 +115,8 @@ class PretrainingLoader:
         if self._executor is not None and self._fits(self.consumed_samples, global_batch_size):
             next_key = (self.consumed_samples, global_batch_size)
             self._pending = (next_key, self._executor.submit(self._host_batch, *next_key))
-        non_blocking = self._pin
         return [
-            (
-                inputs.to(self.device, non_blocking=non_blocking),
-                labels.to(self.device, non_blocking=non_blocking),
-            )
-            for inputs, labels in host_batch
+            micro.apply(lambda t: t.to(self.device, non_blocking=self._pin)) for micro in host_batch
         ]
 
     def state_dict(self) -> dict:
@@ -158,24 +177,35 @@ class PretrainingLoader:
                 "(training.steps x global_batch_size, plus the skipped windows)"
             )
         positions = self._positions(consumed + self.dp_rank * per_rank, per_rank)
-        samples = np.stack([self.dataset[int(i)] for i in positions])
-        tokens = torch.from_numpy(samples).view(
-            per_rank // self.micro_batch_size, self.micro_batch_size, -1
-        )
+        samples = stack_samples([self.dataset[int(i)] for i in positions])
         batch = []
-        for micro in tokens:
-            inputs, labels = micro[:, :-1], micro[:, 1:]
-            if self.eod_mask_id is not None:
-                # Not in place: with one sample per micro batch, labels and inputs are views
-                # of the same tokens.
-                labels = labels.masked_fill(inputs == self.eod_mask_id, IGNORE_INDEX)
+        for rows in range(0, per_rank, self.micro_batch_size):
+            micro = self._micro_batch(samples, slice(rows, rows + self.micro_batch_size))
             if self.sequence_shard is not None:
-                inputs, labels = self.sequence_shard(inputs), self.sequence_shard(labels)
-            inputs, labels = inputs.contiguous(), labels.contiguous()
+                micro = micro.apply(self.sequence_shard)
+            micro = micro.apply(torch.Tensor.contiguous)
             if self._pin:
-                inputs, labels = inputs.pin_memory(), labels.pin_memory()
-            batch.append((inputs, labels))
+                micro = micro.apply(torch.Tensor.pin_memory)
+            batch.append(micro)
         return batch
+
+    def _micro_batch(self, samples: dict | torch.Tensor, rows: slice) -> MicroBatch:
+        if isinstance(samples, dict):
+            return packed_micro_batch(
+                samples["tokens"][rows],
+                samples["segment_ids"][rows],
+                samples["is_inputs"][rows],
+                self.pad_id,
+                self.norm_target_loss,
+                self.eod_mask_id,
+            )
+        micro = samples[rows]
+        inputs, labels = micro[:, :-1], micro[:, 1:]
+        if self.eod_mask_id is not None:
+            # Not in place: with one sample per micro batch, labels and inputs are views
+            # of the same tokens.
+            labels = labels.masked_fill(inputs == self.eod_mask_id, IGNORE_INDEX)
+        return MicroBatch(inputs, labels)
 
     def _check_batch_size(self, global_batch_size: int) -> None:
         unit = self.micro_batch_size * self.dp_size

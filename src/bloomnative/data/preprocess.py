@@ -9,6 +9,13 @@ Inputs:
 Each JSON key goes to its own dataset ``<output_prefix>_<key>_document.{bin,idx}`` (Megatron's
 naming), one sequence per document, with the EOD token appended when ``append_eod`` is set.
 
+Pairs for multitask fine-tuning (``data.format = "mtf"``): with the keys ``inputs`` and
+``targets``, every record becomes sequence ``i`` of both datasets, so the two always hold the
+same number; a record with an empty side is a bad line. ``append_eod`` and ``prepend_space``
+then apply to the targets only: xP3 was tokenized that way with Megatron-DeepSpeed's tool
+(inputs plain; targets with ``--append-eod --prepend-space``). A record may instead hold chat
+``messages``, mapped to a pair by ``chat_pairs.pair_from_messages``.
+
 Work is cut into chunks of lines that worker processes tokenize; results are consumed in input
 order, so the output is byte-identical for any number of workers. Only a bounded window of
 chunks is in flight, so memory stays flat however large the input is.
@@ -34,8 +41,10 @@ from typing import TextIO
 
 import numpy as np
 
+from bloomnative.data.chat_pairs import pair_from_messages
 from bloomnative.data.indexed_builder import IndexedDatasetBuilder
-from bloomnative.data.indexed_format import optimal_token_dtype
+from bloomnative.data.indexed_format import idx_path, optimal_token_dtype
+from bloomnative.data.pair_dataset import PAIR_SIDES
 from bloomnative.data.tokenizer import load_tokenizer
 
 _JSON_LINES_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -54,6 +63,10 @@ class PreprocessConfig:
     json_keys: tuple[str, ...] = ("text",)
     workers: int = 1
     append_eod: bool = False
+    """Append the EOD token to every non-empty text (for pairs: to every target)."""
+    prepend_space: bool = False
+    """Tokenize " " + text (for pairs: for every target), as Megatron-DeepSpeed's
+    --prepend-space did for xP3's targets, which follow their inputs without a space."""
     eod_token: str | None = None
     skip_bad_lines: bool = False
     log_interval: float = 0.5
@@ -86,6 +99,11 @@ class BadLineError(ValueError):
     """An input line that cannot be used (invalid JSON or UTF-8, missing or non-text key)."""
 
 
+def writes_pairs(json_keys: tuple[str, ...]) -> bool:
+    """Whether these keys make pair datasets: exactly ``inputs`` and ``targets``."""
+    return sorted(json_keys) == sorted(PAIR_SIDES)
+
+
 def output_prefix_for(output_prefix: str, json_key: str) -> str:
     """Megatron's output name for one JSON key: ``<output_prefix>_<key>_document``."""
     return f"{output_prefix}_{json_key}_document"
@@ -114,16 +132,28 @@ def preprocess(
     for path in config.inputs:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"input file {path!r} does not exist")
+    pairs = writes_pairs(config.json_keys)
+    if pairs:
+        plain = [path for path in config.inputs if not is_json_lines(path)]
+        if plain:
+            raise ValueError(
+                f"{plain[0]} is read as plain text (one document), but pairs (--json-keys "
+                "inputs targets) come from JSON lines: .jsonl / .json / .ndjson (optionally .gz)"
+            )
     total_bytes = sum(os.path.getsize(path) for path in config.inputs)
     progress = _Progress(progress_stream or sys.stderr, config.log_interval, total_bytes)
     log = progress.interrupting(log or _print_to_stderr)
     tokenizer = load_tokenizer(config.tokenizer, config.eod_token)  # fail early, in this process
     dtype = optimal_token_dtype(tokenizer.vocab_size)
+    # Pairs take the EOD and the space on their targets only, as xP3's tokenization did.
+    decorated = ("targets",) if pairs else tuple(config.json_keys)
     encoder_args = _EncoderArgs(
         tokenizer_path=config.tokenizer,
         eod_token=config.eod_token,
         json_keys=tuple(config.json_keys),
-        append_eod=config.append_eod,
+        append_eod=tuple(config.append_eod and key in decorated for key in config.json_keys),
+        prepend_space=tuple(config.prepend_space and key in decorated for key in config.json_keys),
+        pairs=pairs,
         dtype=dtype.str,
     )
     summary = PreprocessSummary()
@@ -143,11 +173,22 @@ def preprocess(
         for builder in builders:
             builder.abort()
         raise
-    for builder in builders:
-        builder.finalize()
+    _finalize_together(builders)
     summary.seconds = progress.elapsed()
     summary.outputs = [builder.prefix for builder in builders]
     return summary
+
+
+def _finalize_together(builders: list[IndexedDatasetBuilder]) -> None:
+    """Move every dataset into place. The old indexes of all of them go first: an interruption
+    between two datasets' renames leaves a missing index, never a new dataset next to an old
+    one of another key (for pairs: inputs and targets that do not belong together)."""
+    if len(builders) > 1:
+        for builder in builders:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(idx_path(builder.prefix))
+    for builder in builders:
+        builder.finalize()
 
 
 def _consume(
@@ -242,7 +283,9 @@ class _EncoderArgs:
     tokenizer_path: str
     eod_token: str | None
     json_keys: tuple[str, ...]
-    append_eod: bool
+    append_eod: tuple[bool, ...]  # per key
+    prepend_space: tuple[bool, ...]  # per key
+    pairs: bool
     dtype: str
 
 
@@ -271,16 +314,22 @@ class _Encoder:
         try:
             texts = self._texts(record)
         except BadLineError as error:
-            return _Encoded(
-                record.input_index, record.line, len(record.raw), record.position, [], str(error)
-            )
+            return self._bad(record, str(error))
         tokens = []
-        for text in texts:
-            ids = self.tokenizer.encode(text)
-            if ids and self.args.append_eod:
+        for key, text, eod, space in zip(
+            self.args.json_keys, texts, self.args.append_eod, self.args.prepend_space, strict=True
+        ):
+            ids = self.tokenizer.encode(" " + text if space else text)
+            if self.args.pairs and not (text and ids):
+                return self._bad(record, f"key {key!r} is empty; a pair needs input and target")
+            if ids and eod:
                 ids.append(self.tokenizer.eod_id)
             tokens.append(np.asarray(ids, dtype=self.dtype))
         return _Encoded(record.input_index, record.line, len(record.raw), record.position, tokens)
+
+    def _bad(self, record: _Record, error: str) -> _Encoded:
+        nbytes = len(record.raw)
+        return _Encoded(record.input_index, record.line, nbytes, record.position, [], error)
 
     def _texts(self, record: _Record) -> list[str]:
         try:
@@ -295,10 +344,17 @@ class _Encoder:
             raise BadLineError(f"invalid JSON: {error.msg} at column {error.colno}") from None
         if not isinstance(obj, dict):
             raise BadLineError(f"expected a JSON object, got {type(obj).__name__}")
+        if self.args.pairs and "messages" in obj and not any(k in obj for k in PAIR_SIDES):
+            try:
+                pair = dict(zip(PAIR_SIDES, pair_from_messages(obj["messages"]), strict=True))
+            except ValueError as error:
+                raise BadLineError(str(error)) from None
+            return [pair[key] for key in self.args.json_keys]
         texts = []
         for key in self.args.json_keys:
             if key not in obj:
-                raise BadLineError(f"missing key {key!r} (keys present: {sorted(obj)[:10]})")
+                chat = " (or 'messages', a chat)" if self.args.pairs else ""
+                raise BadLineError(f"missing key {key!r}{chat} (keys present: {sorted(obj)[:10]})")
             if not isinstance(obj[key], str):
                 raise BadLineError(
                     f"key {key!r} holds a {type(obj[key]).__name__}, expected a string"

@@ -9,6 +9,8 @@ from tokenizers import Tokenizer
 
 # Tried in order when no EOD token is named: GPT-2/BLOOM-style, then SentencePiece-style names.
 EOD_TOKEN_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+# Tried in order when no pad token is named and the tokenizer.json sets no padding.
+PAD_TOKEN_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>")
 
 
 class TextTokenizer:
@@ -59,6 +61,37 @@ def tokenizer_vocab_size(path: str) -> int:
     """Token ids of a tokenizer.json (its largest id + 1), without needing an EOD token: what
     the model's embedding must cover. Raises FileNotFoundError or ValueError naming the file."""
     return _id_count(_read_tokenizer_file(str(path)).get_vocab(with_added_tokens=True))
+
+
+def pad_token_id(path: str, pad_token: str | None = None) -> int:
+    """The id of the padding token of a tokenizer.json: ``pad_token`` when given, else the pad
+    token of its padding settings, else the first of ``PAD_TOKEN_CANDIDATES`` it has (BLOOM's
+    is ``<pad>``, id 3).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the token is not in the vocabulary, or none is named and none is found;
+            the message lists the special tokens the vocabulary has.
+    """
+    tokenizer = _read_tokenizer_file(str(path))
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    if pad_token:
+        if pad_token not in vocab:
+            raise ValueError(
+                f"pad token {pad_token!r} is not in the vocabulary of {path}; special tokens it "
+                f"has: {_special_looking(vocab)}"
+            )
+        return vocab[pad_token]
+    padding = tokenizer.padding
+    if padding and padding.get("pad_token") in vocab:
+        return vocab[padding["pad_token"]]
+    for candidate in PAD_TOKEN_CANDIDATES:
+        if candidate in vocab:
+            return vocab[candidate]
+    raise ValueError(
+        f"{path} has no padding token (none of {list(PAD_TOKEN_CANDIDATES)} and no padding "
+        f"settings); name one (special tokens it has: {_special_looking(vocab)})"
+    )
 
 
 def _read_tokenizer_file(path: str) -> Tokenizer:

@@ -59,16 +59,6 @@ class ParallelDims:
             )
         return cls(par.dp_replicate, dp_shard, par.tp, par.pp, world_size, par.cp)
 
-    @classmethod
-    def resolve(
-        cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int, cp: int = 1
-    ) -> ParallelDims:
-        """`from_config` from the degrees one by one. Kept only for the memory planner's
-        `layout_from_config` until the planner builds its layout from a ResolvedRun
-        (train/run.py)."""
-        par = ParallelismConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
-        return cls.from_config(par, world_size)
-
     @property
     def dp(self) -> int:
         """Data-parallel degree: how many different batches are processed at once."""

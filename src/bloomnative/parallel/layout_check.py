@@ -15,6 +15,7 @@ from bloomnative.config import ParallelismConfig, TrainingConfig, ValidationConf
 from bloomnative.data.rampup import rampup_sizes
 from bloomnative.kernels.flash_alibi_attention import DROPOUT_MAX_POSITIONS
 from bloomnative.model.args import BloomArgs
+from bloomnative.model.attention import backends_with
 from bloomnative.parallel.dims import LayoutError, ParallelDims
 from bloomnative.parallel.schedules import SCHEDULES, is_interleaved, is_multi_stage
 
@@ -75,10 +76,12 @@ def check_context_parallel(args: BloomArgs, cp: int, seq_lens: dict[str, int]) -
     is "sdpa" for an unresolved "auto", which resolves to a backend with a ring form."""
     if cp == 1:
         return
-    if args.attention not in ("triton", "sdpa"):
+    ring = backends_with("context_parallel")
+    if args.attention not in ring:
         raise LayoutError(
             f"model.attention = {args.attention!r} has no context-parallel form (FlexAttention's "
-            f"score_mod is not split over ranks); use triton or sdpa with parallelism.cp = {cp}"
+            f"score_mod is not split over ranks); use {' or '.join(ring)} with "
+            f"parallelism.cp = {cp}"
         )
     for key, length in seq_lens.items():
         if length % (2 * cp):

@@ -51,7 +51,6 @@ from bloomnative.planner.from_config import (
     layout_from_config,
     least_recompute_or_raise,
     local_batch_size,
-    with_recompute,
     workload_from_config,
 )
 from bloomnative.planner.inputs import (
@@ -94,7 +93,6 @@ __all__ = [
     "layout_from_config",
     "least_recompute_or_raise",
     "local_batch_size",
-    "with_recompute",
     "workload_from_config",
     "ATTENTION_MEMORY",
     "RECOMPUTE_MODES",

@@ -29,25 +29,10 @@ def attention_memory_kind(backend: str, device_type: str, cp: int = 1) -> str:
 def layout_from_config(par: ParallelismConfig, world_size: int = 0) -> Layout:
     """The layout a [parallelism] section gives on `world_size` devices (needed when dp_shard
     is -1; 0 then means dp_shard = 1)."""
-    fixed = par.dp_replicate * par.cp * par.tp * par.pp
     if not world_size:
+        fixed = par.dp_replicate * par.cp * par.tp * par.pp
         world_size = fixed * (par.dp_shard if par.dp_shard > 0 else 1)
-    dims = ParallelDims.resolve(par.dp_replicate, par.dp_shard, par.tp, par.pp, world_size, par.cp)
-    return Layout(
-        dp_replicate=dims.dp_replicate,
-        dp_shard=dims.dp_shard,
-        cp=dims.cp,
-        tp=dims.tp,
-        pp=dims.pp,
-        pp_schedule=par.pp_schedule,
-        pp_stages_per_rank=par.pp_stages_per_rank,
-        pp_embedding_as_layer=par.pp_embedding_as_layer,
-        pp_layers_per_stage=tuple(par.pp_layers_per_stage),
-        sequence_parallel=par.sequence_parallel,
-        loss_parallel=par.loss_parallel,
-        cpu_offload=par.cpu_offload,
-        zero_stage=par.zero_stage,
-    )
+    return Layout.of(ParallelDims.from_config(par, world_size), par)
 
 
 def compiles_the_loss(config: Config, tp: int) -> bool:
@@ -187,14 +172,3 @@ def auto_recompute(
     else:
         return None
     return choose_recompute(config, args, world_size, device_type, capacity)
-
-
-def with_recompute(config: Config, choice: RecomputeChoice | None) -> Config:
-    """A copy of `config` whose activation checkpointing is the resolved `choice` ("none" for an
-    "auto" left without one); `config` itself is not changed."""
-    ac = config.activation_checkpoint
-    if ac.mode != "auto":
-        return config
-    mode, every = (choice.mode, choice.every) if choice else ("none", ac.every)
-    resolved = dataclasses.replace(ac, mode=mode, every=every)
-    return dataclasses.replace(config, activation_checkpoint=resolved)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from bloomnative.config import OptimizerImpl, RecomputeMode
+from bloomnative.config import OptimizerImpl, ParallelismConfig, RecomputeMode
+from bloomnative.parallel.dims import ParallelDims
 from bloomnative.parallel.fsdp import uses_fsdp
 
 GiB = 2**30
@@ -52,6 +53,25 @@ class Layout:
     (estimator only, the trainer does not implement it): the model in bf16, DeepSpeed's
     BF16Optimizer (bf16 weights, bf16 and fp32 gradients replicated; fp32 master weights and
     AdamW moments sharded over all data-parallel ranks) and DeepSpeed's pipeline buffers."""
+
+    @classmethod
+    def of(cls, dims: ParallelDims, par: ParallelismConfig) -> Layout:
+        """The layout of resolved degrees `dims` with the rest of their [parallelism] section."""
+        return cls(
+            dp_replicate=dims.dp_replicate,
+            dp_shard=dims.dp_shard,
+            cp=dims.cp,
+            tp=dims.tp,
+            pp=dims.pp,
+            pp_schedule=par.pp_schedule,
+            pp_stages_per_rank=par.pp_stages_per_rank,
+            pp_embedding_as_layer=par.pp_embedding_as_layer,
+            pp_layers_per_stage=tuple(par.pp_layers_per_stage),
+            sequence_parallel=par.sequence_parallel,
+            loss_parallel=par.loss_parallel,
+            cpu_offload=par.cpu_offload,
+            zero_stage=par.zero_stage,
+        )
 
     @property
     def dp(self) -> int:

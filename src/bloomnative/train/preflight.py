@@ -26,8 +26,11 @@ _log = get_logger(__name__)
 
 def check_data_files(config: Config) -> None:
     """Every dataset prefix of the blend has its .bin and .idx."""
-    from bloomnative.data import parse_blend
+    from bloomnative.data import check_pair_datasets, parse_blend
 
+    if config.data.format == "mtf":  # <prefix>_inputs_document + <prefix>_targets_document
+        check_pair_datasets(config.data.blend)
+        return
     for entry in parse_blend(config.data.blend):
         for suffix in (".bin", ".idx"):
             path = Path(entry.prefix + suffix)
@@ -58,7 +61,12 @@ def check_data(config: Config, args: BloomArgs) -> str:
                 f"{tokenizer_ids} or use the tokenizer the data was made with"
             )
     entries = parse_blend(config.data.blend)
-    tokens = sum(check_indexed_dataset(e.prefix, args.vocab_size).num_tokens for e in entries)
+    if config.data.format == "mtf":
+        from bloomnative.data import check_pair_datasets
+
+        tokens = check_pair_datasets(config.data.blend, args.vocab_size)
+    else:
+        tokens = sum(check_indexed_dataset(e.prefix, args.vocab_size).num_tokens for e in entries)
     return (
         f"{len(entries)} dataset(s), {tokens:,} tokens checked in "
         f"{time.perf_counter() - start:.2f} s"

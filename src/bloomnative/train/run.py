@@ -73,22 +73,7 @@ class ResolvedRun:
 
     def planner_layout(self) -> Layout:
         """The memory planner's description of this run's layout."""
-        par = self.config.parallelism
-        return Layout(
-            dp_replicate=self.dims.dp_replicate,
-            dp_shard=self.dims.dp_shard,
-            cp=self.dims.cp,
-            tp=self.dims.tp,
-            pp=self.dims.pp,
-            pp_schedule=par.pp_schedule,
-            pp_stages_per_rank=par.pp_stages_per_rank,
-            pp_embedding_as_layer=par.pp_embedding_as_layer,
-            pp_layers_per_stage=tuple(par.pp_layers_per_stage),
-            sequence_parallel=par.sequence_parallel,
-            loss_parallel=par.loss_parallel,
-            cpu_offload=par.cpu_offload,
-            zero_stage=par.zero_stage,
-        )
+        return Layout.of(self.dims, self.config.parallelism)
 
 
 def resolve_run(

@@ -1,0 +1,190 @@
+"""The loader on packed (input, target) samples: Megatron-DeepSpeed's loss mask and
+--norm-target-loss weights on hand-made samples, segment ids, DP slices, resume, rollback
+windows and context-parallel shards."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from mtf_helpers import labelled_pairs, random_pair_lengths, write_pairs
+
+from bloomnative.data import MicroBatch, PretrainingLoader, build_mtf_datasets
+from bloomnative.data.micro_batch import IGNORE_INDEX, target_run_weights
+from bloomnative.parallel import shard_sequence
+
+P = 0  # the pad id of the hand-made samples
+X = IGNORE_INDEX
+
+
+def float32(rows: list[list[float]]) -> torch.Tensor:
+    """The weights written out by hand, as the loader holds them (each rounded once)."""
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+class HandMadeSamples:
+    """Packed samples written out by hand (what MTFDataset serves)."""
+
+    def __init__(self, samples: list[tuple[list[int], list[int], list[int]]]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        tokens, segments, inputs = self.samples[i]
+        return {
+            "tokens": np.array(tokens, dtype=np.int64),
+            "segment_ids": np.array(segments, dtype=np.int64),
+            "is_inputs": np.array(inputs, dtype=bool),
+        }
+
+
+# Pair 1: input [11, 12], target [13, 14, 15]; pair 2: input [21], target [22]; padding.
+SAMPLE = (
+    [11, 12, 13, 14, 15, 21, 22, P, P],
+    [1, 1, 1, 1, 1, 2, 2, 0, 0],
+    [1, 1, 0, 0, 0, 1, 0, 0, 0],
+)
+
+
+def test_labels_count_only_on_target_tokens_that_are_not_padding():
+    loader = PretrainingLoader(HandMadeSamples([SAMPLE]), 1, 0, 1, prefetch=False, pad_id=P)
+    (batch,) = loader.next_batch(1)
+    assert isinstance(batch, MicroBatch) and batch.loss_weights is None
+    assert batch.input_ids.tolist() == [[11, 12, 13, 14, 15, 21, 22, P]]
+    # Label i is token i + 1; it counts where token i + 1 is a target and not padding: 13, 14,
+    # 15 (predicted from 12, 13, 14) and 22 (from 21). 21 is an input, the rest padding.
+    assert batch.labels.tolist() == [[X, 13, 14, 15, X, 22, X, X]]
+    assert batch.segment_ids.tolist() == [[1, 1, 1, 1, 1, 2, 2, 0]]  # of the inputs
+
+
+def test_norm_target_loss_weighs_each_target_run_by_one_over_its_length():
+    samples = HandMadeSamples([SAMPLE])
+    loader = PretrainingLoader(samples, 1, 0, 1, prefetch=False, pad_id=P, norm_target_loss=True)
+    (batch,) = loader.next_batch(1)
+    third = 1 / 3
+    assert torch.equal(batch.loss_weights, float32([[0, third, third, third, 0, 1, 0, 0]]))
+    assert batch.labels.tolist() == [[X, 13, 14, 15, X, 22, X, X]]  # the same mask
+
+
+def test_target_runs_end_at_the_end_of_a_row():
+    # Row 0 ends inside a target run of 2; row 1 starts with one of 3 (a 1-token input).
+    # Megatron-DeepSpeed flattens the micro batch and would count one run of 5.
+    counted = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    expected = float32([[0, 0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3, 0]])
+    assert torch.equal(target_run_weights(counted), expected)
+    assert target_run_weights(torch.zeros(2, 3, dtype=torch.bool)).sum() == 0
+
+
+def test_a_target_token_equal_to_the_pad_id_and_the_eod_mask_count_as_megatron_deepspeed():
+    # Megatron-DeepSpeed masks every label equal to the pad id (also inside a target), and with
+    # --eod-mask-loss every label whose input is the EOD; the runs are measured after both.
+    sample = ([5, 6, 7, P, 8, 9, 2, 4], [1] * 8, [1, 0, 0, 0, 0, 0, 0, 0])
+    loader = PretrainingLoader(
+        HandMadeSamples([sample]), 1, 0, 1, prefetch=False, pad_id=P, eod_mask_id=2,
+        norm_target_loss=True,
+    )  # fmt: skip
+    (batch,) = loader.next_batch(1)
+    assert batch.labels.tolist() == [[6, 7, X, 8, 9, 2, X]]
+    assert torch.equal(batch.loss_weights, float32([[0.5, 0.5, 0, 1 / 3, 1 / 3, 1 / 3, 0]]))
+
+
+def test_packed_samples_need_the_pad_id():
+    with pytest.raises(ValueError, match="packed samples.*give the loader pad_id"):
+        PretrainingLoader(HandMadeSamples([SAMPLE]), 1, 0, 1, prefetch=False)
+
+
+def test_a_micro_batch_is_the_pair_of_inputs_and_labels_with_attributes():
+    inputs, labels, segments = torch.arange(4).view(1, 4), torch.ones(1, 4), torch.zeros(1, 4)
+    batch = MicroBatch(inputs, labels, segments)
+    x, y = batch
+    assert x is inputs and y is labels and batch[1] is labels and len(batch) == 2
+    for again in (copy.deepcopy(batch), pickle.loads(pickle.dumps(batch))):
+        assert isinstance(again, MicroBatch) and torch.equal(again.segment_ids, segments)
+        assert again.loss_weights is None and torch.equal(again.input_ids, inputs)
+
+
+# -- packed pairs through the loader ---------------------------------------------------------
+
+
+@pytest.fixture
+def pairs(tmp_path) -> str:
+    return write_pairs(tmp_path / "p", *labelled_pairs(random_pair_lengths(400, seed=3, longest=8)))
+
+
+def _train(pairs: str, samples: int = 200):
+    return build_mtf_datasets(pairs, "1", 16, seed=7, num_samples=(samples, 0, 0), pad_id=999)[0]
+
+
+def _rows(batches) -> list[list[int]]:
+    return [row for batch in batches for micro in batch for row in micro.input_ids.tolist()]
+
+
+def test_the_global_batch_of_packed_samples_is_the_same_under_dp_1_and_2(pairs):
+    dataset = _train(pairs)
+    steps = [8, 8, 16]
+    per_degree = {}
+    for dp in (1, 2):
+        loaders = [
+            PretrainingLoader(dataset, 2, r, dp, prefetch=True, pad_id=999) for r in range(dp)
+        ]
+        per_degree[dp] = [
+            row
+            for gbs in steps
+            for loader in loaders
+            for micro in loader.next_batch(gbs)
+            for row in micro.input_ids.tolist()
+        ]
+    assert per_degree[1] == per_degree[2]
+    assert per_degree[1] == [dataset[k]["tokens"][:-1].tolist() for k in range(32)]
+
+
+def test_resume_and_rollback_windows_serve_the_batches_of_an_uninterrupted_run(pairs):
+    dataset = _train(pairs)
+
+    def loader():
+        return PretrainingLoader(dataset, 2, 0, 1, prefetch=False, pad_id=999)
+
+    whole = loader()
+    whole.skip(8, 12)  # a rollback window
+    expected = [whole.next_batch(4) for _ in range(5)]
+    first = loader()
+    first.skip(8, 12)
+    before = [first.next_batch(4) for _ in range(2)]
+    resumed = loader()
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.state_dict() == {"consumed_samples": 8, "skipped": [(8, 12)]}
+    after = [resumed.next_batch(4) for _ in range(3)]
+    assert _rows(before + after) == _rows(expected)
+    positions = [*range(8), *range(12, 24)]
+    assert _rows(expected) == [dataset[k]["tokens"][:-1].tolist() for k in positions]
+    for batch, again in zip(expected, before + after, strict=True):
+        for micro, micro_again in zip(batch, again, strict=True):
+            assert torch.equal(micro.labels, micro_again.labels)
+            assert torch.equal(micro.segment_ids, micro_again.segment_ids)
+
+
+def test_context_parallel_ranks_get_their_chunks_of_every_field(pairs):
+    dataset, cp = _train(pairs), 2
+
+    def batch(shard=None):
+        return PretrainingLoader(
+            dataset, 2, 0, 1, prefetch=False, pad_id=999, norm_target_loss=True,
+            sequence_shard=shard,
+        ).next_batch(2)[0]  # fmt: skip
+
+    whole = batch()
+    for rank in range(cp):
+        shard = partial(shard_sequence, cp_rank=rank, cp=cp)
+        part = batch(shard)
+        # The weights come from whole sequences: a run cut by the shards keeps 1 / its length.
+        for mine, full in zip(part.__getnewargs__(), whole.__getnewargs__(), strict=True):
+            assert torch.equal(mine, shard(full)) and mine.is_contiguous()
+    # Weights sum to the number of target runs, whichever rank holds their tokens.
+    runs = sum(int(seg.max()) for seg in whole.segment_ids)
+    assert whole.loss_weights.sum().item() == pytest.approx(runs)

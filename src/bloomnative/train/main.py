@@ -21,15 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 trained (or stopped on request, with a checkpoint), 2 configuration or data
     error (reported before any model is built), a dump folder another run is using, or a
     resume that cannot go on (a checkpoint.load_step that is missing or cannot be loaded, a
-    folder none of whose checkpoints can be, other data settings than the checkpoint's), 1 any
-    other failure (its traceback printed)."""
+    folder none of whose checkpoints can be, other data settings than the checkpoint's), 1 a
+    checkpoint that could not be written (one line: the cause, the disk and its free space) or
+    any other failure (its traceback printed)."""
     catch_stop_signals()
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from bloomnative.checkpoint.checkpointer import BadCheckpointError
+    from bloomnative.checkpoint.checkpointer import BadCheckpointError, CheckpointError
     from bloomnative.train.run_lock import DumpFolderInUseError
     from bloomnative.train.trainer import Trainer
 
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     except DumpFolderInUseError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:  # a save that failed: the message says where and why
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 1
     except Exception:
         # A failed rank leaves at once, so that torchrun sees it and stops (or restarts) the
         # job: the peers it was exchanging with fail in turn instead of waiting for it until

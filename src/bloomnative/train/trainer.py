@@ -336,11 +336,12 @@ class Trainer:
         elif cfg.enable:
             step, rejected = self.checkpointer.newest_usable(self._fits)
             if step is None and rejected:
+                count = f"{len(rejected)} checkpoint{'s' if len(rejected) > 1 else ''}"
                 raise ckpt.BadCheckpointError(
-                    f"{self.ckpt_folder} holds {len(rejected)} checkpoints and none can be "
-                    f"loaded: {'; '.join(r.describe() for r in rejected)}; nothing was renamed "
-                    "or loaded; set checkpoint.load_step = 0 to start afresh from step 0 "
-                    "(the checkpoints are then renamed step-<N>.replaced)"
+                    f"{self.ckpt_folder} holds {count} and none can be loaded: "
+                    f"{'; '.join(r.describe() for r in rejected)}; nothing was renamed or "
+                    "loaded; set checkpoint.load_step = 0 to start afresh from step 0 (the "
+                    "checkpoints are then renamed step-<N>.replaced)"
                 )
         if step is None:
             if cfg.initial_hf:

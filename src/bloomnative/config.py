@@ -106,8 +106,8 @@ class TrainingConfig:
     """Clip gradients to this global L2 norm (0 disables)."""
     max_nonfinite_steps: int = 5
     """Stop with an error after this many consecutive steps with a non-finite loss or gradient
-    norm (each such step is skipped, not applied). Checked at log steps (metrics.log_freq), so
-    the step loop never waits for the device."""
+    norm (each such step is skipped, not applied). Checked at log steps (metrics.log_freq) and
+    before each checkpoint, so the step loop never waits for the device on other steps."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -136,6 +137,9 @@ def runs(synthetic_corpus, tmp_path_factory) -> Runs:
     resume("data change allowed", "nothing", more=[*changed, "--checkpoint.allow_data_change=true"])
     resume("torn metrics", "torn metrics")
     resume("stale lock", "stale lock")
+    resume("live lock", "live lock", expect=2)
+    resume("missing load_step", "nothing", more=["--checkpoint.load_step=8"], expect=2)
+    world.train("config error", r.argv("config error", "--training.stepz=3"), expect=2)
     # Faults while training: a fresh run of 6 steps, logging only at its end (as the default
     # log_freq of 50 does), rotation keeping one checkpoint.
     faults = ["--training.steps=6", "--metrics.log_freq=50", "--checkpoint.keep_latest_k=1"]
@@ -144,6 +148,8 @@ def runs(synthetic_corpus, tmp_path_factory) -> Runs:
     )
     nan_injection = f"{Path(__file__).with_name('nan_injection.py')}:train_with_nan_gradients"
     world.add("skip streak", nan_injection, [3, 4], r.argv("skip streak", *faults))
+    stop = r.argv("nonfinite stop", "--training.max_nonfinite_steps=2")
+    world.add("nonfinite stop", nan_injection, [1, 2, 3], stop, expect=1)
     for mode in ("disabled", "async"):
         argv = r.argv(f"full disk {mode}", *faults, f"--checkpoint.async_mode={mode}")
         world.add(f"full disk {mode}", f"{SCENARIOS}:train_with_full_disk", 4, argv, expect=1)
@@ -495,6 +501,16 @@ def test_a_stale_lock_is_taken_over(runs):
 
 
 @pytest.mark.multiprocess
+def test_a_lock_held_by_a_live_process_refuses_the_run(runs):
+    """The lock names this test process (the world's parent), alive and as it started."""
+    proc, dump = runs.result("live lock"), runs.dump("live lock")
+    line = one_line(proc.stderr, "is in use by another run")
+    assert f"pid {os.getpid()} on host {socket.gethostname()} (started earlier)" in line
+    assert "stop that run or choose another job.dump_folder" in line
+    assert json.loads((dump / "run.lock").read_text())["pid"] == os.getpid()  # left as it was
+
+
+@pytest.mark.multiprocess
 def test_a_second_run_in_the_same_dump_folder_is_refused(runs, tmp_path):
     """./run_train.sh twice on one dump folder: the second stops with one line naming the first
     (its pid and host), exit 2, and the first trains on; a STOP file then ends it cleanly and
@@ -550,4 +566,41 @@ def test_run_train_sh_exits_2_when_no_checkpoint_can_be_loaded(runs, tmp_path):
     assert worker_exit_code(proc) == 2, proc.stderr[-3000:]
     assert "holds 2 checkpoints and none can be loaded" in one_line(
         proc.stderr, "checkpoint error:"
+    )
+
+
+# ---------------------------------------------------------------- the exit codes docs list
+
+EXIT_CODE_ROWS = {  # a phrase of a row of the table -> a run of the world that ends that way
+    "trained to `training.steps`": "base",
+    "a checkpoint could not be written": "full disk disabled",
+    "any other failure": "nonfinite stop",
+    "a configuration or data error": "config error",
+    "`checkpoint.load_step` names a checkpoint": "missing load_step",
+    "none can be loaded": "none verifies",
+    "other data settings": "data changed",
+    "not plain data": "entry payload",
+    "in use by another run": "live lock",
+}
+
+
+def documented_exit_codes() -> list[tuple[int, str]]:
+    """(code, when) of each row of docs/checkpointing.md's "Exit codes" table."""
+    text = (REPO / "docs" / "checkpointing.md").read_text()
+    section = text.split("\n## Exit codes\n", 1)[1].split("\n## ", 1)[0]
+    return [(int(m[1]), m[2]) for m in re.finditer(r"^\| (\d+) \| (.+) \|$", section, re.M)]
+
+
+@pytest.mark.multiprocess
+def test_the_documented_exit_codes_are_those_the_runs_end_with(runs):
+    rows = documented_exit_codes()
+    assert len(rows) == len(EXIT_CODE_ROWS), rows
+    for code, when in rows:
+        [scenario] = [name for phrase, name in EXIT_CODE_ROWS.items() if phrase in when]
+        assert runs.result(scenario).returncode == code, (code, when)
+    stopped = runs.result("nonfinite stop").stderr
+    assert "non-finite for 2 consecutive steps" in stopped
+    assert (
+        "checkpoint.load_step = 8: no complete checkpoint"
+        in runs.result("missing load_step").stderr
     )

@@ -102,11 +102,14 @@ def reaped_pid() -> int:
     return child.pid
 
 
-def plant_stale_lock(path: Path) -> None:
-    """The lock a run on this host, since this boot, left when it was killed: its pid is free."""
+def plant_lock(path: Path, pid: int, start_ticks: int | None = None) -> None:
+    """A run.lock as a run on this host since its last boot writes it, naming `pid`, which
+    started at `start_ticks` (default: when process `pid` did)."""
     boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    holder = {"host": socket.gethostname(), "pid": reaped_pid(), "started": "earlier"}
-    path.write_text(json.dumps({**holder, "start_ticks": 1234, "boot_id": boot_id}))
+    if start_ticks is None:
+        start_ticks = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+    holder = {"host": socket.gethostname(), "pid": pid, "started": "earlier"}
+    path.write_text(json.dumps({**holder, "start_ticks": start_ticks, "boot_id": boot_id}))
 
 
 def append_text(path: Path, text: str) -> None:
@@ -143,7 +146,9 @@ PLANTS: dict[str, Callable[..., None]] = {
         flip_bytes(largest_data_file(p)) for p in _steps(dump)
     ],
     "torn metrics": lambda dump: append_text(dump / "metrics.jsonl", '{"step": 5, "lo'),
-    "stale lock": lambda dump: plant_stale_lock(dump / "run.lock"),
+    "stale lock": lambda dump: plant_lock(dump / "run.lock", reaped_pid(), start_ticks=1234),
+    # The lock of a run that is alive: the world's launcher (the test process), as it started.
+    "live lock": lambda dump: plant_lock(dump / "run.lock", os.getppid()),
 }
 """How a dump folder (copied from a run that saved step-2 and step-4) is changed before the
 resume, by name; each takes the dump folder and the scenario's extra arguments."""

@@ -45,6 +45,7 @@ from shared_world import SharedWorld
 from training_helpers import (
     REPO,
     TINY_RUN,
+    load_tool,
     metric_rows,
     run_train_sh,
     train_env,
@@ -101,6 +102,9 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def runs(synthetic_corpus, tmp_path_factory) -> Runs:
+    """One world, one process: "base" saves step-2 and step-4 and "other" (hidden_size 64)
+    step-2; each resume scenario copies "base", changes the copy (trust_scenarios.PLANTS) and
+    resumes it to step 6; the fault scenarios train afresh with a fault injected."""
     root = tmp_path_factory.mktemp("trust")
     tokenizer = write_word_tokenizer(root / "tokenizer.json")
     world = SharedWorld(root / "world")
@@ -157,9 +161,9 @@ def runs(synthetic_corpus, tmp_path_factory) -> Runs:
     return r
 
 
-def one_line(text: str, start: str) -> str:
-    """The only line of `text` that contains `start`."""
-    lines = [line for line in text.splitlines() if start in line]
+def one_line(text: str, part: str) -> str:
+    """The only line of `text` that contains `part`."""
+    lines = [line for line in text.splitlines() if part in line]
     assert len(lines) == 1, text[-4000:]
     return lines[0]
 
@@ -207,7 +211,6 @@ def test_a_planted_pickle_in_a_data_entry_runs_nothing_on_resume(runs):
 def tools() -> Iterator[dict]:
     """The tools' `main(argv)`, as their command lines run them; an alarm fails a test whose
     tool hangs (reading a pipe or /dev/zero) instead of letting it wait forever."""
-    from training_helpers import load_tool
 
     def hung(signum, frame):
         raise TimeoutError("the tool hung")

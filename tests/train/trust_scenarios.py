@@ -19,7 +19,6 @@ import os
 import pickle
 import shutil
 import socket
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,11 +94,10 @@ def flip_bytes(path: Path, count: int = 64) -> None:
     path.write_bytes(bytes(data))
 
 
-def reaped_pid() -> int:
-    """The pid of a process that has exited (and been reaped): no process has it now."""
-    child = subprocess.Popen(["true"])
-    child.wait()
-    return child.pid
+def free_pid() -> int:
+    """A pid no process has: the kernel hands out pids below pid_max (as if the run that held
+    it had died and nothing had taken its pid since)."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text())
 
 
 def plant_lock(path: Path, pid: int, start_ticks: int | None = None) -> None:
@@ -146,7 +144,7 @@ PLANTS: dict[str, Callable[..., None]] = {
         flip_bytes(largest_data_file(p)) for p in _steps(dump)
     ],
     "torn metrics": lambda dump: append_text(dump / "metrics.jsonl", '{"step": 5, "lo'),
-    "stale lock": lambda dump: plant_lock(dump / "run.lock", reaped_pid(), start_ticks=1234),
+    "stale lock": lambda dump: plant_lock(dump / "run.lock", free_pid(), start_ticks=1234),
     # The lock of a run that is alive: the world's launcher (the test process), as it started.
     "live lock": lambda dump: plant_lock(dump / "run.lock", os.getppid()),
 }

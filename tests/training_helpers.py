@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,24 @@ def run_training(
     """Runs the trainer to its end in a process (a world) of its own (`env`: variables added to
     `train_env()`'s); `check`: a non-zero exit fails the test with the output."""
     return run(train_command(args, nproc), env=train_env(env), timeout=timeout, check=check)
+
+
+def run_train_sh(
+    args: list[str], env: dict[str, str] | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """`./run_train.sh ARGS` as a user runs it, one process, torchrun's restarts off
+    (MAX_RESTARTS=0); `env`: variables added to `train_env()`'s."""
+    command = [str(REPO / "run_train.sh"), *args]
+    return run(
+        command, env=train_env({"MAX_RESTARTS": "0", **(env or {})}), timeout=timeout, check=False
+    )
+
+
+def worker_exit_code(proc: subprocess.CompletedProcess) -> int:
+    """The exit code the training worker chose: run_train.sh's, or, where torchrun turned a
+    failed worker into its own exit 1, the worker's code from torchrun's failure report."""
+    reported = re.search(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
+    return int(reported.group(1)) if proc.returncode == 1 and reported else proc.returncode
 
 
 def metric_rows(dump: Path) -> list[dict]:

@@ -6,10 +6,14 @@
 
 PATH is a checkpoint folder (it holds checksums.json or .metadata), or a folder whose step-<N>
 sub-folders (directly or under checkpoints/) are verified newest first, including those a run
-set aside (step-<N>.corrupt, step-<N>.rolled-back) but not unfinished saves (.partial). Reads
-every byte, in one process; needs no GPU and no process group. Exit code 0: everything
-verifies; 1: a file is missing, changed, unrecorded or unreadable, or a folder has no record;
-2: PATH is not a checkpoint folder.
+set aside (step-<N>.corrupt, step-<N>.rolled-back, ...) but not unfinished saves (.partial).
+Reads every byte, in one process; needs no GPU and no process group. Once the files match, the
+DCP metadata is read as a resume reads it (checkpoint/reading.py: nothing in it can run) and
+must name only files of the record. A file the record does not list is reported as "extra"
+and ignored (a resume never reads it). Exit code 0: everything verifies; 1: a recorded file
+is missing, changed or unreadable (or not a plain file), the record names something outside
+the folder, the metadata is unsafe, or a folder has no record; 2: PATH is not a checkpoint
+folder.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 from pathlib import Path
 
 from bloomnative.checkpoint.integrity import (
+    METADATA,
     RECORD,
     IntegrityError,
     check_file,
@@ -27,13 +32,14 @@ from bloomnative.checkpoint.integrity import (
     uncheckable,
     unrecorded_files,
 )
+from bloomnative.checkpoint.reading import read_metadata
 
 _STEP = re.compile(r"^step-(\d+)(\..*)?$")
 
 
 def checkpoint_folders(path: Path) -> list[Path]:
     """`path` itself if it is a checkpoint folder, else its step-<N>* folders, newest first."""
-    if (path / RECORD).is_file() or (path / ".metadata").is_file():
+    if (path / RECORD).is_file() or (path / METADATA).is_file():
         return [path]
     for parent in (path, path / "checkpoints"):
         if parent.is_dir():
@@ -62,14 +68,21 @@ def verify_folder(folder: Path) -> bool:
         print(f"{folder}: cannot be verified here: {why}")
         return False
     problems = {name: check_file(folder, name, expected) for name, expected in record.items()}
-    problems.update(dict.fromkeys(unrecorded_files(folder, record), "not in the record"))
     for name, problem in sorted(problems.items()):
         if problem is None:
             entry = record[name]
             print(f"ok       {name}  {entry.size} bytes  {entry.algorithm} {entry.hex()}")
         else:
             print(f"BAD      {name}  {problem}")
+    for name in unrecorded_files(folder, record):
+        print(f"extra    {name}  not in the record: ignored (nothing reads it)")
     bad = sum(problem is not None for problem in problems.values())
+    if bad == 0 and METADATA in record:
+        try:
+            read_metadata(folder, record)
+        except IntegrityError as e:
+            print(f"BAD      {METADATA}  {e}")
+            bad += 1
     verdict = "ok" if bad == 0 else f"BAD ({bad} of {len(problems)} files)"
     print(f"{folder}: {verdict}")
     return bad == 0

@@ -106,8 +106,8 @@ class TrainingConfig:
     """Clip gradients to this global L2 norm (0 disables)."""
     max_nonfinite_steps: int = 5
     """Stop with an error after this many consecutive steps with a non-finite loss or gradient
-    norm (each such step is skipped, not applied). Checked at log steps (metrics.log_freq), so
-    the step loop never waits for the device."""
+    norm (each such step is skipped, not applied). Checked at log steps (metrics.log_freq) and
+    before each checkpoint, so the step loop never waits for the device on other steps."""
 
 
 @dataclass
@@ -229,10 +229,17 @@ class CheckpointConfig:
     async_mode: Literal["disabled", "async"] = "disabled"
     """"disabled" or "async" (the step loop waits only for the device-to-host copy)."""
     load_step: int = -1
-    """Step to resume from; -1: the newest complete checkpoint, if any."""
+    """Step to resume from; -1: the newest checkpoint that verifies and holds this model (a
+    folder whose checkpoints none can be loaded stops the run, exit 2); 0: step-0 if it exists
+    (a model-only checkpoint), else start afresh, renaming the folder's checkpoints
+    step-<N>.replaced. Every start with it set (torchrun's restarts too) goes back to it."""
     initial_hf: str = ""
     """Hugging Face BLOOM folder to start from when no checkpoint exists (continued
     pretraining)."""
+    allow_data_change: bool = False
+    """Resume even when training.seq_len, data.blend, data.split, data.tokenizer or data.format
+    differ from the checkpoint's (refused otherwise: the data order after the resume would not
+    continue the checkpoint's)."""
     min_free_gib: float = 1.0
     """Refuse to save (with an error) when the disk has less free space than the checkpoint
     plus this margin."""

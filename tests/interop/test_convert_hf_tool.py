@@ -11,6 +11,8 @@ from hf_testing import make_hf_bloom, relative_error, save_hf_bloom, tokens, tra
 from safetensors.torch import load_file, save_file
 
 from bloomnative.checkpoint import checkpointer as ckpt
+from bloomnative.checkpoint.integrity import RECORD
+from bloomnative.checkpoint.reading import verified_reader
 from bloomnative.interop import CheckpointFormatError, load_hf_model, load_native_model
 from bloomnative.model.state import model_state
 from training_helpers import load_tool
@@ -36,6 +38,15 @@ def hf_folder(tmp_path, hf_bloom) -> Path:
 def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return transformers.BloomForCausalLM.from_pretrained(folder).eval()(ids).logits.float()
+
+
+def forget_file(folder: Path, name: str) -> None:
+    """Deletes a file of a checkpoint folder and its entry of the checksum record: the folder as
+    if it had been written without it."""
+    (folder / name).unlink()
+    record = json.loads((folder / RECORD).read_text())
+    del record["files"][name]
+    (folder / RECORD).write_text(json.dumps(record))
 
 
 def write_training_checkpoint(dump: Path, model, step: int) -> Path:
@@ -71,7 +82,10 @@ def test_training_checkpoint_exports_with_heads_from_the_run_config(tmp_path, hf
     model = load_hf_model(hf_folder)
     dump = tmp_path / "run"
     step_dir = write_training_checkpoint(dump, model, step=7)
-    (dump / "config.toml").write_text('[model]\npreset = "debug"\nn_head = 3\n')
+    # The run's resolved config (the trainer writes every [model] key); the checkpoint has no
+    # bloom_args.json, as training checkpoints of before issue 26 have none.
+    shape = "".join(f"{key} = {value}\n" for key, value in SHAPE.items())
+    (dump / "config.toml").write_text(f'[model]\npreset = "debug"\n{shape}')
     out = tmp_path / "exported"
     assert convert_hf.main(["to-hf", "--checkpoint", str(step_dir), "--out", str(out)]) == 0
     ids = tokens(SHAPE["vocab_size"], seed=4)
@@ -102,7 +116,8 @@ def test_native_checkpoint_loads_into_a_training_model_by_canonical_names(tmp_pa
     reference = load_hf_model(hf_folder)
     model = load_native_model(native, n_head=3)
     fresh = type(model)(model.args)
-    ckpt.load_components(native, {"model": ckpt.ModelState([fresh])}, complete=["model"])
+    reader = verified_reader(native)
+    ckpt.load_components(reader, {"model": ckpt.ModelState([fresh])}, complete=["model"])
     expected = reference.state_dict()
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
@@ -126,7 +141,7 @@ def test_to_native_records_what_the_shapes_cannot_show(tmp_path, hf_folder):
 def test_head_count_is_required_when_nothing_records_it(tmp_path, hf_folder, capsys):
     native = tmp_path / "native"
     convert_hf.main(["to-native", "--hf", str(hf_folder), "--out", str(native)])
-    (native / "bloom_args.json").unlink()
+    forget_file(native, "bloom_args.json")
     out = tmp_path / "out"
     assert convert_hf.main(["to-hf", "--checkpoint", str(native), "--out", str(out)]) == 2
     assert "--n-head" in capsys.readouterr().err

@@ -67,11 +67,12 @@ def record_syncs(argv: list[str]) -> None:
 
     def while_reading_metrics(method):
         def wrapped(*args, **kwargs):
+            outer = recorder.reading_metrics  # these calls nest: a checkpoint checks the guard
             recorder.reading_metrics = True
             try:
                 return method(*args, **kwargs)
             finally:
-                recorder.reading_metrics = False
+                recorder.reading_metrics = outer
 
         return wrapped
 

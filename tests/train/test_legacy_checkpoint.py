@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from test_spikes import BAD, TRAIN_WITH_SPIKES, spike_argv
 
-from bloomnative.checkpoint.checkpointer import saved_shapes
+from bloomnative.checkpoint import reading
 from shared_world import SharedWorld
 from training_helpers import losses_by_step
 
@@ -29,12 +28,13 @@ def legacy_run(dump: Path, corpus: str) -> list[str]:
 
 def entries(checkpoint: Path) -> dict:
     """Every entry of a checkpoint, read whole in this process."""
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    reader = reading.verified_reader(checkpoint)
+    metadata = reader.metadata.state_dict_metadata
     state = {
         key: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
         for key, m in metadata.items()
     }
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    reading.load(state, reader, no_dist=True)
     return state
 
 
@@ -76,7 +76,10 @@ def test_a_checkpoint_of_the_old_format_resumes_as_the_run_that_never_stopped(
     """Without rollbacks.json the skipped window comes from the checkpoint alone. The state at
     the end (weights, AdamW, data position and windows, learning-rate clock, spike detector,
     RNG) is the uninterrupted run's, entry by entry."""
-    assert "train.consumed_samples" in saved_shapes(LEGACY / "checkpoints" / "step-10")
+    assert (
+        "train.consumed_samples"
+        in reading.verified_reader(LEGACY / "checkpoints" / "step-10").shapes()
+    )
     name = f"resumed_{rollback_log}"
     proc = runs.result(name)
     assert "step-10 at step 10" in proc.stdout

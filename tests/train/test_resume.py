@@ -190,7 +190,8 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumed(
     damage(shard)
     damaged = shard.read_bytes()
     proc = run_training(args(tmp_path, synthetic_corpus))
-    assert f"checkpoint step-4 is corrupt, skipped: {shard}: " in proc.stderr
+    assert f"checkpoint step-4 is corrupt: {shard}: " in proc.stderr
+    assert "; skipped, left as step-4.corrupt" in proc.stderr
     assert f"resumed from {tmp_path / 'checkpoints' / 'step-2'} at step 2" in proc.stdout
     assert losses_by_step(tmp_path) == uninterrupted["fp32"]
     # Left for a person to inspect, byte for byte; the run saved a new step-4 beside it.
@@ -207,7 +208,10 @@ def test_an_explicit_load_step_that_fails_verification_exits_2(
         args(tmp_path, synthetic_corpus, "--checkpoint.load_step=4"), timeout=300, check=False
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"checkpoint error: checkpoint.load_step = 4: {shard}: checksum" in proc.stderr
-    assert "the newest checkpoint that verifies is step 2" in proc.stderr
+    assert (
+        f"checkpoint error: checkpoint.load_step = 4: checkpoint step-4 is corrupt: {shard}: "
+        "checksum"
+    ) in proc.stderr
+    assert "the newest checkpoint that can be loaded is step 2" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-4"]

@@ -7,9 +7,16 @@ to step-<N>, so a folder named step-<N> is always complete; a `.partial` folder 
 removed by the next save.
 
 After a save each rank reads its files back from the disk and compares them with the record;
-before a resume the ranks split the record's files and verify them. A checkpoint that fails is
-never loaded and never deleted: it is renamed step-<N>.corrupt and reported. Rotation
-(`keep_latest_k`) always keeps the newest checkpoint that has verified.
+before a resume the ranks split the record's files and verify them, and only then is anything
+of the folder read, through checkpoint/reading.py (no code in a checkpoint ever runs). A
+checkpoint that cannot be loaded (corrupt, unverifiable here, or of another model) is never
+deleted: when an older one is resumed instead it is renamed step-<N>.<why> and reported; when
+none can be, nothing is renamed and the resume is refused. Rotation (`keep_latest_k`) always
+keeps the newest checkpoint that has verified.
+
+A save that fails while writing (a full disk, an I/O error) raises CheckpointWriteError at
+that step (an async save's at the first step after its background write failed), naming the
+cause, the disk and its free space; the checkpoints already complete are untouched.
 
 What a checkpoint holds is the composition of its components' states (torchtitan's `Stateful`
 pattern): each component (the model, the optimizer, the data loader, the learning-rate clock,
@@ -23,15 +30,16 @@ layout that wrote it and loads under any other.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -41,7 +49,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from bloomnative.checkpoint import reading
+from bloomnative.checkpoint.disk import describe_disk, describe_os_error, format_bytes
 from bloomnative.checkpoint.integrity import (
+    METADATA,
     RECORD,
     ChecksummingWriter,
     FileSum,
@@ -56,12 +67,18 @@ from bloomnative.checkpoint.integrity import (
     write_record,
 )
 from bloomnative.checkpoint.legacy import legacy_states
+from bloomnative.checkpoint.reading import CheckpointReader
+from bloomnative.checkpoint.run_record import write_json_file
 from bloomnative.log import get_logger
 from bloomnative.model.state import canonical_key, load_model_state, model_state, owns_head_copy
 
 _log = get_logger(__name__)
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+# What a failed save raises: DCP gathers the ranks' errors into a CheckpointException, which is
+# a BaseException.
+_WRITE_FAILURES = (Exception, CheckpointException)
 
 # torch 2.11's DefaultStager closes itself at the end of each staging, so it serves one save
 # (pytorch/pytorch#183413, fixed for 2.13): there every async save stages through a new one.
@@ -73,7 +90,36 @@ class CheckpointError(RuntimeError):
 
 
 class BadCheckpointError(CheckpointError):
-    """The checkpoint asked for (checkpoint.load_step) is missing or fails verification."""
+    """The run cannot resume as configured: the checkpoint asked for (checkpoint.load_step) is
+    missing or cannot be loaded, none of the folder's checkpoints can be, or the one found was
+    trained on other data. Nothing was loaded or renamed."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed (a full disk, an I/O error); the complete ones are intact."""
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a complete checkpoint is not loaded. `kind` is also the suffix it is set aside
+    under: "corrupt" (its files differ from its record), "unverified" (it has no record, or
+    one this process cannot check) or "foreign" (another model's)."""
+
+    step: int
+    kind: str
+    reason: str
+
+    def describe(self) -> str:
+        what = {
+            "corrupt": "is corrupt",
+            "unverified": "cannot be verified",
+            "foreign": "does not fit this run",
+        }[self.kind]
+        return f"checkpoint step-{self.step} {what}: {self.reason}"
+
+
+Fits = Callable[[CheckpointReader], str | None]
+"""Why a verified checkpoint cannot be loaded into this run (another model shape, ...), or None."""
 
 
 def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
@@ -141,36 +187,30 @@ class RNGState:
             (torch.set_rng_state if key.startswith("cpu.") else torch.cuda.set_rng_state)(value)
 
 
-def saved_shapes(path: Path) -> dict[str, torch.Size | None]:
-    """Key -> global shape of every entry of the checkpoint at `path` (None: not a tensor)."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {key: getattr(entry, "size", None) for key, entry in metadata.items()}
-
-
-def is_model_only(path: Path) -> bool:
+def is_model_only(reader: CheckpointReader) -> bool:
     """True for a checkpoint with weights but no training state (tools/convert_hf.py to-native)."""
-    return not any(k.startswith("optimizer.") for k in saved_shapes(path))
+    return not any(k.startswith("optimizer.") for k in reader.shapes())
 
 
 def load_components(
-    path: Path, components: Mapping[str, Stateful], complete: Collection[str] = ()
+    reader: CheckpointReader, components: Mapping[str, Stateful], complete: Collection[str] = ()
 ) -> None:
-    """Loads every component from the checkpoint at `path` in one read. Each component asks for
-    the entries of its `state_dict()`; the components named in `complete` must find all of them
-    (a missing or reshaped weight is an error). The others get what the checkpoint holds in the
-    shape they ask for, and their `load_state_dict` decides what a missing entry means (a
-    checkpoint from before a component saved something, or with spike detection off). A
-    checkpoint in the format of before components owned their state is read through
-    `checkpoint.legacy`."""
-    saved = saved_shapes(path)
+    """Loads every component from the verified checkpoint `reader` reads, in one read. Each
+    component asks for the entries of its `state_dict()`; the components named in `complete`
+    must find all of them (a missing or reshaped weight is an error). The others get what the
+    checkpoint holds in the shape they ask for, and their `load_state_dict` decides what a
+    missing entry means (a checkpoint from before a component saved something, or with spike
+    detection off). A checkpoint in the format of before components owned their state is read
+    through `checkpoint.legacy`."""
+    saved = reader.shapes()
     request = {}
     for name, component in components.items():
         state = component.state_dict()
         if name not in complete:
             state = {k: v for k, v in state.items() if _holds(saved, f"{name}.{k}", v)}
         request[name] = state
-    dcp.load(request, checkpoint_id=str(path))
-    legacy = legacy_states(path, saved)
+    reading.load(request, reader)
+    legacy = legacy_states(reader)
     for name, component in components.items():
         component.load_state_dict({**legacy.get(name, {}), **request[name]})
 
@@ -219,6 +259,7 @@ class _PendingSave:
     step: int
     writer: ChecksummingWriter
     check: Future  # -> this rank's problems reading its files back: {file: problem}
+    files: Mapping[str, dict] = field(default_factory=dict)  # written by rank 0 on completion
 
 
 class Checkpointer:
@@ -246,6 +287,7 @@ class Checkpointer:
         self._stager = host_stager() if async_mode else None
         self.verified: set[int] = set()
         """Steps whose files matched their record in this process (after saving or loading)."""
+        self._readers: dict[int, CheckpointReader] = {}
         self._pending: _PendingSave | None = None
         self._checker = ThreadPoolExecutor(1, "bloomnative-checkpoint-check")
 
@@ -254,7 +296,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, step: int, state: dict) -> None:
+    def save(self, step: int, state: dict, files: Mapping[str, dict] | None = None) -> None:
+        """Saves `state` as checkpoint `step` (collective), with `files`: JSON records that rank
+        0 writes beside DCP's files (checkpoint/run_record.py), covered by the checksum record.
+        Raises CheckpointError when the disk is too full to start, CheckpointWriteError when a
+        write fails (async: from `poll`, `wait` or the next `save`)."""
         self.wait()
         self._check_free_space(state)
         partial = self.folder / f"step-{step}.partial"
@@ -263,19 +309,38 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
         self._barrier()
         writer = ChecksummingWriter(partial)
-        if self.async_mode:
-            if not _STAGER_SERVES_MANY_SAVES:
-                self._stager = host_stager()
-            write = dcp.async_save(
-                state, storage_writer=writer, process_group=self.group, async_stager=self._stager
-            )
-            check = self._checker.submit(_written_then_read_back, write, writer, partial)
-            self._pending = _PendingSave(step, writer, check)
-        else:
-            dcp.save(state, storage_writer=writer)
-            self._complete(step, writer.sums)
-            check = self._checker.submit(_read_back, self.path(step), writer.sums)
-            self._pending = _PendingSave(step, writer, check)
+        try:
+            if self.async_mode:
+                if not _STAGER_SERVES_MANY_SAVES:
+                    self._stager = host_stager()
+                write = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    process_group=self.group,
+                    async_stager=self._stager,
+                )
+                check = self._checker.submit(_written_then_read_back, write, writer, partial)
+                self._pending = _PendingSave(step, writer, check, files or {})
+            else:
+                dcp.save(state, storage_writer=writer)
+                self._complete(step, writer.sums, files or {})
+                check = self._checker.submit(_read_back, self.path(step), writer.sums)
+                self._pending = _PendingSave(step, writer, check)
+        except _WRITE_FAILURES as e:
+            raise CheckpointWriteError(self._write_failure(step, writer, e)) from e
+
+    def poll(self, step: int) -> None:
+        """Raises CheckpointWriteError if the background write of an async save has failed, at
+        training step `step` (the trainer asks every step: a look at a future, no device work
+        and no collective)."""
+        pending = self._pending
+        if pending is None or not pending.check.done() or pending.check.exception() is None:
+            return
+        self._pending = None
+        error = pending.check.exception()
+        raise CheckpointWriteError(
+            self._write_failure(pending.step, pending.writer, error, noticed_at=step)
+        ) from error
 
     def wait(self) -> None:
         """Blocks until the last save is written (async) and read back; marks it complete, takes
@@ -283,9 +348,12 @@ class Checkpointer:
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
-        problems = pending.check.result()  # raises what a background write raised
-        if self.async_mode:  # a synchronous save was completed by `save` itself
-            self._complete(pending.step, pending.writer.sums)
+        try:
+            problems = pending.check.result()  # raises what a background write raised
+            if self.async_mode:  # a synchronous save was completed by `save` itself
+                self._complete(pending.step, pending.writer.sums, pending.files)
+        except _WRITE_FAILURES as e:
+            raise CheckpointWriteError(self._write_failure(pending.step, pending.writer, e)) from e
         _log.debug(
             f"step-{pending.step}: read back this rank's {len(pending.writer.sums)} files: "
             f"{len(problems)} differ from what was written"
@@ -295,30 +363,62 @@ class Checkpointer:
             self._prune()
         self._barrier()
 
-    def _complete(self, step: int, sums: dict[str, FileSum]) -> None:
-        """Rank 0 writes the completion record from every rank's file sums, then renames
-        step-<N>.partial to step-<N>."""
+    def _complete(self, step: int, sums: dict[str, FileSum], files: Mapping[str, dict]) -> None:
+        """Rank 0 writes `files` and the completion record from every rank's file sums, then
+        renames step-<N>.partial to step-<N>."""
         merged = gather_sums(sums, self.group)
         if merged is not None:
             partial, final = self.folder / f"step-{step}.partial", self.path(step)
+            for name, content in files.items():
+                write_json_file(partial, name, content)
             write_record(partial, merged)
             if final.exists():
                 shutil.rmtree(final)
             partial.rename(final)
         self._barrier()
 
+    def _write_failure(
+        self,
+        step: int,
+        writer: ChecksummingWriter,
+        error: BaseException,
+        noticed_at: int | None = None,
+    ) -> str:
+        """One line: which save failed and why, on which disk with how much space left, and
+        which checkpoint is the newest intact one."""
+        partial = self.folder / f"step-{step}.partial"
+        error = _unwrapped(error)
+        os_error = next(iter(writer.write_errors), None) or _os_error_in(error)
+        if os_error is not None:
+            cause = describe_os_error(os_error)
+        else:
+            cause = f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[0]}"
+        when = f" (found at step {noticed_at}: it was written in the background)"
+        newest = [s for s in complete_steps(self.folder) if s != step]
+        intact = (
+            f"the newest complete checkpoint, step-{newest[-1]}, is intact"
+            if newest
+            else "no earlier checkpoint exists"
+        )
+        return (
+            f"writing checkpoint step-{step} into {partial} failed"
+            f"{when if noticed_at is not None else ''}: {cause}; {describe_disk(partial)}; "
+            f"{intact}"
+        )
+
     def _judge(self, step: int, problems: dict[str, str], when: str) -> None:
         """Collective: `step` counts as verified if no rank found a problem, else it is set
         aside with a warning."""
         merged = self._all_problems(problems)
         if merged:
-            self._set_aside(step, f"{when}: {_describe(merged, self.path(step))}")
+            reason = f"{when}: {_describe(merged, self.path(step))}"
+            self._set_aside(Rejection(step, "corrupt", reason))
         else:
             self.verified.add(step)
 
     def _prune(self) -> None:
         """Keeps the newest k complete checkpoints and the newest verified one; removes partial
-        ones of crashed saves. Checkpoints set aside as corrupt are not touched."""
+        ones of crashed saves. Checkpoints set aside are not touched."""
         for p in self.folder.glob("*.partial"):
             shutil.rmtree(p, ignore_errors=True)
         steps = complete_steps(self.folder)
@@ -336,29 +436,29 @@ class Checkpointer:
         needed = torch.tensor(local_bytes(state), dtype=torch.float64)
         if self.distributed:
             dist.all_reduce(needed, group=self.group)
-        probe = self.folder if self.folder.exists() else self.folder.parent
-        while not probe.exists():
-            probe = probe.parent
-        free = shutil.disk_usage(probe).free
+        free = shutil.disk_usage(_existing(self.folder)).free
         required = needed.item() + self.min_free_gib * 2**30
         if free < required:
             raise CheckpointError(
                 f"not enough disk space to save a checkpoint in {self.folder}: it needs about "
-                f"{needed.item() / 2**30:.2f} GiB plus checkpoint.min_free_gib = "
-                f"{self.min_free_gib} GiB, but {free / 2**30:.2f} GiB are free; free space, "
-                f"lower checkpoint.keep_latest_k or point job.dump_folder elsewhere"
+                f"{format_bytes(needed.item())} plus checkpoint.min_free_gib = "
+                f"{self.min_free_gib} GiB, but {describe_disk(self.folder)}; free space, lower "
+                f"checkpoint.keep_latest_k or point job.dump_folder elsewhere"
             )
 
     # ------------------------------------------------------------------ verifying before a load
 
-    def verify(self, step: int) -> str | None:
+    def verify(self, step: int) -> Rejection | None:
         """Collective: None if checkpoint `step`'s files match its record (the ranks split the
-        reading), else the first problem found, naming the file. A checkpoint that cannot be
-        verified (no record: written before records existed; or summed with a checksum this
-        process cannot compute) passes with a warning."""
+        reading) and its metadata is safe to read (checkpoint/reading.py), else why not. Files
+        in the folder that the record does not list are reported (rank 0) and ignored. A
+        checkpoint with no record, or summed with a checksum this process cannot compute, is
+        rejected as "unverified": nothing of it is read."""
         folder = self.path(step)
         problems: dict[str, str] = {}
         unverifiable = None
+        extra: list[str] = []
+        record = None
         try:
             record = read_record(folder)
             if record is None:
@@ -367,50 +467,91 @@ class Checkpointer:
                 unverifiable = why
             else:
                 if self.rank == 0:
-                    problems = dict.fromkeys(unrecorded_files(folder, record), "not in the record")
+                    extra = unrecorded_files(folder, record)
                 mine = share_of_files(record, self.rank, self.world_size)
                 problems.update(verify_files(folder, record, mine))
                 _log.debug(f"{folder}: checked this rank's {len(mine)} files against its {RECORD}")
         except (IntegrityError, OSError) as e:
             problems = {RECORD: str(e)}
+        if record is not None and not unverifiable and not problems:
+            try:
+                self._readers[step] = CheckpointReader(folder, record)
+            except IntegrityError as e:
+                problems = {METADATA: str(e)}
         merged = self._all_problems(problems)
         if merged:
-            return _describe(merged, folder)
+            self._readers.pop(step, None)
+            return Rejection(step, "corrupt", _describe(merged, folder))
         if unverifiable:
-            _log.warning(f"cannot verify {folder} ({unverifiable}): loading it unverified")
-        else:
-            self.verified.add(step)
+            return Rejection(step, "unverified", f"{unverifiable}, so nothing in it is read")
+        if extra:
+            _log.warning(
+                f"{folder}: {', '.join(extra)} not listed in its {RECORD}: ignored (a checkpoint "
+                "reads only the files its record vouches for)"
+            )
+        self.verified.add(step)
         return None
 
-    def newest_verified(self, before: int | None = None) -> int | None:
+    def reader(self, step: int) -> CheckpointReader:
+        """The reader of checkpoint `step`, which `verify` has passed in this process."""
+        if step not in self._readers:
+            raise CheckpointError(f"checkpoint step-{step} has not been verified in this process")
+        return self._readers[step]
+
+    def usable(self, step: int, fits: Fits | None = None) -> Rejection | None:
+        """Collective: None if checkpoint `step` verifies and `fits` this run, else why not."""
+        rejection = self.verify(step)
+        if rejection is None and fits is not None:
+            try:
+                why = fits(self.reader(step))
+            except IntegrityError as e:
+                return Rejection(step, "corrupt", str(e))
+            if why is not None:
+                return Rejection(step, "foreign", why)
+        return rejection
+
+    def newest_usable(
+        self, fits: Fits | None = None, before: int | None = None
+    ) -> tuple[int | None, list[Rejection]]:
         """Collective: the newest complete checkpoint (with a step below `before`, if given)
-        that verifies. Those that fail are set aside as corrupt, with a warning each."""
+        that verifies and `fits`, and the newer ones that do not. When one is found, those are
+        set aside (renamed step-<N>.<kind>, a warning each) so that this run's own saves and
+        rotation never meet them; when none is, nothing is renamed."""
+        rejected: list[Rejection] = []
         for step in reversed(complete_steps(self.folder)):
             if before is not None and step >= before:
                 continue
-            problem = self.verify(step)
-            if problem is None:
-                return step
-            self._set_aside(step, problem)
-        return None
+            rejection = self.usable(step, fits)
+            if rejection is None:
+                for passed_over in rejected:
+                    self._set_aside(passed_over)
+                return step, rejected
+            rejected.append(rejection)
+        return None, rejected
 
-    def require(self, step: int) -> None:
-        """Collective: raises BadCheckpointError unless checkpoint `step` exists and verifies.
-        The message names the problem and the newest checkpoint that does verify."""
+    def require(self, step: int, fits: Fits | None = None) -> None:
+        """Collective: raises BadCheckpointError unless checkpoint `step` exists, verifies and
+        `fits`. The message names the problem and the newest checkpoint that is usable."""
         if not self.path(step).is_dir():
             problem = f"no complete checkpoint at {self.path(step)}"
-        elif (problem := self.verify(step)) is None:
+        elif (rejection := self.usable(step, fits)) is None:
             return
+        else:
+            problem = rejection.describe()
         good = next(
-            (s for s in reversed(complete_steps(self.folder)) if s != step and not self.verify(s)),
+            (
+                s
+                for s in reversed(complete_steps(self.folder))
+                if s != step and self.usable(s, fits) is None
+            ),
             None,
         )
         hint = (
-            f"the newest checkpoint that verifies is step {good} (set checkpoint.load_step = "
-            f"{good}, or -1 to take the newest good one)"
+            f"the newest checkpoint that can be loaded is step {good} (set checkpoint.load_step "
+            f"= {good}, or -1 to take the newest usable one)"
             if good is not None
-            else "no checkpoint in the folder verifies (set checkpoint.load_step = -1 to start "
-            "afresh)"
+            else "no checkpoint in the folder can be loaded (set checkpoint.load_step = 0 to "
+            "start afresh)"
         )
         raise BadCheckpointError(f"checkpoint.load_step = {step}: {problem}; {hint}")
 
@@ -424,12 +565,13 @@ class Checkpointer:
         self.verified.difference_update(newer)
         self._barrier()
 
-    def _set_aside(self, step: int, reason: str) -> None:
-        """Collective: renames step-<N> to step-<N>.corrupt (never deletes it) and says why."""
+    def _set_aside(self, rejection: Rejection) -> None:
+        """Collective: renames step-<N> to step-<N>.<kind> (never deletes it) and says why."""
         if self.rank == 0:
-            name = self._rename_aside(step, "corrupt")
-            _log.warning(f"checkpoint step-{step} is corrupt, skipped: {reason}; left as {name}")
-        self.verified.discard(step)
+            name = self._rename_aside(rejection.step, rejection.kind)
+            _log.warning(f"{rejection.describe()}; skipped, left as {name}")
+        self.verified.discard(rejection.step)
+        self._readers.pop(rejection.step, None)
         self._barrier()
 
     def _rename_aside(self, step: int, tag: str) -> str:
@@ -461,6 +603,31 @@ def _describe(problems: dict[str, str], folder: Path) -> str:
     name = min(problems)
     more = len(problems) - 1
     return f"{folder / name}: {problems[name]}" + (f" (and {more} more files)" if more else "")
+
+
+def _existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _unwrapped(error: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's CheckpointException (else `error`)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return next(iter(error.failures.values()))[0]
+    return error
+
+
+def _os_error_in(error: BaseException) -> OSError | None:
+    """The first OSError in `error`'s chain of causes."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _read_back(folder: Path, sums: dict[str, FileSum]) -> dict[str, str]:

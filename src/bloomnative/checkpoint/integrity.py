@@ -11,7 +11,11 @@ The checksum is xxHash's XXH3-64 (about 20 GB/s on one core of the CI machine, s
 notices it), or zlib's CRC-32 (2-4 GB/s) where the xxhash package is not installed; the record
 names the one it used. Either detects a changed file with probability 1 - 2^-64 (resp. 2^-32),
 CRC-32 every error burst up to 32 bits; they guard against bad disks and broken copies, not
-against tampering.
+against tampering (checkpoint/reading.py is what makes a tampered folder harmless).
+
+A record names only plain files of its own folder: a name with a path in it (`..`, `/`), or
+one that is a symbolic link, a device, a pipe or a folder on disk, is a verification failure,
+and such a file is never opened.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 import zlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +44,8 @@ ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"
 """The checksum new records use."""
 RECORD = "checksums.json"
 """The completion record of a checkpoint folder: size and checksum of every other file in it."""
+METADATA = ".metadata"
+"""DCP's index of a checkpoint folder (a pickle: read only through checkpoint/reading.py)."""
 _RECORD_FORMAT = 1
 _CHUNK = 8 << 20
 # Large writes are summed on a helper thread while the calling thread writes the same bytes:
@@ -50,6 +57,10 @@ _SUM_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bloomnative
 
 class IntegrityError(RuntimeError):
     """A checkpoint folder's completion record is missing, unreadable or incomplete."""
+
+
+class NotAPlainFileError(IntegrityError):
+    """A name of a checkpoint folder is a symbolic link, a folder, a device or a pipe."""
 
 
 @dataclass(frozen=True)
@@ -85,44 +96,66 @@ class _RunningSum:
 
 
 class _HashingStream:
-    """A writable file that also keeps the size and running checksum of what went through it."""
+    """A writable file that also keeps the size and running checksum of what went through it,
+    and the first OSError a write or flush raised (`errors`): torch.save reports a failed
+    write only as an unexpected file position, so the cause (a full disk, say) is kept here."""
 
-    def __init__(self, raw):
+    def __init__(self, raw, errors: list[OSError]):
         self._raw = raw
+        self._errors = errors
         self.size = 0
         self.sum = _RunningSum(ALGORITHM)
 
     def write(self, data) -> int:
         view = memoryview(data)
-        if view.nbytes < _OVERLAP_BYTES:
-            self.sum.update(view)
-            written = self._raw.write(view)
-        else:
-            summed = _SUM_THREADS.submit(self.sum.update, view)
-            written = self._raw.write(view)
-            summed.result()
+        with self._keeping_errors():
+            if view.nbytes < _OVERLAP_BYTES:
+                self.sum.update(view)
+                written = self._raw.write(view)
+            else:
+                summed = _SUM_THREADS.submit(self.sum.update, view)
+                written = self._raw.write(view)
+                summed.result()
         self.size += view.nbytes
         return written
 
-    def __getattr__(self, name: str):  # tell, fileno, flush, close: the file's own
+    def flush(self) -> None:
+        with self._keeping_errors():
+            self._raw.flush()
+
+    @contextlib.contextmanager
+    def _keeping_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            self._errors.append(e)
+            raise
+
+    def __getattr__(self, name: str):  # tell, fileno, close: the file's own
         return getattr(self._raw, name)
 
 
 class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, recording a FileSum per file it writes (keyed by file name)."""
+    """DCP's local file system, recording a FileSum per file it writes (keyed by file name) and
+    the OSErrors of its writes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sums: dict[str, FileSum] = {}
+        self.write_errors: list[OSError] = []
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str) -> Iterator:
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            hashing = _HashingStream(stream)
-            yield hashing
+        try:
+            with super().create_stream(path, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                hashing = _HashingStream(stream, self.write_errors)
+                yield hashing
+        except OSError as e:  # opening, or the final flush on closing
+            self.write_errors.append(e)
+            raise
         self.sums[Path(path).name] = FileSum(
             hashing.size, hashing.sum.value(), hashing.sum.algorithm
         )
@@ -145,15 +178,38 @@ class ChecksummingWriter(FileSystemWriter):
     def sums(self) -> dict[str, FileSum]:
         return dict(self.fs.sums)
 
+    @property
+    def write_errors(self) -> list[OSError]:
+        """The OSErrors this rank's writes raised (whatever DCP made of them)."""
+        return list(self.fs.write_errors)
+
+
+def open_plain_file(path: Path):
+    """`path` opened for reading, unbuffered, if it is a regular file (not a symbolic link, a
+    device, a pipe or a folder: those raise NotAPlainFileError without being opened, so a
+    name like /dev/zero or a pipe cannot make a reader hang)."""
+    kind = os.lstat(path).st_mode
+    if stat.S_ISLNK(kind):
+        raise NotAPlainFileError("a symbolic link, not a file")
+    if not stat.S_ISREG(kind):
+        raise NotAPlainFileError("not a regular file (a folder, device or pipe)")
+    # O_NOFOLLOW and O_NONBLOCK: what was checked above cannot be swapped for a link or a pipe.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotAPlainFileError("not a regular file (a folder, device or pipe)")
+    return open(fd, "rb", buffering=0)
+
 
 def file_sum(path: Path, algorithm: str | None = None, from_storage: bool = False) -> FileSum:
-    """Size and checksum of a file. `from_storage`: first ask the kernel to drop the file's
-    cached pages, so the bytes come from the disk rather than from memory (where supported)."""
+    """Size and checksum of a regular file (`open_plain_file`). `from_storage`: first ask the
+    kernel to drop the file's cached pages, so the bytes come from the disk rather than from
+    memory (where supported)."""
     algorithm = algorithm or ALGORITHM
     running, size = _RunningSum(algorithm), 0
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
+    with open_plain_file(path) as f:
         if from_storage and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         while n := f.readinto(buffer):
@@ -174,7 +230,7 @@ def write_record(folder: Path, sums: dict[str, FileSum]) -> None:
     if len(algorithms) > 1:
         raise IntegrityError(f"{folder}: files were summed with {sorted(algorithms)}")
     for path in sorted(folder.iterdir()):
-        if path.name not in files and path.name != RECORD and path.is_file():
+        if path.name not in files and path.name != RECORD and _is_plain_file(path):
             files[path.name] = file_sum(path)
     record = {
         "format": _RECORD_FORMAT,
@@ -188,21 +244,47 @@ def write_record(folder: Path, sums: dict[str, FileSum]) -> None:
 
 def read_record(folder: Path) -> dict[str, FileSum] | None:
     """The file sums of `folder`'s completion record; None when it has no record (a checkpoint
-    written before records existed). Raises IntegrityError if the record cannot be used."""
+    written before records existed). Raises IntegrityError if the record cannot be used,
+    including when it names anything but a plain file name of the folder."""
     path = folder / RECORD
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     try:
-        record = json.loads(path.read_text())
+        with open_plain_file(path) as f:
+            record = json.loads(f.read())
         algorithm = record.get("algorithm")
         if record.get("format") != _RECORD_FORMAT or algorithm not in ("xxh3_64", "crc32"):
             raise ValueError(f"format {record.get('format')}, algorithm {algorithm}")
-        return {
+        sums = {
             name: FileSum(int(entry["bytes"]), int(entry["checksum"], 16), algorithm)
             for name, entry in record["files"].items()
         }
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IntegrityError) as e:
         raise IntegrityError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
+    for name, entry in sums.items():
+        if not is_plain_name(name):
+            raise IntegrityError(
+                f"{path} names {name!r}, which is not a file of this folder (a record lists "
+                "only plain file names)"
+            )
+        if entry.size < 0:
+            raise IntegrityError(f"{path} gives {name} a size of {entry.size} bytes")
+    return sums
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether `name` can only mean an entry of the folder itself: no path separator, not `.`
+    or `..`, not the record itself, no NUL."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..", RECORD)
+        and "/" not in name
+        and "\0" not in name
+    )
+
+
+def _is_plain_file(path: Path) -> bool:
+    return stat.S_ISREG(os.lstat(path).st_mode)
 
 
 def uncheckable(record: dict[str, FileSum]) -> str | None:
@@ -213,30 +295,32 @@ def uncheckable(record: dict[str, FileSum]) -> str | None:
 
 
 def unrecorded_files(folder: Path, record: dict[str, FileSum]) -> list[str]:
-    """Files in `folder` that its record does not cover (nothing vouches for their bytes)."""
-    return sorted(
-        p.name
-        for p in folder.iterdir()
-        if p.is_file() and p.name != RECORD and p.name not in record
-    )
+    """Entries of `folder` that its record does not cover (a README, an editor's backup): nothing
+    vouches for them and nothing reads them, so they are reported, not counted as damage."""
+    return sorted(p.name for p in folder.iterdir() if p.name != RECORD and p.name not in record)
 
 
 def check_file(
     folder: Path, name: str, expected: FileSum, from_storage: bool = False
 ) -> str | None:
-    """None if `folder/name` has the expected size and checksum, else what is wrong with it."""
+    """None if `folder/name` is a regular file with the expected size and checksum, else what
+    is wrong with it."""
     path = folder / name
     try:
-        size = path.stat().st_size
-        if size != expected.size:
+        size = os.lstat(path).st_size
+        if _is_plain_file(path) and size != expected.size:
             return f"{size} bytes, the record says {expected.size}"
         actual = file_sum(path, expected.algorithm, from_storage)
     except FileNotFoundError:
         return "missing"
+    except NotAPlainFileError as e:
+        return str(e)
     except OSError as e:
         return f"unreadable ({e})"
     except IntegrityError as e:
         return f"cannot be checked: {e}"
+    if actual.size != expected.size:
+        return f"{actual.size} bytes, the record says {expected.size}"
     if actual.checksum != expected.checksum:
         return f"checksum {actual.hex()}, the record says {expected.hex()}"
     return None

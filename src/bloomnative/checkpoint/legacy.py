@@ -16,11 +16,10 @@ formats.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
-
 import torch
-import torch.distributed.checkpoint as dcp
+
+from bloomnative.checkpoint import reading
+from bloomnative.checkpoint.reading import CheckpointReader
 
 _COUNTERS = (
     "train.consumed_samples",
@@ -30,14 +29,15 @@ _COUNTERS = (
 )
 
 
-def legacy_states(path: Path, saved: Mapping[str, torch.Size | None]) -> dict[str, dict]:
+def legacy_states(reader: CheckpointReader) -> dict[str, dict]:
     """The states of the components the old format kept under `train.*` (by component name),
-    read from the checkpoint at `path` whose entries have the shapes `saved`; {} for a
-    checkpoint in today's format. Collective when distributed, like every checkpoint read."""
+    read from the verified checkpoint `reader` reads; {} for a checkpoint in today's format.
+    Collective when distributed, like every checkpoint read."""
+    saved = reader.shapes()
     if "train.consumed_samples" not in saved:
         return {}
     old = {key: torch.zeros(saved[key], dtype=torch.int64) for key in _COUNTERS if key in saved}
-    dcp.load(old, checkpoint_id=str(path))
+    reading.load(old, reader)
     consumed = int(old["train.consumed_samples"])
     windows = old.get("train.skipped_samples", torch.zeros(0, 2, dtype=torch.int64))
     return {

@@ -6,16 +6,18 @@ under the "model" entry of a training checkpoint). Every importer in this packag
 canonical state dict and hands it to `bloom_from_state_dict`; every exporter starts from one.
 
 A model-only checkpoint is a DCP folder holding just the "model" entry of a training checkpoint,
-plus bloom_args.json for the hyper-parameters no tensor shape reveals (the head count). Reading
-one needs no process group: DCP loads into a single process when none is initialised. DCP's
-`.metadata` file is a Python pickle, so read only checkpoints that you (your runs) wrote.
+plus bloom_args.json for the hyper-parameters no tensor shape reveals (the head count); training
+checkpoints carry bloom_args.json too (checkpoint/run_record.py). Reading one needs no process
+group: DCP loads into a single process when none is initialised. Every file of the folder is
+checked against its checksum record first, and its pickles are read without running anything
+(checkpoint/reading.py); a step folder whose model differs from what its run's config.toml
+describes is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import re
 import secrets
@@ -31,7 +33,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from bloomnative.checkpoint.integrity import ChecksummingWriter, gather_sums, write_record
+from bloomnative.checkpoint import reading
+from bloomnative.checkpoint.integrity import (
+    METADATA,
+    ChecksummingWriter,
+    IntegrityError,
+    gather_sums,
+    write_record,
+)
+from bloomnative.checkpoint.reading import CheckpointReader, verified_reader
+from bloomnative.checkpoint.run_record import (
+    ARGS_FILE,
+    SHAPE_FIELDS,
+    model_fields,
+    read_json_file,
+    write_json_file,
+)
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.model.args import PRESETS
 from bloomnative.model.state import EMBEDDING, TIED_HEAD, model_state
@@ -40,17 +57,6 @@ MODEL_KEY = "model"
 """The entry of a DCP checkpoint that holds the model's canonical state dict."""
 RUN_CONFIG = "config.toml"
 """The resolved config a training run writes into its dump folder."""
-ARGS_FILE = "bloom_args.json"
-"""Written into a model-only checkpoint folder: its BloomArgs (DCP ignores files it did not
-write). Only the fields that no tensor shape reveals are read back."""
-_RECORDED_FIELDS = (
-    "n_layer",
-    "hidden_size",
-    "n_head",
-    "vocab_size",
-    "layer_norm_epsilon",
-    "init_std",
-)
 _FIELDS_NOT_IN_SHAPES = ("n_head", "layer_norm_epsilon", "init_std")
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
@@ -231,7 +237,7 @@ def save_native_checkpoint(model: Bloom, out_dir: str | Path, overwrite: bool = 
     with staged_output_dir(out_dir, overwrite) as staging, _single_process_dcp():
         writer = ChecksummingWriter(staging)
         dcp.save(state, storage_writer=writer, no_dist=True)
-        _write_args_file(model.args, staging)
+        write_json_file(staging, ARGS_FILE, model_fields(model.args))
         write_record(staging, writer.sums)
     return Path(out_dir)
 
@@ -254,7 +260,7 @@ def _save_sharded(state: dict, args: BloomArgs, out_dir: Path, overwrite: bool) 
             merged = gather_sums(writer.sums, group)
 
             def complete() -> None:
-                _write_args_file(args, staging)
+                write_json_file(staging, ARGS_FILE, model_fields(args))
                 write_record(staging, merged)
                 on_rank0.close()  # staged_output_dir renames the folder to out_dir
 
@@ -283,24 +289,33 @@ def _from_rank0(fn: Callable[[], object], group: dist.ProcessGroup) -> object:
     return result
 
 
-def read_model_shapes(checkpoint_dir: str | Path) -> dict[str, TensorStorageMetadata]:
-    """Canonical name -> stored tensor metadata (global shape, dtype) of the checkpoint's model
-    entry, read from DCP's metadata file without loading any tensor."""
+def open_checkpoint(checkpoint_dir: str | Path) -> CheckpointReader:
+    """A reader of the DCP checkpoint folder `checkpoint_dir`, once every file of it has matched
+    its checksum record (`reading.verified_reader`); raises CheckpointFormatError (one line
+    naming the file and the problem) otherwise."""
     checkpoint_dir = Path(checkpoint_dir)
-    if not (checkpoint_dir / ".metadata").is_file():
+    if not (checkpoint_dir / METADATA).is_file():
         raise CheckpointFormatError(
             f"{checkpoint_dir} is not a DCP checkpoint folder (no .metadata file); give a "
             "<dump_folder>/checkpoints/step-<N> folder or a to-native output"
         )
-    metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
+    try:
+        return verified_reader(checkpoint_dir)
+    except IntegrityError as e:
+        raise CheckpointFormatError(str(e)) from None
+
+
+def read_model_shapes(reader: CheckpointReader) -> dict[str, TensorStorageMetadata]:
+    """Canonical name -> stored tensor metadata (global shape, dtype) of the checkpoint's model
+    entry, from its metadata, without loading any tensor."""
     prefix = MODEL_KEY + "."
     shapes = {
         key[len(prefix) :]: meta
-        for key, meta in metadata.state_dict_metadata.items()
+        for key, meta in reader.metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
     if not shapes:
-        raise CheckpointFormatError(f"{checkpoint_dir} has no '{MODEL_KEY}' tensors")
+        raise CheckpointFormatError(f"{reader.folder} has no '{MODEL_KEY}' tensors")
     return shapes
 
 
@@ -329,18 +344,27 @@ def infer_bloom_args(
     return args_with(args, **overrides)
 
 
-def recorded_model_args(checkpoint_dir: str | Path) -> dict:
-    """The BloomArgs fields that no tensor shape reveals (n_head, layer_norm_epsilon, init_std),
-    as recorded for `checkpoint_dir`: by the ARGS_FILE a model-only checkpoint carries, else by
-    the resolved config.toml the training run left in its dump folder (two levels up). Empty
-    when neither exists."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if (checkpoint_dir / ARGS_FILE).is_file():
-        return _args_from_args_file(checkpoint_dir / ARGS_FILE)
-    run_config = run_config_path(checkpoint_dir)
-    if run_config.is_file():
-        return _args_from_run_config(run_config)
-    return {}
+def recorded_model_args(reader: CheckpointReader) -> dict:
+    """The BloomArgs fields recorded for the verified checkpoint `reader` reads: by the
+    ARGS_FILE it carries, else by the resolved config.toml its training run left in the dump
+    folder (two levels up); empty when neither exists. When both exist they must describe one
+    model shape, else the folder was not saved by that run: CheckpointFormatError."""
+    from_file = read_json_file(reader.folder, reader.record, ARGS_FILE)
+    run_config = run_config_path(reader.folder)
+    from_config = _args_from_run_config(run_config) if run_config.is_file() else None
+    if from_file is not None and from_config is not None:
+        differences = [
+            f"{name} is {from_file[name]} in its {ARGS_FILE}, {from_config[name]} in {run_config}"
+            for name in SHAPE_FIELDS
+            if name in from_file and from_file[name] != from_config[name]
+        ]
+        if differences:
+            raise CheckpointFormatError(
+                f"{reader.folder} holds another model than its run's config describes "
+                f"({'; '.join(differences)}): it was not saved by that run; copy it out of "
+                "that dump folder to use it on its own"
+            )
+    return from_file if from_file is not None else from_config or {}
 
 
 def run_config_path(checkpoint_dir: str | Path) -> Path:
@@ -348,21 +372,9 @@ def run_config_path(checkpoint_dir: str | Path) -> Path:
     return Path(checkpoint_dir).resolve().parent.parent / RUN_CONFIG
 
 
-def _write_args_file(args: BloomArgs, folder: Path) -> None:
-    fields = {name: getattr(args, name) for name in _RECORDED_FIELDS}
-    (folder / ARGS_FILE).write_text(json.dumps(fields, indent=2) + "\n")
-
-
-def _args_from_args_file(path: Path) -> dict:
-    try:
-        recorded = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointFormatError(f"{path}: not valid JSON ({e})") from None
-    return {name: recorded[name] for name in _FIELDS_NOT_IN_SHAPES if name in recorded}
-
-
 def _args_from_run_config(path: Path) -> dict:
-    """The [model] section resolved as the trainer does: the preset, then non-zero overrides."""
+    """The [model] section resolved as the trainer does (config.model_args_from_config): the
+    preset, then its non-zero overrides."""
     try:
         with path.open("rb") as f:
             model_section = tomllib.load(f).get("model", {})
@@ -373,13 +385,9 @@ def _args_from_run_config(path: Path) -> dict:
         raise CheckpointFormatError(
             f"{path}: model.preset = {preset!r} is not one of {', '.join(PRESETS)}"
         )
-    args = PRESETS[preset]
-    n_head = model_section.get("n_head") or args.n_head
-    return {
-        "n_head": n_head,
-        "layer_norm_epsilon": args.layer_norm_epsilon,
-        "init_std": args.init_std,
-    }
+    overrides = {name: model_section.get(name) for name in SHAPE_FIELDS}
+    args = BloomArgs.from_preset(preset, **{k: v for k, v in overrides.items() if v})
+    return model_fields(args)
 
 
 def load_native_model(
@@ -389,30 +397,45 @@ def load_native_model(
     **overrides,
 ) -> Bloom:
     """Loads the model of a DCP checkpoint (a full training checkpoint or a model-only one)
-    into one process, on CPU, in `dtype`.
+    into one process, on CPU, in `dtype`, once the folder has verified (`open_checkpoint`).
 
     Shapes come from the checkpoint's metadata. The head count comes from `n_head`, else from
     `recorded_model_args` (the checkpoint's ARGS_FILE or its run's config.toml); with none of
-    them this raises. `overrides` set further BloomArgs fields (e.g. init_std, attention).
+    them this raises. The shapes must be those of the recorded model: a step folder of another
+    model is refused, naming the difference. `overrides` set further BloomArgs fields (e.g.
+    init_std, attention).
     """
     checkpoint_dir = Path(checkpoint_dir)
-    shapes = read_model_shapes(checkpoint_dir)
-    recorded = recorded_model_args(checkpoint_dir)
-    recorded_n_head = recorded.pop("n_head", None)
-    n_head = n_head or recorded_n_head
+    reader = open_checkpoint(checkpoint_dir)
+    shapes = read_model_shapes(reader)
+    recorded = recorded_model_args(reader)
+    n_head = n_head or recorded.get("n_head")
+    if n_head is not None and (not isinstance(n_head, int) or n_head <= 0):
+        raise CheckpointFormatError(f"{checkpoint_dir}: n_head {n_head!r} is not a head count")
     if n_head is None:
         raise CheckpointFormatError(
             f"{checkpoint_dir}: the head count is not visible in the weights, the folder has no "
             f"{ARGS_FILE} and {run_config_path(checkpoint_dir)} does not exist; give n_head "
             "(--n-head N or --preset NAME)"
         )
-    args = infer_bloom_args(shapes, n_head, checkpoint_dir, **{**recorded, **overrides})
+    unseen = {k: recorded[k] for k in _FIELDS_NOT_IN_SHAPES if k in recorded and k != "n_head"}
+    args = infer_bloom_args(shapes, n_head, checkpoint_dir, **{**unseen, **overrides})
+    differences = [
+        f"{name} {getattr(args, name)} (from its weights), not {recorded[name]}"
+        for name in ("n_layer", "hidden_size", "vocab_size")
+        if name in recorded and recorded[name] != getattr(args, name)
+    ]
+    if differences:
+        source = ARGS_FILE if (checkpoint_dir / ARGS_FILE).is_file() else RUN_CONFIG
+        raise CheckpointFormatError(
+            f"{checkpoint_dir} holds a model with {', '.join(differences)} as its {source} "
+            "says: it was not saved by the run that file describes"
+        )
     state = {
         name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in shapes.items()
     }
     check_state_matches(args, state, checkpoint_dir, display_name=lambda n: f"{MODEL_KEY}.{n}")
-    with _single_process_dcp():
-        dcp.load({MODEL_KEY: state}, checkpoint_id=str(checkpoint_dir), no_dist=True)
+    reading.load({MODEL_KEY: state}, reader, no_dist=True)
     return bloom_from_state_dict(args, state, checkpoint_dir, dtype)
 
 

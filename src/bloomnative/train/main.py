@@ -24,19 +24,22 @@ _DATA_ERRORS = (IndexedDatasetError, SplitError)
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 trained (or stopped on request, with a checkpoint), 2 configuration or data
-    error (reported before any model is built) or a checkpoint that cannot be used (a
-    checkpoint.load_step that is missing or fails verification, a checkpoint.initial_hf folder
-    that cannot be read), 1 any other failure (its traceback printed). Under
-    bloomnative.train.launch an exit 2 is final (the job is not restarted) and its one line is
-    printed by the launcher, once; and the process ends when the launcher does."""
+    error (reported before any model is built), a dump folder another run is using, or a
+    checkpoint that cannot be used (a checkpoint.load_step that is missing or cannot be loaded,
+    a folder none of whose checkpoints can be, other data settings than the checkpoint's, a
+    checkpoint.initial_hf folder that cannot be read), 1 a checkpoint that could not be written
+    (one line: the cause, the disk and its free space) or any other failure (its traceback
+    printed). Under bloomnative.train.launch an exit 2 is final (the job is not restarted) and
+    its one line is printed by the launcher, once; and the process ends when the launcher does."""
     catch_stop_signals()
     exit_with_launcher()
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         return final_error(f"config error: {e}")
-    from bloomnative.checkpoint.checkpointer import BadCheckpointError
+    from bloomnative.checkpoint.checkpointer import BadCheckpointError, CheckpointError
     from bloomnative.interop import CheckpointFormatError
+    from bloomnative.train.run_lock import DumpFolderInUseError
     from bloomnative.train.trainer import Trainer
 
     try:
@@ -50,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         return final_error(f"data error: {e}")
     except (BadCheckpointError, CheckpointFormatError) as e:
         return final_error(f"checkpoint error: {e}")
+    except DumpFolderInUseError as e:
+        return final_error(f"error: {e}")
+    except CheckpointError as e:  # a save that failed: the message says where and why
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 1
     except Exception:
         if launcher_gone():  # a peer stopped with it; the watchdog says so and ends this one
             return 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from bloomnative.checkpoint.disk import describe_disk, describe_os_error
 from bloomnative.log import BARE, get_logger
 
 _log = get_logger(__name__)
@@ -122,18 +124,29 @@ class Throughput:
         return {"tokens_per_sec": tokens_per_sec, "tflops": tflops, "mfu": mfu}
 
 
+class MetricsWriteError(OSError):
+    """A row could not be appended to metrics.jsonl (the file keeps its earlier rows whole)."""
+
+
 class MetricsLogger:
     """Writes one row per logged step to the console, metrics.jsonl and TensorBoard.
-    Only rank 0 writes; other ranks get a logger whose methods do nothing."""
+    Only rank 0 writes; other ranks get a logger whose methods do nothing.
+
+    metrics.jsonl only ever gains whole lines: each row is appended with one write and, should
+    that fail (a full disk), the file is cut back to where the row began. A torn last line (a
+    process killed inside a write, or a file written by an older version) is removed when the
+    file is opened, with a warning, so a resumed run's rows start on a line of their own."""
 
     def __init__(self, dump_folder: Path, tensorboard: bool, enabled: bool):
         self.enabled = enabled
-        self._jsonl = None
+        self._jsonl: int | None = None
         self._tb = None
         if not enabled:
             return
         dump_folder.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (dump_folder / "metrics.jsonl").open("a", buffering=1)
+        self.path = dump_folder / "metrics.jsonl"
+        self._jsonl = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        _cut_torn_last_line(self._jsonl, self.path)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -143,12 +156,27 @@ class MetricsLogger:
         if not self.enabled:
             return
         step = row["step"]
-        self._jsonl.write(json.dumps(row) + "\n")
+        self._append_line(json.dumps(row) + "\n")
         if self._tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
         _log.info(format_row(row), extra=BARE)
+
+    def _append_line(self, line: str) -> None:
+        data = line.encode()
+        start = os.fstat(self._jsonl).st_size
+        try:
+            written = 0
+            while written < len(data):
+                written += os.write(self._jsonl, data[written:])
+        except OSError as e:
+            os.ftruncate(self._jsonl, start)
+            raise MetricsWriteError(
+                e.errno,
+                f"appending a row to {self.path} failed: {describe_os_error(e)}; "
+                f"{describe_disk(self.path)}",
+            ) from e
 
     def log_series(self, key: str, first_step: int, values: list[float]) -> None:
         """TensorBoard only: `values` at consecutive steps from `first_step` (per-step values
@@ -161,9 +189,30 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self._jsonl is not None:
-            self._jsonl.close()
+            os.close(self._jsonl)
+            self._jsonl = None
         if self._tb is not None:
             self._tb.close()
+
+
+def _cut_torn_last_line(fd: int, path: Path) -> None:
+    """Truncates the file after its last newline, if anything follows it."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    keep = size
+    while keep > 0:
+        chunk = os.pread(fd, min(keep, 1 << 16), max(keep - (1 << 16), 0))
+        newline = chunk.rfind(b"\n")
+        if newline >= 0:
+            keep = keep - len(chunk) + newline + 1
+            break
+        keep -= len(chunk)
+    os.ftruncate(fd, keep)
+    _log.warning(
+        f"{path}: removed a torn last line ({size - keep} bytes without a newline, left by a "
+        "write that was interrupted)"
+    )
 
 
 def format_row(row: dict[str, Any]) -> str:

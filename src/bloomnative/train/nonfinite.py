@@ -1,9 +1,16 @@
 """Skipping the optimizer step when the loss or the gradient norm is not finite, without making
-the host wait for the device on every step."""
+the host wait for the device on every step; and keeping such a state out of checkpoints."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+# Elements of one tensor tested at a time: bounds the boolean temporary of a checkpoint's check.
+_CHUNK = 1 << 26
 
 
 class NonFiniteError(RuntimeError):
@@ -66,6 +73,30 @@ class NonFiniteGuard:
     def load_state_dict(self, state: dict) -> None:
         self._skipped.fill_(int(state["skipped"]))
 
+    def reason_not_to_save(self, state: Mapping[str, torch.Tensor]) -> str | None:
+        """Collective: why the training state must not be checkpointed now, or None. It must
+        not when this step ends a run of skipped steps (the weights are those of the last
+        applied step, but the run is diverging from them) or when a floating-point tensor of
+        `state` (this rank's shards of weights and optimizer state, by name) holds a NaN or an
+        infinity. Tested on the device; read back once (called at checkpoint steps only)."""
+        device = self._run.device
+        names = [k for k, t in state.items() if _is_float_tensor(t)]
+        bad = torch.stack(
+            [~_all_finite(state[k]).to(device) for k in names]
+            or [torch.zeros((), dtype=torch.bool, device=device)]
+        )
+        summary = torch.stack([self._run, bad.any().long()])
+        if dist.is_initialized():
+            dist.all_reduce(summary, op=dist.ReduceOp.MAX)
+        streak, nonfinite = summary.tolist()
+        if streak:
+            return f"it ends a run of {streak} skipped steps (non-finite loss or gradient norm)"
+        if nonfinite:
+            mine = [k for k, flag in zip(names, bad.tolist(), strict=False) if flag]
+            where = f" ({', '.join(mine[:3])}{', ...' if len(mine) > 3 else ''})" if mine else ""
+            return f"weights or optimizer state hold NaN or infinite values{where}"
+        return None
+
     def check(self, step: int) -> None:
         """Raises NonFiniteError if `limit` or more consecutive steps have been skipped."""
         if self._longest_run.item() >= self.limit:
@@ -74,6 +105,20 @@ class NonFiniteGuard:
                 f"consecutive steps (training.max_nonfinite_steps); lower the learning rate or "
                 f"resume from an earlier checkpoint"
             )
+
+
+def _is_float_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _all_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool on the device: every element of this rank's part of `tensor` is finite."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    flat = local.detach().reshape(-1)
+    finite = torch.ones((), dtype=torch.bool, device=flat.device)
+    for chunk in flat.split(_CHUNK):
+        finite &= torch.isfinite(chunk).all()
+    return finite
 
 
 def _step_at(optimizer: torch.optim.Optimizer, lr: torch.Tensor | float) -> None:

@@ -16,6 +16,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from bloomnative.checkpoint import checkpointer as ckpt
+from bloomnative.checkpoint.reading import CheckpointReader, UnsafeCheckpointError
+from bloomnative.checkpoint.run_record import ARGS_FILE, DATA_FILE, model_fields
 from bloomnative.config import Config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets
 from bloomnative.device import pick_device
@@ -55,7 +57,9 @@ from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
 from bloomnative.train.preflight import check_data_files, check_initial_hf
 from bloomnative.train.profiling import StepProfiler
+from bloomnative.train.resume_checks import data_mismatch, data_settings, model_mismatch
 from bloomnative.train.run import resolve_run
+from bloomnative.train.run_lock import lock_dump_folder
 from bloomnative.train.spikes import (
     Rollback,
     RollbackLog,
@@ -82,6 +86,17 @@ class Trainer:
         self.device = pick_device(job.device)
         apply_tf32(config.training.tf32, self.device)
         self.rank, self.world_size = init_distributed(self.device, job.collective_timeout_s)
+        # Taken before anything is written to the dump folder; released by `run`, or here when
+        # the set-up fails.
+        self.run_lock = lock_dump_folder(Path(job.dump_folder))
+        try:
+            self._set_up(config)
+        except BaseException:
+            self.run_lock.release()
+            raise
+
+    def _set_up(self, config: Config) -> None:
+        job = config.job
         self.resolved = resolve_run(
             config,
             self.world_size,
@@ -306,34 +321,73 @@ class Trainer:
         return components
 
     def _maybe_resume(self) -> None:
-        """Resumes from the newest checkpoint that verifies (or `load_step`, which must verify);
-        a model-only one (from tools/convert_hf.py) or `initial_hf` gives the starting weights
-        of a fresh run."""
+        """Resumes from the newest checkpoint that verifies and holds this run's model (or
+        `load_step`, which must), refusing one trained on other data settings; a model-only
+        one (from tools/convert_hf.py) or `initial_hf` gives the starting weights of a fresh
+        run. A folder holding checkpoints none of which can be loaded stops the run
+        (BadCheckpointError), unless `load_step = 0` asks to start afresh."""
         cfg = self.config.checkpoint
         step = None
-        if cfg.enable and cfg.load_step >= 0:
-            self.checkpointer.require(cfg.load_step)
+        if cfg.enable and cfg.load_step == 0 and not self.checkpointer.path(0).is_dir():
+            self.checkpointer.set_aside_after(0, "replaced")  # checkpoint.load_step = 0: afresh
+        elif cfg.enable and cfg.load_step >= 0:
+            self.checkpointer.require(cfg.load_step, self._fits)
             step = cfg.load_step
         elif cfg.enable:
-            step = self.checkpointer.newest_verified()
+            step, rejected = self.checkpointer.newest_usable(self._fits)
+            if step is None and rejected:
+                count = f"{len(rejected)} checkpoint{'s' if len(rejected) > 1 else ''}"
+                raise ckpt.BadCheckpointError(
+                    f"{self.ckpt_folder} holds {count} and none can be loaded: "
+                    f"{'; '.join(r.describe() for r in rejected)}; nothing was renamed or "
+                    "loaded; set checkpoint.load_step = 0 to start afresh from step 0 (the "
+                    "checkpoints are then renamed step-<N>.replaced)"
+                )
         if step is None:
             if cfg.initial_hf:
                 self._load_initial_hf(cfg.initial_hf)
             return
-        path = self.checkpointer.path(step)
-        if ckpt.is_model_only(path):
-            model = {"model": ckpt.ModelState(self.model_parts)}
-            ckpt.load_components(path, model, complete=("model",))
-            _log.info(f"initial weights from model-only checkpoint {path}")
-            return
-        self.load_training_state(path)
-        _log.info(f"resumed from {path} at step {self.step}")
+        reader = self.checkpointer.reader(step)
+        try:
+            if ckpt.is_model_only(reader):
+                model = {"model": ckpt.ModelState(self.model_parts)}
+                ckpt.load_components(reader, model, complete=("model",))
+                _log.info(f"initial weights from model-only checkpoint {reader.folder}")
+                return
+            self._check_data_settings(reader)
+            self.load_training_state(reader)
+        except UnsafeCheckpointError as e:
+            raise ckpt.BadCheckpointError(str(e)) from None
+        _log.info(f"resumed from {reader.folder} at step {self.step}")
 
-    def load_training_state(self, path: Path) -> None:
+    def _fits(self, reader: CheckpointReader) -> str | None:
+        """Why a verified checkpoint holds another model than this run's, or None."""
+        return model_mismatch(reader, self.resolved.model_args)
+
+    def _check_data_settings(self, reader: CheckpointReader) -> None:
+        """Refuses a resume whose data settings differ from the checkpoint's, unless
+        checkpoint.allow_data_change says to go on (with a warning)."""
+        differences = data_mismatch(reader, self.config)
+        if not differences:
+            return
+        what = (
+            f"resuming from {reader.folder} with other data settings than it was trained "
+            f"with: {'; '.join(differences)}"
+        )
+        if not self.config.checkpoint.allow_data_change:
+            raise ckpt.BadCheckpointError(
+                f"{what}; the samples after the resume would not continue its data order; "
+                "restore the settings, start another job.dump_folder, or set "
+                "checkpoint.allow_data_change = true to resume anyway"
+            )
+        _log.warning(f"{what} (checkpoint.allow_data_change = true)")
+
+    def load_training_state(self, reader: CheckpointReader) -> None:
         """Every component of a verified checkpoint (`_checkpointed`). The loader skips the data
         windows the checkpoint saved and those rollbacks.json lists (a rollback is recorded
         there before any checkpoint holds it)."""
-        ckpt.load_components(path, self._checkpointed(), complete=("model", "optimizer", "train"))
+        components = self._checkpointed()
+        ckpt.load_components(reader, components, complete=("model", "optimizer", "train"))
         for window in self.rollback_log.windows():
             self.train_loader.skip(*window)
 
@@ -347,9 +401,25 @@ class Trainer:
         _log.info(f"initial weights from Hugging Face folder {hf_dir}")
 
     def save_checkpoint(self) -> None:
+        """Saves this step's checkpoint, unless the state is not healthy (a run of skipped
+        steps, NaN or infinite values): then the newest checkpoint stays the newest healthy
+        one, and a warning says why. Raises NonFiniteError once too many steps in a row were
+        skipped, before saving."""
         start = time.perf_counter()
+        self.nonfinite.check(self.step)
         state = {name: c.state_dict() for name, c in self._checkpointed().items()}
-        self.checkpointer.save(self.step, state)
+        why = self.nonfinite.reason_not_to_save({**state["model"], **state["optimizer"]})
+        if why is not None:
+            _log.warning(
+                f"not saving checkpoint step-{self.step}: {why}; the newest checkpoint in "
+                f"{self.ckpt_folder} stays the last one saved from a healthy state"
+            )
+            return
+        files = {
+            ARGS_FILE: model_fields(self.resolved.model_args),
+            DATA_FILE: data_settings(self.config),
+        }
+        self.checkpointer.save(self.step, state, files)
         mode = "started" if self.checkpointer.async_mode else "saved"
         _log.info(
             f"{mode} checkpoint step-{self.step} in {self.ckpt_folder} "
@@ -469,8 +539,12 @@ class Trainer:
 
     def run(self) -> None:
         """`train`, then release the process group. After a failure the process group is left
-        as it is: destroying it waits for peers that may be gone (`main` exits at once)."""
-        self.train()
+        as it is: destroying it waits for peers that may be gone (`main` exits at once). The
+        dump folder's lock is released either way."""
+        try:
+            self.train()
+        finally:
+            self.run_lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -487,6 +561,7 @@ class Trainer:
             profiler.start(self.step, t.steps)
             while self.step < t.steps:
                 loss, grad_norm, lr, gbs = self.train_step()
+                self.checkpointer.poll(self.step)  # an async save's failed write, at once
                 profiler.after_step(self.step)
                 self.interval_losses.append(loss)
                 self.throughput.add_tokens(gbs * t.seq_len)
@@ -544,7 +619,7 @@ class Trainer:
                 "learning rate, inspect the data, or raise spikes.max_rollbacks"
             )
         self.checkpointer.wait()
-        restored = self.checkpointer.newest_verified(before=trigger.first_step)
+        restored, _ = self.checkpointer.newest_usable(self._fits, before=trigger.first_step)
         if restored is None:
             raise SpikeError(
                 f"{what}, but no checkpoint from before step {trigger.first_step} verifies in "
@@ -555,7 +630,7 @@ class Trainer:
         loader = self.train_loader
         spike_end = loader.position(loader.consumed_samples)
         skip = cfg.skip_steps * self.global_batch_size()
-        self.load_training_state(self.checkpointer.path(restored))
+        self.load_training_state(self.checkpointer.reader(restored))
         window = (loader.position(loader.consumed_samples), spike_end + skip)
         loader.skip(*window)
         self._check_data_left(what)

@@ -1,4 +1,5 @@
-"""Throughput accounting and the metric sinks: console line, metrics.jsonl, TensorBoard."""
+"""Throughput accounting and the metric sinks: console line, metrics.jsonl, and the scalar sinks
+(TensorBoard, Weights & Biases: train/tracking.py), which all receive the same scalars."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -122,48 +123,73 @@ class Throughput:
         return {"tokens_per_sec": tokens_per_sec, "tflops": tflops, "mfu": mfu}
 
 
-class MetricsLogger:
-    """Writes one row per logged step to the console, metrics.jsonl and TensorBoard.
-    Only rank 0 writes; other ranks get a logger whose methods do nothing."""
+class ScalarSink(Protocol):
+    """Where the logged scalars go besides metrics.jsonl: TensorBoard, Weights & Biases."""
 
-    def __init__(self, dump_folder: Path, tensorboard: bool, enabled: bool):
+    def add_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """Records `scalars` (finite numbers, by name) at training step `step`."""
+
+    def close(self) -> None:
+        """Flushes and closes the sink."""
+
+
+class TensorBoardSink:
+    """Event files under `folder` (<dump_folder>/tb), one scalar series per name."""
+
+    def __init__(self, folder: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(folder))
+
+    def add_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MetricsLogger:
+    """Writes one row per logged step to the console and metrics.jsonl, and its finite numbers
+    to every scalar sink. Only rank 0 writes; other ranks get a logger whose methods do nothing
+    (and no sinks)."""
+
+    def __init__(self, dump_folder: Path, sinks: list[ScalarSink], enabled: bool):
         self.enabled = enabled
         self._jsonl = None
-        self._tb = None
+        self._sinks = sinks
         if not enabled:
             return
         dump_folder.mkdir(parents=True, exist_ok=True)
         self._jsonl = (dump_folder / "metrics.jsonl").open("a", buffering=1)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(dump_folder / "tb"))
 
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
         step = row["step"]
         self._jsonl.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+        scalars = {
+            key: value
+            for key, value in row.items()
+            if key != "step" and isinstance(value, int | float) and math.isfinite(value)
+        }
+        for sink in self._sinks:
+            sink.add_scalars(step, scalars)
         _log.info(format_row(row), extra=BARE)
 
     def log_series(self, key: str, first_step: int, values: list[float]) -> None:
-        """TensorBoard only: `values` at consecutive steps from `first_step` (per-step values
+        """Scalar sinks only: `values` at consecutive steps from `first_step` (per-step values
         read back together at a log step)."""
-        if self._tb is None:
-            return
         for step, value in enumerate(values, start=first_step):
             if math.isfinite(value):
-                self._tb.add_scalar(key, value, step)
+                for sink in self._sinks:
+                    sink.add_scalars(step, {key: value})
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
 
 
 def format_row(row: dict[str, Any]) -> str:

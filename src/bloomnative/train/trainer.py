@@ -50,7 +50,14 @@ from bloomnative.train.loss import (
 )
 from bloomnative.train.lr_schedule import LRClock, LRSchedule
 from bloomnative.train.matmul_precision import apply_tf32
-from bloomnative.train.metrics import MetricsLogger, PeakMemory, Throughput, device_peak_tflops
+from bloomnative.train.metrics import (
+    MetricsLogger,
+    PeakMemory,
+    ScalarSink,
+    TensorBoardSink,
+    Throughput,
+    device_peak_tflops,
+)
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
 from bloomnative.train.preflight import check_data_files
@@ -64,6 +71,7 @@ from bloomnative.train.spikes import (
     Trigger,
     recovers_spikes,
 )
+from bloomnative.train.tracking import WandbSink, check_wandb_installed
 
 _log = get_logger(__name__)
 
@@ -99,6 +107,7 @@ class Trainer:
             log=_log.info,
         )
         check_data_files(config)
+        check_wandb_installed(config.metrics)
         # The run as resolved ("auto" settings replaced by their choice), and its layout.
         self.config, self.dims = self.resolved.config, self.resolved.dims
         train_cfg, par = self.config.training, self.config.parallelism
@@ -148,7 +157,8 @@ class Trainer:
             _log.info("spikes.enable is ignored: checkpoint.enable = false")
         self._maybe_resume()
 
-        self.metrics = MetricsLogger(self.dump, self.config.metrics.tensorboard, self.rank == 0)
+        sinks = self._scalar_sinks() if self.rank == 0 else []
+        self.metrics = MetricsLogger(self.dump, sinks, self.rank == 0)
         self.peak_memory = PeakMemory(self.device)
         peak = device_peak_tflops(self.device, self.config.metrics.peak_tflops)
         args = self.resolved.model_args
@@ -276,6 +286,17 @@ class Trainer:
                 shaping.cache_dir,
             )
             self.valid_long = lambda: loader(long_ds)
+
+    def _scalar_sinks(self) -> list[ScalarSink]:
+        """What [metrics] asks the logged scalars to be written to besides metrics.jsonl."""
+        metrics, sinks = self.config.metrics, []
+        if metrics.tensorboard:
+            sinks.append(TensorBoardSink(self.dump / "tb"))
+        if metrics.wandb:
+            self.dump.mkdir(parents=True, exist_ok=True)
+            config = self.config.to_dict()
+            sinks.append(WandbSink(metrics, self.config.job.name, self.dump, config))
+        return sinks
 
     def _write_resolved_config(self) -> None:
         self.dump.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ from bloomnative.planner import compiles_the_loss
 from bloomnative.train.attention_choice import resolve_auto_attention
 from bloomnative.train.distributed import init_distributed
 from bloomnative.train.faults import StopRequest
+from bloomnative.train.hang import HangRecorder, enable_flight_recorder
 from bloomnative.train.loss import (
     LossFn,
     counted_tokens,
@@ -89,7 +90,12 @@ class Trainer:
         job = config.job
         self.device = pick_device(job.device)
         apply_tf32(config.training.tf32, self.device)
+        enable_flight_recorder(Path(job.dump_folder), self.device.type)
         self.rank, self.world_size = init_distributed(self.device, job.collective_timeout_s)
+        self.hang = HangRecorder(
+            Path(job.dump_folder), self.rank, self.world_size, job.collective_timeout_s
+        )
+        self.progress = self.hang.progress  # what this rank is doing, for a hang's record
         self.resolved = resolve_run(
             config,
             self.world_size,
@@ -238,6 +244,7 @@ class Trainer:
         if self._pipeline is None or self._pipeline.n_microbatches != n_microbatches:
             self._pipeline = None  # freed before the next one is allocated
             self._pipeline = build_pipeline(self.pipeline_stages, n_microbatches, self.device)
+            self.hang.watch_pipeline(self._pipeline.stages)
         return self._pipeline
 
     def _loss_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -412,13 +419,15 @@ class Trainer:
                 )
             model = self.model_parts[0]
             total = torch.zeros((), device=self.device)
-            for inputs, labels in micro_batches:
+            for index, (inputs, labels) in enumerate(micro_batches):
+                self.progress.micro_batch = index
                 # The output is not kept in a variable, so the [b, s, vocab] logits are freed
                 # as soon as the loss (and its backward) has used them.
                 loss = loss_fn(model(inputs), labels)
                 if train:
                     loss.backward()
                 total += _local(loss.detach())
+            self.progress.micro_batch = None
             return total
 
     def _pipeline_forward_backward(self, micro_batches, loss_fn: LossFn) -> torch.Tensor:
@@ -441,8 +450,10 @@ class Trainer:
         the device, not read back) and its global batch size."""
         gbs = self.global_batch_size()
         lr = self.lr_clock.lr()
+        self.progress.step, self.progress.phase = self.step + 1, "forward-backward"
         micro_batches = self.train_loader.next_batch(gbs)
         loss = self.forward_backward(micro_batches)
+        self.progress.phase = "optimizer"
         grad_norm = clip_grad_norm_(
             self.params,
             self.config.training.max_norm,
@@ -497,8 +508,13 @@ class Trainer:
 
     def run(self) -> None:
         """`train`, then release the process group. After a failure the process group is left
-        as it is: destroying it waits for peers that may be gone (`main` exits at once)."""
-        self.train()
+        as it is: destroying it waits for peers that may be gone (`main` exits at once); a
+        collective's failure leaves this rank's record in <dump_folder>/hang/ (train/hang.py)."""
+        try:
+            self.train()
+        except Exception as e:
+            self.hang.record(e)
+            raise
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -528,12 +544,16 @@ class Trainer:
                     self.interval_losses = []  # steps that were undone are not logged
                     continue
                 if log_step:
+                    self.progress.phase = "log"
                     self.nonfinite.check(self.step)
                     self._log_step(grad_norm, lr, gbs)
                 if v.freq and self.make_valid_loader and self.step % v.freq == 0:
+                    self.progress.phase = "evaluate"
                     self._log_eval()
+                self.progress.phase = "stop-check"
                 stopping = stop.should_stop()
                 if checkpoint_step or (ckpt_cfg.enable and stopping):
+                    self.progress.phase = "checkpoint"
                     self.save_checkpoint()
                 if stopping:
                     _log.info(f"stopping at step {self.step}: {stop.reason}")

@@ -39,6 +39,7 @@ def test_a_stalled_rank_is_named_by_the_hang_summary(synthetic_corpus, tmp_path)
     assert "Timed out" in record["error"]
     waited = record["in_flight"]
     assert waited["op"].startswith("gloo:") and not waited["is_p2p"]
+    assert waited["group"] == "0 (default_pg) ranks [0, 1]"  # FSDP over the whole world
     assert record["flight_recorder"][-1]["profiling_name"] == waited["op"]
     line = summarize_hang(folder)
     where = f"{waited['op']} #{waited['seq']} of group {waited['group']}"
@@ -55,7 +56,7 @@ def write_record(folder: Path, rank: int, seq: int, attempt: str = "job/1", at: 
     """A rank's record as HangRecorder.record writes it (the fields the summary reads), at step
     3 waiting in the default group's all-reduce number `seq`."""
     folder.mkdir(parents=True, exist_ok=True)
-    group = "0 (default_pg)"
+    group = "0 (default_pg) ranks [0, 1, 2]"
     record = {
         "rank": rank,
         "world_size": 3,
@@ -76,7 +77,7 @@ def test_the_summary_names_a_rank_behind_the_others(tmp_path):
         write_record(tmp_path, rank, seq)
     line = summarize_hang(tmp_path)
     assert line.startswith("hang: rank 2 did not arrive at gloo:all_reduce #12 of group 0"), line
-    assert "rank 2 at collective #11 of group 0 (default_pg) (others: #12)" in line
+    assert "rank 2 at collective #11 of group 0 (default_pg) ranks [0, 1, 2] (others: #12)" in line
     assert "; ranks 0, 1 waited there" in line
     assert summarize_hang(tmp_path / "none") is None
 
@@ -89,6 +90,7 @@ def test_the_summary_leaves_out_the_records_of_an_earlier_attempt(tmp_path):
     assert line.startswith("hang: rank 2 did not arrive at gloo:all_reduce #12"), line
     assert "it wrote no record" in line and "ranks 0, 1 waited there" in line
     assert "rank 2 waited" not in line
+    assert summarize_hang(tmp_path, since=20.0) is None  # all written before this launch
 
 
 class FakeStage:

@@ -8,8 +8,8 @@ error, and torch's flight recorder, which keeps the last collectives of every pr
 writes its own flight-recorder dump there on a timeout (hang/nccl_trace_rank_<R>), even where it
 aborts the process before Python sees the error.
 
-`summarize_hang(folder)` reads the records of the newest attempt and names, in one line, the
-rank that did not arrive: one that wrote no record (stuck before the collective, and killed
+`summarize_hang(folder, since)` reads the records of the newest attempt and names, in one line,
+the rank that did not arrive: one that wrote no record (stuck before the collective, and killed
 there), or one whose records show it behind the others (an earlier collective of the group, an
 earlier step). `python -m bloomnative.train.hang <dump_folder>/hang` prints that line.
 """
@@ -145,15 +145,35 @@ def flight_recorder_entries() -> list[dict[str, Any]]:
         if not hasattr(c10d, dump):
             continue
         try:
-            entries += json.loads(getattr(c10d, dump)(True, False)).get("entries", [])
+            trace = json.loads(getattr(c10d, dump)(True, False))
         except Exception as e:  # a recorder that is off, or has no such backend here
             _log.debug(f"flight recorder {dump}: {e}")
+            continue
+        entries += trace.get("entries", [])
+    ranks = _ranks_by_group_name()
+    for entry in entries:
+        entry["group_ranks"] = ranks.get((entry.get("process_group") or ["?"])[0], "?")
     return sorted(entries, key=lambda e: e.get("time_created_ns", 0))
 
 
+def _ranks_by_group_name() -> dict[str, list[int]]:
+    """The global ranks of this process's groups, by the name the flight recorder gives them
+    (its own `pg_config` leaves them out for gloo); {} where torch keeps them elsewhere."""
+    try:
+        from torch.distributed.distributed_c10d import _world
+
+        return {name: dist.get_process_group_ranks(pg) for pg, name in _world.pg_names.items()}
+    except Exception as e:
+        _log.debug(f"process group ranks: {e}")
+        return {}
+
+
 def _group_name(entry: dict[str, Any]) -> str:
+    """The process group's name, description and ranks: names alone may be reused for groups
+    of other ranks."""
     name, desc = (list(entry.get("process_group", [])) + ["?", ""])[:2]
-    return f"{name} ({desc})" if desc and desc != "undefined" else str(name)
+    label = f"{name} ({desc})" if desc and desc != "undefined" else str(name)
+    return f"{label} ranks {entry.get('group_ranks', '?')}"
 
 
 def _describe(entry: dict[str, Any]) -> dict[str, Any]:
@@ -182,15 +202,17 @@ def _attempt() -> str:
     return f"{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-def summarize_hang(folder: Path) -> str | None:
+def summarize_hang(folder: Path, since: float = 0.0) -> str | None:
     """One line naming the rank(s) that did not arrive, from the newest attempt's records in
-    `folder` (<dump_folder>/hang); None when there are none."""
+    `folder` (<dump_folder>/hang) written at `since` (a time.time()) or later, as a launcher
+    asks about its own job; None when there are none."""
     records = []
     for path in sorted(folder.glob("rank-*.json")):
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue  # being written, or cut short: the others still tell
+    records = [r for r in records if r["written_at"] >= since]
     if not records:
         return None
     newest = max(records, key=lambda r: r["written_at"])["attempt"]
@@ -244,7 +266,11 @@ def _behind(records: list[dict[str, Any]]) -> tuple[list[int], str]:
     behind = {r["rank"]: f"step {r['step']}" for r in records if r["step"] < top_step}
     groups = {g for r in records for g in r["last_seq_by_group"]}
     for group in sorted(groups):
-        seqs = {r["rank"]: r["last_seq_by_group"].get(group, 0) for r in records}
+        seqs = {
+            r["rank"]: r["last_seq_by_group"][group]
+            for r in records
+            if group in r["last_seq_by_group"]
+        }
         top = max(seqs.values())
         for rank, seq in seqs.items():
             if seq < top:

@@ -5,11 +5,12 @@ the summary names the rank that did not arrive."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
-from bloomnative.train.hang import HangRecorder, summarize_hang
+from bloomnative.train.hang import HangRecorder, report, summarize_hang
 from launching import python_command, run
 from training_helpers import TINY_RUN
 
@@ -28,6 +29,7 @@ def test_a_stalled_rank_is_named_by_the_hang_summary(synthetic_corpus, tmp_path)
         "--parallelism.dp_shard=2",  # FSDP: the backward all-gathers wait for the stalled rank
         "--job.collective_timeout_s=4",
     ]
+    started = time.time()
     proc = run(python_command([str(STALL), "1", "3", *argv], nproc=2), timeout=240, check=False)
     assert proc.returncode != 0, proc.stdout
     assert "rank 1 stalls at step 3" in proc.stdout
@@ -47,7 +49,9 @@ def test_a_stalled_rank_is_named_by_the_hang_summary(synthetic_corpus, tmp_path)
         f"hang: rank 1 did not arrive at {where}, step 3 (forward-backward, micro batch 1): it "
         "wrote no record"
     ), line
-    # What the launcher prints after the job.
+    # What the launcher prints after the job, and what a user runs.
+    assert report(argv, since=started) == line
+    assert report(argv, since=time.time()) is None  # a later launch's failure: not this hang
     summary = run(python_command(["-m", "bloomnative.train.hang", str(folder)]))
     assert summary.stdout.strip() == line
 

@@ -11,7 +11,8 @@ aborts the process before Python sees the error.
 `summarize_hang(folder, since)` reads the records of the newest attempt and names, in one line,
 the rank that did not arrive: one that wrote no record (stuck before the collective, and killed
 there), or one whose records show it behind the others (an earlier collective of the group, an
-earlier step). `python -m bloomnative.train.hang <dump_folder>/hang` prints that line.
+earlier step). `python -m bloomnative.train.hang <dump_folder>/hang` prints that line, and a
+launcher whose job failed logs it with `report(trainer_argv, since=launch_time)`.
 """
 
 from __future__ import annotations
@@ -283,6 +284,21 @@ def _behind(records: list[dict[str, Any]]) -> tuple[list[int], str]:
 
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def report(trainer_argv: list[str], since: float) -> str | None:
+    """What a launcher calls when its job failed: logs (and returns) the summary of the hang
+    records its job wrote, started at `since` with the trainer arguments `trainer_argv`."""
+    from bloomnative.config import ConfigError, parse_args
+
+    try:
+        dump_folder = Path(parse_args(trainer_argv).job.dump_folder)
+    except ConfigError:
+        return None  # preflight said so already
+    line = summarize_hang(dump_folder / HANG_FOLDER, since)
+    if line:
+        _log.error(line)
+    return line
 
 
 def main(argv: list[str]) -> int:

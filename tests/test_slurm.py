@@ -5,18 +5,20 @@ requeues the job, and the requeued job resumes, ending with the losses of an uni
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from launching import REPO, logged_rows
+from bloomnative.config import Config, load_toml
+from launching import REPO, logged_rows, run
 from slurm_cluster import SlurmUnavailable, free_port, slurm_cluster
 from training_helpers import TINY_RUN, losses_by_step, run_training
 
 SCRIPT = REPO / "examples" / "slurm" / "train.sbatch"
-STEPS = 40
+STEPS = 60  # long enough to be stopped mid-run on a fast machine
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +50,10 @@ def test_a_requeued_slurm_job_resumes_with_the_losses_of_an_uninterrupted_run(
         "OMP_NUM_THREADS": "1",
         "RDZV_PORT": str(free_port()),
     }
-    submitted = run_sbatch(
-        cluster,
-        env,
-        ["--ntasks-per-node=2", f"--output={log}", "--job-name=tiny"],
-        [*args, f"--job.dump_folder={dump}"],
-    )
-    job = submitted.strip().split()[-1]
+    # Two tasks on the one node: two launchers, each acting as a node of one process.
+    sbatch = ["sbatch", "--ntasks-per-node=2", f"--output={log}", "--job-name=tiny", str(SCRIPT)]
+    submitted = run([*sbatch, *args, f"--job.dump_folder={dump}"], env=env, cwd=REPO).stdout
+    job = submitted.strip().split()[-1]  # "Submitted batch job <id>"
     wait_until(lambda: logged_rows(dump) >= 2, 300, f"job {job}'s first steps", log)
     cluster.command("scancel", "--signal=USR1", "--batch", job)
     requeued = cluster.wait_for_job(
@@ -73,21 +72,18 @@ def test_a_requeued_slurm_job_resumes_with_the_losses_of_an_uninterrupted_run(
     assert finished["JobState"] == "COMPLETED", output[-4000:]
     assert "NNODES=2 NPROC=1" in output
     assert "requeueing job" in output
-    stopped = [int(s) for s in _after(output, "[bloomnative] stopping at step ")]
+    stopped = [
+        int(s) for s in re.findall(r"^\[bloomnative\] stopping at step (\d+):", output, re.M)
+    ]
     assert len(stopped) == 1 and 1 <= stopped[0] < STEPS, output[-4000:]
     assert f"resumed from {dump / 'checkpoints' / f'step-{stopped[0]}'}" in output
-    assert (dump / "config.toml").read_text().count('name = "tiny"') == 1  # job.name from Slurm
+    written = Config()
+    load_toml(written, dump / "config.toml")
+    assert written.job.name == "tiny"  # from the Slurm job's name
 
     reference = tmp_path / "uninterrupted"
     run_training([*args, f"--job.dump_folder={reference}"], nproc=2)
     assert losses_by_step(dump) == losses_by_step(reference)
-
-
-def run_sbatch(cluster, env: dict[str, str], options: list[str], args: list[str]) -> str:
-    from launching import run
-
-    command = ["sbatch", *options, str(SCRIPT), *args]
-    return run(command, env=env, cwd=REPO, timeout=60).stdout
 
 
 def wait_until(predicate, timeout: float, what: str, log: Path) -> None:
@@ -97,12 +93,3 @@ def wait_until(predicate, timeout: float, what: str, log: Path) -> None:
             tail = log.read_text()[-4000:] if log.is_file() else "(no output yet)"
             raise AssertionError(f"timed out ({timeout} s) waiting for {what}\n{tail}")
         time.sleep(0.2)
-
-
-def _after(text: str, prefix: str) -> list[str]:
-    """The word after each occurrence of `prefix` at the start of a line."""
-    return [
-        line[len(prefix) :].split(":")[0].split()[0]
-        for line in text.splitlines()
-        if line.startswith(prefix)
-    ]

@@ -298,6 +298,19 @@ class MetricsConfig:
     """Write TensorBoard event files to <dump_folder>/tb."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for MFU; 0: look the device up (null MFU on CPU)."""
+    wandb: bool = False
+    """Also log the scalars TensorBoard gets, and the resolved config, to Weights & Biases (the
+    optional extra: pip install 'bloomnative[wandb]'). One dump folder is one W&B run, continued
+    after a restart (its id is kept in <dump_folder>/wandb_run_id); with WANDB_MODE=offline it is
+    written under <dump_folder>/wandb/ for a later `wandb sync`."""
+    wandb_project: str = "bloomnative"
+    """W&B project of the run."""
+    wandb_entity: str = ""
+    """W&B entity (user or team) of the run; empty: the account's default entity."""
+    wandb_run_name: str = ""
+    """Display name of the W&B run; empty: job.name."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """Tags of the W&B run."""
 
 
 @dataclass
@@ -664,6 +677,10 @@ def validate(config: Config) -> None:
     _check(len(config.data.blend) > 0, "data.blend is empty: give at least one dataset prefix")
     _validate_data_format(config.data)
     _check(config.metrics.log_freq > 0, "metrics.log_freq must be positive")
+    _check(
+        bool(config.metrics.wandb_project.strip()),
+        'metrics.wandb_project is empty: name the W&B project (default "bloomnative")',
+    )
     _check(
         config.activation_checkpoint.memory_budget_gib >= 0,
         "activation_checkpoint.memory_budget_gib must be >= 0 (0: the device's total memory)",

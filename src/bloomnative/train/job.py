@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -125,7 +126,8 @@ def main(argv: list[str]) -> int:
     if code:
         return code
     os.environ["OMP_NUM_THREADS"] = str(settings.omp_threads)
-    return launch.main(
+    started = time.time()
+    code = launch.main(
         [
             f"--stop-grace-s={settings.stop_grace_s}",
             *settings.torchrun_args(),
@@ -134,6 +136,11 @@ def main(argv: list[str]) -> int:
             *argv,
         ]
     )
+    if code:  # a collective that timed out: name the rank that did not arrive
+        from bloomnative.train import hang
+
+        hang.report(argv, since=started)
+    return code
 
 
 if __name__ == "__main__":

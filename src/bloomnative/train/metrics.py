@@ -1,4 +1,5 @@
-"""Throughput accounting and the metric sinks: console line, metrics.jsonl, TensorBoard."""
+"""Throughput accounting and the metric sinks: console line, metrics.jsonl, and the scalar sinks
+(TensorBoard, Weights & Biases: train/tracking.py), which all receive the same scalars."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -128,39 +129,65 @@ class MetricsWriteError(OSError):
     """A row could not be appended to metrics.jsonl (the file keeps its earlier rows whole)."""
 
 
+class ScalarSink(Protocol):
+    """Where the logged scalars go besides metrics.jsonl: TensorBoard, Weights & Biases."""
+
+    def add_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """Records `scalars` (finite numbers, by name) at training step `step`."""
+
+    def close(self) -> None:
+        """Flushes and closes the sink."""
+
+
+class TensorBoardSink:
+    """Event files under `folder` (<dump_folder>/tb), one scalar series per name."""
+
+    def __init__(self, folder: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(folder))
+
+    def add_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricsLogger:
-    """Writes one row per logged step to the console, metrics.jsonl and TensorBoard.
-    Only rank 0 writes; other ranks get a logger whose methods do nothing.
+    """Writes one row per logged step to the console and metrics.jsonl, and its finite numbers
+    to every scalar sink. Only rank 0 writes; other ranks get a logger whose methods do nothing
+    (and no sinks).
 
     metrics.jsonl only ever gains whole lines: each row is appended with one write and, should
     that fail (a full disk), the file is cut back to where the row began. A torn last line (a
     process killed inside a write, or a file written by an older version) is removed when the
     file is opened, with a warning, so a resumed run's rows start on a line of their own."""
 
-    def __init__(self, dump_folder: Path, tensorboard: bool, enabled: bool):
+    def __init__(self, dump_folder: Path, sinks: list[ScalarSink], enabled: bool):
         self.enabled = enabled
         self._jsonl: int | None = None
-        self._tb = None
+        self._sinks = sinks
         if not enabled:
             return
         dump_folder.mkdir(parents=True, exist_ok=True)
         self.path = dump_folder / "metrics.jsonl"
         self._jsonl = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         _cut_torn_last_line(self._jsonl, self.path)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(dump_folder / "tb"))
 
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
         step = row["step"]
         self._append_line(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+        scalars = {
+            key: value
+            for key, value in row.items()
+            if key != "step" and isinstance(value, int | float) and math.isfinite(value)
+        }
+        for sink in self._sinks:
+            sink.add_scalars(step, scalars)
         _log.info(format_row(row), extra=BARE)
 
     def _append_line(self, line: str) -> None:
@@ -179,20 +206,19 @@ class MetricsLogger:
             ) from e
 
     def log_series(self, key: str, first_step: int, values: list[float]) -> None:
-        """TensorBoard only: `values` at consecutive steps from `first_step` (per-step values
+        """Scalar sinks only: `values` at consecutive steps from `first_step` (per-step values
         read back together at a log step)."""
-        if self._tb is None:
-            return
         for step, value in enumerate(values, start=first_step):
             if math.isfinite(value):
-                self._tb.add_scalar(key, value, step)
+                for sink in self._sinks:
+                    sink.add_scalars(step, {key: value})
 
     def close(self) -> None:
         if self._jsonl is not None:
             os.close(self._jsonl)
             self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
 
 
 def _cut_torn_last_line(fd: int, path: Path) -> None:

@@ -28,6 +28,7 @@ from bloomnative.model import BloomArgs
 from bloomnative.parallel import LayoutError
 from bloomnative.planner import PlanError
 from bloomnative.train.run import ResolvedRun, resolve_run
+from bloomnative.train.tracking import check_wandb_installed
 
 _log = get_logger(__name__)
 
@@ -200,10 +201,11 @@ def _starts_from_initial_hf(config: Config) -> bool:
 
 def check_run(config: Config, world_size: int, device: torch.device | str = "cpu") -> ResolvedRun:
     """The run resolved for `world_size` processes on `device` (train/run.py: the layout
-    checked, "auto" recomputation planned against this machine's devices), and its data files
-    present."""
+    checked, "auto" recomputation planned against this machine's devices), its data files
+    present and, with metrics.wandb, the wandb package installed."""
     run = resolve_run(config, world_size, device)
     check_data_files(config)
+    check_wandb_installed(config.metrics)
     return run
 
 

@@ -41,6 +41,7 @@ from bloomnative.planner import compiles_the_loss
 from bloomnative.train.attention_choice import resolve_auto_attention
 from bloomnative.train.distributed import init_distributed
 from bloomnative.train.faults import StopRequest
+from bloomnative.train.hang import HangRecorder, enable_flight_recorder
 from bloomnative.train.loss import (
     LossFn,
     counted_tokens,
@@ -52,7 +53,14 @@ from bloomnative.train.loss import (
 )
 from bloomnative.train.lr_schedule import LRClock, LRSchedule
 from bloomnative.train.matmul_precision import apply_tf32
-from bloomnative.train.metrics import MetricsLogger, PeakMemory, Throughput, device_peak_tflops
+from bloomnative.train.metrics import (
+    MetricsLogger,
+    PeakMemory,
+    ScalarSink,
+    TensorBoardSink,
+    Throughput,
+    device_peak_tflops,
+)
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
 from bloomnative.train.preflight import check_data_files, check_initial_hf
@@ -68,6 +76,7 @@ from bloomnative.train.spikes import (
     Trigger,
     recovers_spikes,
 )
+from bloomnative.train.tracking import WandbSink, check_wandb_installed
 
 _log = get_logger(__name__)
 
@@ -85,6 +94,7 @@ class Trainer:
         job = config.job
         self.device = pick_device(job.device)
         apply_tf32(config.training.tf32, self.device)
+        enable_flight_recorder(Path(job.dump_folder), self.device.type)
         self.rank, self.world_size = init_distributed(self.device, job.collective_timeout_s)
         # Taken before anything is written to the dump folder; released by `run`, or here when
         # the set-up fails.
@@ -97,6 +107,10 @@ class Trainer:
 
     def _set_up(self, config: Config) -> None:
         job = config.job
+        self.hang = HangRecorder(
+            Path(job.dump_folder), self.rank, self.world_size, job.collective_timeout_s
+        )
+        self.progress = self.hang.progress  # what this rank is doing, for a hang's record
         self.resolved = resolve_run(
             config,
             self.world_size,
@@ -114,6 +128,7 @@ class Trainer:
             log=_log.info,
         )
         check_data_files(config)
+        check_wandb_installed(config.metrics)
         # The run as resolved ("auto" settings replaced by their choice), and its layout.
         self.config, self.dims = self.resolved.config, self.resolved.dims
         train_cfg, par = self.config.training, self.config.parallelism
@@ -163,7 +178,8 @@ class Trainer:
             _log.info("spikes.enable is ignored: checkpoint.enable = false")
         self._maybe_resume()
 
-        self.metrics = MetricsLogger(self.dump, self.config.metrics.tensorboard, self.rank == 0)
+        sinks = self._scalar_sinks() if self.rank == 0 else []
+        self.metrics = MetricsLogger(self.dump, sinks, self.rank == 0)
         self.peak_memory = PeakMemory(self.device)
         peak = device_peak_tflops(self.device, self.config.metrics.peak_tflops)
         args = self.resolved.model_args
@@ -243,6 +259,7 @@ class Trainer:
         if self._pipeline is None or self._pipeline.n_microbatches != n_microbatches:
             self._pipeline = None  # freed before the next one is allocated
             self._pipeline = build_pipeline(self.pipeline_stages, n_microbatches, self.device)
+            self.hang.watch_pipeline(self._pipeline.stages)
         return self._pipeline
 
     def _loss_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -291,6 +308,17 @@ class Trainer:
                 shaping.cache_dir,
             )
             self.valid_long = lambda: loader(long_ds)
+
+    def _scalar_sinks(self) -> list[ScalarSink]:
+        """What [metrics] asks the logged scalars to be written to besides metrics.jsonl."""
+        metrics, sinks = self.config.metrics, []
+        if metrics.tensorboard:
+            sinks.append(TensorBoardSink(self.dump / "tb"))
+        if metrics.wandb:
+            self.dump.mkdir(parents=True, exist_ok=True)
+            config = self.config.to_dict()
+            sinks.append(WandbSink(metrics, self.config.job.name, self.dump, config))
+        return sinks
 
     def _write_resolved_config(self) -> None:
         self.dump.mkdir(parents=True, exist_ok=True)
@@ -454,13 +482,15 @@ class Trainer:
                 )
             model = self.model_parts[0]
             total = torch.zeros((), device=self.device)
-            for inputs, labels in micro_batches:
+            for index, (inputs, labels) in enumerate(micro_batches):
+                self.progress.micro_batch = index
                 # The output is not kept in a variable, so the [b, s, vocab] logits are freed
                 # as soon as the loss (and its backward) has used them.
                 loss = loss_fn(model(inputs), labels)
                 if train:
                     loss.backward()
                 total += _local(loss.detach())
+            self.progress.micro_batch = None
             return total
 
     def _pipeline_forward_backward(self, micro_batches, loss_fn: LossFn) -> torch.Tensor:
@@ -483,8 +513,10 @@ class Trainer:
         the device, not read back) and its global batch size."""
         gbs = self.global_batch_size()
         lr = self.lr_clock.lr()
+        self.progress.step, self.progress.phase = self.step + 1, "forward-backward"
         micro_batches = self.train_loader.next_batch(gbs)
         loss = self.forward_backward(micro_batches)
+        self.progress.phase = "optimizer"
         grad_norm = clip_grad_norm_(
             self.params,
             self.config.training.max_norm,
@@ -539,10 +571,14 @@ class Trainer:
 
     def run(self) -> None:
         """`train`, then release the process group. After a failure the process group is left
-        as it is: destroying it waits for peers that may be gone (`main` exits at once). The
-        dump folder's lock is released either way."""
+        as it is: destroying it waits for peers that may be gone (`main` exits at once); a
+        collective's failure leaves this rank's record in <dump_folder>/hang/ (train/hang.py).
+        The dump folder's lock is released either way."""
         try:
             self.train()
+        except Exception as e:
+            self.hang.record(e)
+            raise
         finally:
             self.run_lock.release()
         if dist.is_initialized():
@@ -575,12 +611,16 @@ class Trainer:
                     self.interval_losses = []  # steps that were undone are not logged
                     continue
                 if log_step:
+                    self.progress.phase = "log"
                     self.nonfinite.check(self.step)
                     self._log_step(grad_norm, lr, gbs)
                 if v.freq and self.make_valid_loader and self.step % v.freq == 0:
+                    self.progress.phase = "evaluate"
                     self._log_eval()
+                self.progress.phase = "stop-check"
                 stopping = stop.should_stop()
                 if checkpoint_step or (ckpt_cfg.enable and stopping):
+                    self.progress.phase = "checkpoint"
                     self.save_checkpoint()
                 if stopping:
                     _log.info(f"stopping at step {self.step}: {stop.reason}")

@@ -1,0 +1,95 @@
+"""examples/slurm/train.sbatch on a real (one-host) Slurm cluster: two tasks, each a
+run_train.sh acting as a node, rendezvous through the first; a SIGUSR1 to the batch script (what
+`--signal=B:USR1@300` sends before the time limit) makes the run save and stop, the script
+requeues the job, and the requeued job resumes, ending with the losses of an uninterrupted run."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bloomnative.config import Config, load_toml
+from launching import REPO, logged_rows, run
+from slurm_cluster import SlurmUnavailable, free_port, slurm_cluster
+from training_helpers import TINY_RUN, losses_by_step, run_training
+
+SCRIPT = REPO / "examples" / "slurm" / "train.sbatch"
+STEPS = 60  # long enough to be stopped mid-run on a fast machine
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    try:
+        with slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+            yield cluster
+    except SlurmUnavailable as e:
+        pytest.skip(f"needs Slurm: {e}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slurm
+def test_a_requeued_slurm_job_resumes_with_the_losses_of_an_uninterrupted_run(
+    cluster, synthetic_corpus, tmp_path
+):
+    args = [
+        *TINY_RUN,
+        f"--data.blend={synthetic_corpus}",
+        f"--training.steps={STEPS}",
+        "--checkpoint.interval=1000",  # the only checkpoint: the one the stop saves
+    ]
+    dump = tmp_path / "slurm"
+    log = tmp_path / "job.out"
+    env = {
+        **cluster.env,
+        "BLOOMNATIVE_PYTHON": sys.executable,
+        "PYTHONPATH": str(REPO / "src"),
+        "OMP_NUM_THREADS": "1",
+        "RDZV_PORT": str(free_port()),
+    }
+    # Two tasks on the one node: two launchers, each acting as a node of one process.
+    sbatch = ["sbatch", "--ntasks-per-node=2", f"--output={log}", "--job-name=tiny", str(SCRIPT)]
+    submitted = run([*sbatch, *args, f"--job.dump_folder={dump}"], env=env, cwd=REPO).stdout
+    job = submitted.strip().split()[-1]  # "Submitted batch job <id>"
+    wait_until(lambda: logged_rows(dump) >= 2, 300, f"job {job}'s first steps", log)
+    cluster.command("scancel", "--signal=USR1", "--batch", job)
+    requeued = cluster.wait_for_job(
+        job,
+        lambda f: f["Restarts"] == "1" and f["JobState"] == "PENDING",
+        300,
+        "the stopped job to be requeued",
+    )
+    assert requeued["Reason"] == "BeginTime", requeued
+    # Slurm holds a requeued job for two minutes; the test does not wait for that.
+    cluster.command("scontrol", "update", f"JobId={job}", "StartTime=now")
+    finished = cluster.wait_for_job(
+        job, lambda f: f["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), 600, "the job's end"
+    )
+    output = log.read_text()
+    assert finished["JobState"] == "COMPLETED", output[-4000:]
+    assert "NNODES=2 NPROC=1" in output
+    assert "requeueing job" in output
+    stopped = [
+        int(s) for s in re.findall(r"^\[bloomnative\] stopping at step (\d+):", output, re.M)
+    ]
+    assert len(stopped) == 1 and 1 <= stopped[0] < STEPS, output[-4000:]
+    assert f"resumed from {dump / 'checkpoints' / f'step-{stopped[0]}'}" in output
+    written = Config()
+    load_toml(written, dump / "config.toml")
+    assert written.job.name == "tiny"  # from the Slurm job's name
+
+    reference = tmp_path / "uninterrupted"
+    run_training([*args, f"--job.dump_folder={reference}"], nproc=2)
+    assert losses_by_step(dump) == losses_by_step(reference)
+
+
+def wait_until(predicate, timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            tail = log.read_text()[-4000:] if log.is_file() else "(no output yet)"
+            raise AssertionError(f"timed out ({timeout} s) waiting for {what}\n{tail}")
+        time.sleep(0.2)

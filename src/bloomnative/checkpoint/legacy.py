@@ -36,7 +36,11 @@ def legacy_states(path: Path, saved: Mapping[str, torch.Size | None]) -> dict[st
     checkpoint in today's format. Collective when distributed, like every checkpoint read."""
     if "train.consumed_samples" not in saved:
         return {}
-    old = {key: torch.zeros(saved[key], dtype=torch.int64) for key in _COUNTERS if key in saved}
+    old = {
+        key: torch.zeros(shape, dtype=torch.int64)
+        for key in _COUNTERS
+        if (shape := saved.get(key)) is not None  # the counters were tensors
+    }
     dcp.load(old, checkpoint_id=str(path))
     consumed = int(old["train.consumed_samples"])
     windows = old.get("train.skipped_samples", torch.zeros(0, 2, dtype=torch.int64))

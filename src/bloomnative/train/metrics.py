@@ -7,7 +7,7 @@ import math
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -72,7 +72,9 @@ class PeakMemory:
         since the last call (or `reset`); the next interval starts here."""
         read = self.read()
         self.reset()
-        return read["peak_allocated_gib" if self.device.type == "cuda" else "peak_rss_gib"]
+        peak = read["peak_allocated_gib" if self.device.type == "cuda" else "peak_rss_gib"]
+        assert peak is not None  # the device's own figure
+        return peak
 
     def read(self) -> dict[str, float | None]:
         if self.device.type == "cuda":
@@ -128,7 +130,7 @@ class MetricsLogger:
 
     def __init__(self, dump_folder: Path, tensorboard: bool, enabled: bool):
         self.enabled = enabled
-        self._jsonl = None
+        self._jsonl: TextIO | None = None
         self._tb = None
         if not enabled:
             return
@@ -143,6 +145,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         step = row["step"]
+        assert self._jsonl is not None  # opened when enabled
         self._jsonl.write(json.dumps(row) + "\n")
         if self._tb is not None:
             for key, value in row.items():

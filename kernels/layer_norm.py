@@ -25,6 +25,8 @@ and the outputs are fp32, bf16 or fp16, weight and bias may be any of those (rea
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import torch.nn.functional as F
 
@@ -346,6 +348,27 @@ def layer_norm_reference(
     y = F.layer_norm(h.to(compute), (h.shape[-1],), weight.to(compute), bias.to(compute), eps)
     y = y.to(x.dtype)
     return y if residual is None else (y, h)
+
+
+@overload
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float = ...,
+    residual: None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float = ...,
+    *,
+    residual: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def layer_norm(

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
@@ -38,7 +39,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 try:
     import xxhash
 except ImportError:  # an environment that uses its own Python without installing bloomnative
-    xxhash = None
+    xxhash = None  # type: ignore[assignment]
 
 ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"
 """The checksum new records use."""
@@ -172,11 +173,12 @@ class ChecksummingWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, **kwargs):
         super().__init__(path, **kwargs)
-        self.fs = _ChecksummingFileSystem()
+        self._summing = _ChecksummingFileSystem()
+        self.fs = self._summing
 
     @property
     def sums(self) -> dict[str, FileSum]:
-        return dict(self.fs.sums)
+        return dict(self._summing.sums)
 
     @property
     def write_errors(self) -> list[OSError]:
@@ -357,7 +359,9 @@ def gather_sums(
     on the other ranks. Without a process group, `sums` itself. Collective over `group`."""
     if not dist.is_initialized():
         return sums
-    every_rank = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    every_rank: list[Any] | None = (
+        [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    )
     dist.gather_object(sums, every_rank, dst=0, group=group)
     if every_rank is None:
         return None

@@ -36,7 +36,11 @@ def legacy_states(reader: CheckpointReader) -> dict[str, dict]:
     saved = reader.shapes()
     if "train.consumed_samples" not in saved:
         return {}
-    old = {key: torch.zeros(saved[key], dtype=torch.int64) for key in _COUNTERS if key in saved}
+    old = {
+        key: torch.zeros(shape, dtype=torch.int64)
+        for key in _COUNTERS
+        if (shape := saved.get(key)) is not None  # the counters were tensors
+    }
     reading.load(old, reader)
     consumed = int(old["train.consumed_samples"])
     windows = old.get("train.skipped_samples", torch.zeros(0, 2, dtype=torch.int64))

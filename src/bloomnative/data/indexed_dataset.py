@@ -64,7 +64,7 @@ class IndexedDataset:
                 f"{idx_file}: truncated: {idx_size} bytes, the header alone needs {HEADER.size}"
             )
         idx_map = np.memmap(idx_file, dtype=np.uint8, mode="r")
-        magic, version, code, num_sequences, doc_index_length = HEADER.unpack_from(idx_map, 0)
+        magic, version, code, num_sequences, doc_index_length = HEADER.unpack_from(idx_map.data, 0)
         if magic != MAGIC:
             hint = (
                 " (this is Megatron's older 'lazy'/'cached' TNTIDX format; re-run preprocessing "

@@ -14,6 +14,7 @@ import pickle
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -93,7 +94,9 @@ def bloom_args_from_hf_config(config: dict, source: str | Path, **overrides) -> 
             f"{source}: apply_residual_connection_post_layernorm = true is a different network "
             "(residual taken after the LayerNorm); bloomnative implements BLOOM's false"
         )
-    shape = {field: _shape_value(config, aliases, source) for field, aliases in _SHAPE_KEYS.items()}
+    shape: dict[str, Any] = {
+        field: _shape_value(config, aliases, source) for field, aliases in _SHAPE_KEYS.items()
+    }
     try:
         args = BloomArgs(
             **shape,

@@ -26,6 +26,7 @@ import tomllib
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -157,7 +158,7 @@ def bloom_from_state_dict(
     with torch.device("meta"):
         model = Bloom(args)
     model.load_state_dict({**state, TIED_HEAD: state[EMBEDDING]}, strict=True, assign=True)
-    model.lm_head.weight = model.word_embeddings.weight
+    model.tie_weights()
     _materialize_buffers(model, torch.device("cpu"))
     model.init_buffers()
     return model
@@ -260,6 +261,7 @@ def _save_sharded(state: dict, args: BloomArgs, out_dir: Path, overwrite: bool) 
             merged = gather_sums(writer.sums, group)
 
             def complete() -> None:
+                assert merged is not None  # rank 0 gathered every rank's sums
                 write_json_file(staging, ARGS_FILE, model_fields(args))
                 write_record(staging, merged)
                 on_rank0.close()  # staged_output_dir renames the folder to out_dir
@@ -269,7 +271,10 @@ def _save_sharded(state: dict, args: BloomArgs, out_dir: Path, overwrite: bool) 
         dist.destroy_process_group(group)
 
 
-def _from_rank0(fn: Callable[[], object], group: dist.ProcessGroup) -> object:
+_T = TypeVar("_T")
+
+
+def _from_rank0(fn: Callable[[], _T], group: dist.ProcessGroup) -> _T:
     """`fn()` run on rank 0 only, its result given to every rank. If it raises, rank 0 raises
     that and the other ranks a RuntimeError naming it, rather than waiting for rank 0."""
     outcome: list = [None]

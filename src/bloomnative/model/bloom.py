@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterator
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -54,7 +56,7 @@ class LayerKVCache:
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Appends the new tokens' keys and values; returns those of all tokens so far."""
-        if self.k is not None:
+        if self.k is not None and self.v is not None:
             k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
         self.k, self.v = k, v
         return k, v
@@ -63,6 +65,8 @@ class LayerKVCache:
 class BloomAttention(nn.Module):
     """Fused QKV projection stored per head as [q, k, v] (the Hugging Face / Megatron layout), so
     a shard of dim 0 by whole heads is a tensor-parallel shard; ALiBi + causal attention."""
+
+    alibi_slopes: torch.Tensor  # a buffer: the slopes of the heads in `head_range`
 
     def __init__(self, args: BloomArgs):
         super().__init__()
@@ -132,6 +136,12 @@ class Bloom(nn.Module):
     large model is never allocated whole on one rank before it is sharded.
     """
 
+    # None on a pipeline stage that does not hold the part.
+    word_embeddings: nn.Embedding | None
+    word_embeddings_layernorm: nn.LayerNorm | None
+    ln_f: nn.LayerNorm | None
+    lm_head: nn.Linear | None
+
     def __init__(self, args: BloomArgs):
         super().__init__()
         self.args = args
@@ -160,7 +170,7 @@ class Bloom(nn.Module):
         stage has no lm head. With a `cache` (from `new_kv_cache`), `tokens` are the ones that
         follow the cached tokens, and their keys and values are added to it."""
         h = tokens
-        if self.word_embeddings is not None:
+        if self.word_embeddings is not None and self.word_embeddings_layernorm is not None:
             h = self.embedding_dropout(self.word_embeddings_layernorm(self.word_embeddings(h)))
         for name, layer in self.layers.items():
             h = layer(h, cache=None if cache is None else cache[name])
@@ -169,6 +179,10 @@ class Bloom(nn.Module):
         if self.lm_head is not None and not self.head_in_loss:
             h = self.lm_head(h)
         return h
+
+    def blocks(self) -> Iterator[BloomBlock]:
+        """The transformer blocks this model (or pipeline stage) holds, in order."""
+        return (cast(BloomBlock, block) for block in self.layers.values())
 
     def new_kv_cache(self) -> dict[str, LayerKVCache]:
         """An empty KV cache for incremental decoding, one entry per layer."""

@@ -9,6 +9,8 @@ other.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
@@ -40,7 +42,7 @@ def model_state(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     tied head is stored once, as the embedding."""
     state: dict[str, torch.Tensor] = {}
     for part in parts:
-        sd = get_model_state_dict(part)
+        sd: dict[str, Any] = get_model_state_dict(part)
         if owns_head_copy(part):
             sd[EMBEDDING] = sd.pop(TIED_HEAD)
         else:
@@ -57,7 +59,7 @@ def load_model_state(
     options = StateDictOptions(strict=False, full_state_dict=full)
     for part in parts:
         names = set(get_model_state_dict(part))
-        sd = {k: state[k] for k in names if k in state}
+        sd: dict[str, Any] = {k: state[k] for k in names if k in state}
         if owns_head_copy(part):
             sd[TIED_HEAD] = state[EMBEDDING]
         set_model_state_dict(part, sd, options=options)

@@ -15,5 +15,5 @@ def apply_compile(model: Bloom, *, fullgraph: bool = True) -> None:
     Where it goes among the plans, and why: docs/architecture.md (the order of the parallel
     plans).
     """
-    for block in model.layers.values():
+    for block in model.blocks():
         block.compile(fullgraph=fullgraph)

@@ -89,6 +89,6 @@ def fork_attention_dropout(model: Bloom, tp_rank: int) -> None:
     tensor-parallel rank's stream (its heads are its own), the rest from the shared one."""
     if not model.args.attention_dropout:
         return
-    for block in model.layers.values():
+    for block in model.blocks():
         attention = block.self_attention
         attention.attend = attention_in_tp_rank_stream(attention.attend, tp_rank)

@@ -3,6 +3,8 @@ bloomnative's one bf16 scheme (its MixedPrecisionPolicy)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -13,6 +15,8 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from bloomnative.model import Bloom
+
 
 def uses_fsdp(dp: int, bf16: bool) -> bool:
     """Whether FSDP2 wraps the model: with data parallelism, and with bf16 on every layout, so
@@ -22,7 +26,7 @@ def uses_fsdp(dp: int, bf16: bool) -> bool:
 
 
 def apply_fsdp(
-    model: nn.Module,
+    model: Bloom,
     dp_mesh: DeviceMesh,
     *,
     param_dtype: torch.dtype = torch.float32,
@@ -58,11 +62,11 @@ def apply_fsdp(
             f"{dp_mesh.ndim} dims {dp_mesh.mesh_dim_names}; flatten the data-parallel dims first"
         )
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    kwargs = {"mesh": dp_mesh, "mp_policy": mp}
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     reshard = zero_stage == 3
-    for block in model.layers.values():
+    for block in model.blocks():
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The root's parameters are used at both ends of forward (embedding, then head) and first
     # in backward, so they stay gathered.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ def clip_grad_norm_(
     parameters: list[nn.Parameter],
     max_norm: float,
     pp_group: dist.ProcessGroup | None = None,
-    not_counted: list[nn.Parameter] = (),
+    not_counted: Sequence[nn.Parameter] = (),
 ) -> torch.Tensor:
     """Clips in place and returns the total L2 norm (before clipping).
 
@@ -31,7 +32,7 @@ def clip_grad_norm_(
     grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
     # Norms are computed per group of gradients sharing a layout (plain tensors, or DTensors on
     # one mesh with one placement), since DTensor ops cannot mix layouts.
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    groups: dict[tuple | None, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups[key].append(g)

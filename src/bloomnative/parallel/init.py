@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from bloomnative.model import Bloom
 from bloomnative.parallel.activation_checkpoint import canonical_name
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
+def init_weights(model: Bloom, seed: int) -> None:
     """Gives every parameter the value `model.initial_value` defines for its name, whatever the
     layout: a sharded parameter receives its slice of the full initial tensor, so every parallel
     layout starts from the weights of the single-process run. Re-ties the head first."""

@@ -45,6 +45,7 @@ def split_model(model: Bloom, stage_id: int, counts: list[int]) -> Bloom:
         stage.lm_head = None
     elif stage.word_embeddings is None:
         # Untie: the last stage owns a separate copy of the head weight.
+        assert stage.lm_head is not None and model.word_embeddings is not None
         stage.lm_head.weight = nn.Parameter(torch.empty_like(model.word_embeddings.weight))
     return stage
 

@@ -12,11 +12,11 @@ rank's own stream; without SP attention forks a per-rank stream.
 
 from __future__ import annotations
 
-import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from bloomnative.model import Bloom
+from bloomnative.model.bloom import BloomAttention
 from bloomnative.parallel.dropout_rng import fork_attention_dropout
 
 
@@ -56,7 +57,7 @@ def apply_tensor_parallel(
     stream = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     norm = SequenceParallel() if sequence_parallel else None
 
-    top: dict[str, object] = {}
+    top: dict[str, ParallelStyle] = {}
     if model.word_embeddings is not None:
         top["word_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
         if sequence_parallel:  # its output starts the residual stream: a plain local shard
@@ -73,7 +74,7 @@ def apply_tensor_parallel(
     if model.word_embeddings is not None and model.lm_head is not None:
         model.lm_head.weight = model.word_embeddings.weight  # both Shard(0): re-tie
 
-    for block in model.layers.values():
+    for block in model.blocks():
         plan = {
             "self_attention": PrepareModuleInput(
                 input_layouts=(stream,), desired_input_layouts=(Replicate(),)
@@ -95,7 +96,7 @@ def apply_tensor_parallel(
         fork_attention_dropout(model, tp_mesh.get_local_rank())
 
 
-def _shard_heads(attention: nn.Module, tp_rank: int, tp: int) -> None:
+def _shard_heads(attention: BloomAttention, tp_rank: int, tp: int) -> None:
     """This rank computes heads [rank * n/tp, (rank+1) * n/tp): slice the ALiBi slopes to them."""
     local = attention.n_head // tp
     attention.head_range = (tp_rank * local, (tp_rank + 1) * local)

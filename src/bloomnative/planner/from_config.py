@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bloomnative.config import Config, ParallelismConfig, model_args_from_config
+from bloomnative.config import Config, ParallelismConfig, RecomputeMode, model_args_from_config
 from bloomnative.model.args import ATTENTION_BACKENDS, BloomArgs
 from bloomnative.parallel.dims import ParallelDims
 from bloomnative.parallel.layout_check import check_layout, pipeline_microbatches
@@ -70,12 +70,14 @@ def workload_from_config(
     optimizer = config.optimizer.implementation
     if optimizer == "auto":
         optimizer = "fused" if device_type == "cuda" else "foreach"
+    recompute = config.activation_checkpoint.mode
     return Workload(
         micro_batch=samples // microbatches,
         seq_len=t.seq_len,
         microbatches=microbatches,
         precision=t.dtype,
-        recompute=config.activation_checkpoint.mode,
+        # "auto" is what choose_recompute picks, starting from this workload without any
+        recompute="none" if recompute == "auto" else recompute,
         recompute_every=config.activation_checkpoint.every,
         attention=attention
         or attention_memory_kind(config.model.attention, device_type, layout.cp),
@@ -90,7 +92,7 @@ def workload_from_config(
 class RecomputeChoice:
     """What the planner chose, and the memory it predicts for the worst rank."""
 
-    mode: str
+    mode: RecomputeMode
     every: int
     predicted_device_gib: float
     predicted_allocated_gib: float

@@ -108,7 +108,7 @@ class Workload:
     pipeline's micro batches when pp > 1)."""
     precision: str = "bf16"
     """"bf16": bf16 compute, fp32 master weights and gradients; "fp32"."""
-    recompute: str = "none"
+    recompute: RecomputeMode = "none"
     """Activation checkpointing: "none", "full" (every block) or "selective" (every N-th)."""
     recompute_every: int = 2
     attention: str = "flash"
@@ -207,8 +207,8 @@ def is_checkpointed(index: int, workload: Workload) -> bool:
     return workload.recompute == "selective" and index % workload.recompute_every == 0
 
 
-def recompute_options(n_layer: int) -> list[tuple[str, int]]:
+def recompute_options(n_layer: int) -> list[tuple[RecomputeMode, int]]:
     """From least to most recompute: none, selective every n_layer ... every 2, full."""
-    options = [("none", 0)]
+    options: list[tuple[RecomputeMode, int]] = [("none", 0)]
     options += [("selective", every) for every in range(n_layer, 1, -1)]
     return options + [("full", 1)]

@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from bloomnative.log import get_logger
-from bloomnative.model.attention import PORTABLE_BACKEND, TRAITS
+from bloomnative.model.attention import PORTABLE_BACKEND, TRAITS, AttentionBackend
 
 _log = get_logger(__name__)
-CANDIDATES = ("triton", "flex", "sdpa")
+CANDIDATES: tuple[AttentionBackend, ...] = ("triton", "flex", "sdpa")
 CACHE_FILE = "attention_choice.json"
 
 
@@ -135,7 +135,10 @@ def _exception_line(stderr: str) -> str:
 
 
 def _environment() -> dict:
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    env: dict[str, str | None] = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+    }
     try:
         import triton
 
@@ -152,7 +155,7 @@ def choose_attention(
     timer: Timer,
     environment: Callable[[], dict] = _environment,
     log: Callable[[str], None] = _log.info,
-) -> str:
+) -> AttentionBackend:
     """The backend "auto" resolves to (module docstring): "sdpa" without timing unless
     ``timed`` (a GPU), else the fastest candidate ``timer(name, shape)`` (milliseconds) times;
     ``environment()`` names what the times depend on besides the shape."""
@@ -169,7 +172,7 @@ def choose_attention(
         if saved.get("key") == key and saved.get("choice") in CANDIDATES:
             log(f'model.attention = "auto": "{saved["choice"]}" (timed before, {cache})')
             return saved["choice"]
-    times: dict[str, float] = {}
+    times: dict[AttentionBackend, float] = {}
     excluded: dict[str, str] = {}
     # With attention dropout, a backend without dropout is no candidate.
     candidates = [n for n in CANDIDATES if TRAITS[n].dropout or not shape.dropout_p]
@@ -198,11 +201,13 @@ def choose_attention(
     return choice
 
 
-def context_parallel_attention(device_type: str, log: Callable[[str], None] = _log.info) -> str:
+def context_parallel_attention(
+    device_type: str, log: Callable[[str], None] = _log.info
+) -> AttentionBackend:
     """What "auto" means with parallelism.cp > 1, without timing: the ring runs the Triton
     kernels' blocks on a GPU ("flex" has no ring form; "sdpa"'s materialises each block's
     scores) and the portable blocks on CPU."""
-    choice = "triton" if device_type == "cuda" else PORTABLE_BACKEND
+    choice: AttentionBackend = "triton" if device_type == "cuda" else PORTABLE_BACKEND
     log(f'model.attention = "auto" with context parallelism: "{choice}"')
     return choice
 
@@ -215,12 +220,12 @@ def resolve_auto_attention(
     world_size: int,
     collective_timeout_s: float,
     log: Callable[[str], None] = _log.info,
-) -> str:
+) -> AttentionBackend:
     """:func:`choose_attention` on rank 0, the choice broadcast to every rank (they must agree:
     a pipeline or tensor-parallel peer with another kernel would still be correct, but slower
     ranks gate the step and their numerics would differ). The other ranks wait in the broadcast,
     so the candidates share the collective timeout."""
-    choice = [None]
+    choice: list[AttentionBackend | None] = [None]
     if rank == 0:
         share = collective_timeout_s / (len(CANDIDATES) + 1)
 
@@ -232,6 +237,7 @@ def resolve_auto_attention(
         import torch.distributed as dist
 
         dist.broadcast_object_list(choice, src=0)
+    assert choice[0] is not None
     return choice[0]
 
 

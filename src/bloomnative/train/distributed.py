@@ -6,7 +6,7 @@ import datetime
 import logging
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ def init_distributed(device: torch.device, timeout_s: int) -> tuple[int, int]:
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         if "WORLD_SIZE" not in os.environ:
-            rendezvous = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+            rendezvous: dict[str, Any] = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
         elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             rendezvous = {
                 "store": _restart_attempt_store(timeout),

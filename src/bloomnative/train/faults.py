@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ class _Signals:
         cls.received = cls.received or signal.Signals(signum).name
 
 
-def catch_stop_signals() -> dict[int, object]:
+def catch_stop_signals() -> dict[int, Any]:
     """Turns the stop signals into a stop request from now on (main() calls this first, so a
     signal that arrives while the model is being built still leads to a clean stop). Returns
     the handlers it replaced."""

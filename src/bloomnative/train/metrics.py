@@ -75,7 +75,9 @@ class PeakMemory:
         since the last call (or `reset`); the next interval starts here."""
         read = self.read()
         self.reset()
-        return read["peak_allocated_gib" if self.device.type == "cuda" else "peak_rss_gib"]
+        peak = read["peak_allocated_gib" if self.device.type == "cuda" else "peak_rss_gib"]
+        assert peak is not None  # the device's own figure
+        return peak
 
     def read(self) -> dict[str, float | None]:
         if self.device.type == "cuda":

@@ -49,12 +49,13 @@ class NonFiniteGuard:
             found_inf = (~finite).float()
             lr = lr.float()  # the fused kernel reads a float32 learning-rate tensor on the device
             for opt in self.optimizers:
-                opt.found_inf = found_inf  # read by torch.optim.AdamW(fused=True).step
+                # read by torch.optim.AdamW(fused=True).step; not an attribute torch declares
+                opt.found_inf = found_inf  # type: ignore[attr-defined]
                 _step_at(opt, lr)
         elif finite:
-            lr = lr.item()  # this path already waits for the device (`finite`)
+            lr_value = lr.item()  # this path already waits for the device (`finite`)
             for opt in self.optimizers:
-                _step_at(opt, lr)
+                _step_at(opt, lr_value)
         skipped = (~finite).long()
         self._skipped += skipped
         self._run = (self._run + 1) * skipped

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import cast
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from bloomnative.config import OptimizerConfig
+from bloomnative.config import OptimizerConfig, OptimizerImpl
 
 
 def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
@@ -34,12 +35,12 @@ def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
     ]
 
 
-def adamw_implementation(requested: str, device_type: str) -> str:
+def adamw_implementation(requested: str, device_type: str) -> OptimizerImpl:
     """The AdamW kernel optimizer.implementation stands for: "auto" is the fused kernel on CUDA
     (no temporaries, and it skips a non-finite step on the device: train/nonfinite.py) and the
     foreach one elsewhere."""
     if requested != "auto":
-        return requested
+        return cast(OptimizerImpl, requested)
     return "fused" if device_type == "cuda" else "foreach"
 
 

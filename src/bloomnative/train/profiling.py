@@ -123,6 +123,7 @@ class StepProfiler:
 
     def _finish(self) -> None:
         self._end_step_range()
+        assert self._profiler is not None  # a window is open
         self._profiler.stop()
         self._profiler = None
         self._begin = None
@@ -143,7 +144,7 @@ class StepProfiler:
             path = self._dump_memory_snapshot(f"rank{self.rank}.oom.memory_snapshot.pickle")
             _log.info(f"rank {self.rank}: out of memory; snapshot {path}", extra=ON_EVERY_RANK)
 
-        torch._C._cuda_attach_out_of_memory_observer(on_out_of_memory)
+        torch._C._cuda_attach_out_of_memory_observer(on_out_of_memory)  # type: ignore[attr-defined]
 
     def _stop_memory_history(self) -> None:
         """Recording costs host time on every allocation: it ends with the window."""

@@ -23,7 +23,7 @@ import torch
 from bloomnative.config import Config, ConfigError, DataConfig, model_args_from_config
 from bloomnative.data.rampup import BatchSizeSchedule
 from bloomnative.model import BloomArgs
-from bloomnative.model.attention import PORTABLE_BACKEND, TRAITS, backends_with
+from bloomnative.model.attention import PORTABLE_BACKEND, TRAITS, AttentionBackend, backends_with
 from bloomnative.parallel.dims import ParallelDims
 from bloomnative.parallel.layout_check import check_layout
 from bloomnative.planner import Layout, RecomputeChoice, auto_recompute
@@ -31,7 +31,7 @@ from bloomnative.train.attention_choice import AttentionShape, context_parallel_
 from bloomnative.train.optimizer import adamw_implementation
 from bloomnative.train.spikes import data_reserve
 
-AttentionChooser = Callable[[AttentionShape], str]
+AttentionChooser = Callable[[AttentionShape], AttentionBackend]
 """Times the candidates for one micro batch's attention and returns the backend every rank uses."""
 
 
@@ -152,7 +152,8 @@ def resolve_run(
         model_args=args,
         recompute=recompute,
         batch_size=BatchSizeSchedule(
-            t.global_batch_size, tuple(t.rampup_batch_size) if t.rampup_batch_size else None
+            t.global_batch_size,
+            (ramp[0], ramp[1], ramp[2]) if (ramp := t.rampup_batch_size) else None,
         ),
         data=_data_shaping(config, args.vocab_size),
     )
@@ -189,7 +190,7 @@ def _auto_attention(
     device_type: str,
     choose_attention: AttentionChooser | None,
     log: Callable[[str], None],
-) -> str:
+) -> AttentionBackend:
     """What model.attention = "auto" stands for on this run (train/attention_choice.py)."""
     if dims.cp > 1:
         return context_parallel_attention(device_type, log)

@@ -30,10 +30,11 @@ layout that wrote it and loads under any other.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,7 +123,9 @@ Fits = Callable[[CheckpointReader], str | None]
 """Why a verified checkpoint cannot be loaded into this run (another model shape, ...), or None."""
 
 
-def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
+def optimizer_state(
+    parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+) -> dict:
     """Flattened optimizer state (`state.<param>.<name>`, `param_groups.<param>.<option>`) under
     canonical parameter names."""
     state: dict = {}
@@ -134,7 +137,9 @@ def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimiz
     return state
 
 
-def load_optimizer_state(parts: list[nn.Module], optimizers: list, state: dict) -> None:
+def load_optimizer_state(
+    parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], state: dict
+) -> None:
     for part, opt in zip(parts, optimizers, strict=True):
         sd = state
         if owns_head_copy(part):
@@ -146,7 +151,7 @@ class ModelState:
     """The weights of this rank's model parts (whole model or pipeline stages), as a component
     of a checkpoint."""
 
-    def __init__(self, parts: list[nn.Module]):
+    def __init__(self, parts: Sequence[nn.Module]):
         self.parts = parts
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -159,7 +164,7 @@ class ModelState:
 class OptimizerState:
     """The optimizers of this rank's model parts, as a component of a checkpoint."""
 
-    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+    def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
         self.parts, self.optimizers = parts, optimizers
 
     def state_dict(self) -> dict:
@@ -319,6 +324,8 @@ class Checkpointer:
                     process_group=self.group,
                     async_stager=self._stager,
                 )
+                # A Future: the stager stages before async_save returns (use_async_staging off).
+                assert isinstance(write, Future)
                 check = self._checker.submit(_written_then_read_back, write, writer, partial)
                 self._pending = _PendingSave(step, writer, check, files or {})
             else:
@@ -338,6 +345,7 @@ class Checkpointer:
             return
         self._pending = None
         error = pending.check.exception()
+        assert error is not None  # looked at above
         raise CheckpointWriteError(
             self._write_failure(pending.step, pending.writer, error, noticed_at=step)
         ) from error
@@ -593,7 +601,7 @@ class Checkpointer:
     def _all_problems(self, problems: dict[str, str]) -> dict[str, str]:
         if not self.distributed:
             return problems
-        every = [None] * self.world_size
+        every: list[Any] = [None] * self.world_size
         dist.all_gather_object(every, problems, group=self.group)
         return {name: p for rank_problems in every for name, p in rank_problems.items()}
 
@@ -622,11 +630,12 @@ def _unwrapped(error: BaseException) -> BaseException:
 def _os_error_in(error: BaseException) -> OSError | None:
     """The first OSError in `error`'s chain of causes."""
     seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, OSError):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        if isinstance(link, OSError):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
     return None
 
 

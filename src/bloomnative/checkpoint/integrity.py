@@ -183,7 +183,7 @@ class ChecksummingWriter(FileSystemWriter):
     @property
     def write_errors(self) -> list[OSError]:
         """The OSErrors this rank's writes raised (whatever DCP made of them)."""
-        return list(self.fs.write_errors)
+        return list(self._summing.write_errors)
 
 
 def open_plain_file(path: Path):

@@ -36,7 +36,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.pool import AsyncResult
 from typing import TextIO
@@ -408,7 +408,7 @@ def _encode_in_order(
     args: _EncoderArgs,
     workers: int,
     stop_requested: Callable[[], bool],
-) -> Iterator[list[_Encoded]]:
+) -> Generator[list[_Encoded], None, None]:
     """Encoded chunks in input order; at most ``4 * workers`` chunks in flight. Even one
     worker is a separate process, so ``workers`` is the number of cores used. Raises
     PreprocessStopped (the pool then ends) once `stop_requested` returns True."""

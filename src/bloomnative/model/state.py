@@ -9,6 +9,7 @@ other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ def canonical_key(key: str, to_canonical: bool = True) -> str:
     return key.replace(f".{src}.", f".{dst}.")
 
 
-def model_state(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+def model_state(parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     """Model state of the parts (whole model or pipeline stages) under canonical names: the
     tied head is stored once, as the embedding."""
     state: dict[str, torch.Tensor] = {}
@@ -52,7 +53,7 @@ def model_state(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def load_model_state(
-    parts: list[nn.Module], state: dict[str, torch.Tensor], full: bool = False
+    parts: Sequence[nn.Module], state: dict[str, torch.Tensor], full: bool = False
 ) -> None:
     """Copies canonical-name `state` into the parts. `full`: the tensors are whole (e.g. from a
     Hugging Face folder) and each rank takes its shard of them."""

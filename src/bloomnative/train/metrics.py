@@ -193,6 +193,7 @@ class MetricsLogger:
         _log.info(format_row(row), extra=BARE)
 
     def _append_line(self, line: str) -> None:
+        assert self._jsonl is not None  # opened when enabled
         data = line.encode()
         start = os.fstat(self._jsonl).st_size
         try:

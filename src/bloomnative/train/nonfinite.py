@@ -3,7 +3,7 @@ the host wait for the device on every step; and keeping such a state out of chec
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,9 @@ class NonFiniteGuard:
     by `skipped` and `check`, which the trainer calls at log steps and checkpoints.
     """
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], device: torch.device, limit: int):
+    def __init__(
+        self, optimizers: Sequence[torch.optim.Optimizer], device: torch.device, limit: int
+    ):
         self.optimizers = optimizers
         self.limit = limit
         self.on_device = all(opt.defaults.get("fused") for opt in optimizers)

@@ -311,7 +311,8 @@ class Trainer:
 
     def _scalar_sinks(self) -> list[ScalarSink]:
         """What [metrics] asks the logged scalars to be written to besides metrics.jsonl."""
-        metrics, sinks = self.config.metrics, []
+        metrics = self.config.metrics
+        sinks: list[ScalarSink] = []
         if metrics.tensorboard:
             sinks.append(TensorBoardSink(self.dump / "tb"))
         if metrics.wandb:
@@ -530,10 +531,6 @@ class Trainer:
         self.step += 1
         return loss, grad_norm, lr, gbs
 
-    def _reduce_loss(self, value: torch.Tensor) -> float | list[float]:
-        """`_global_loss` read back: a float, or a list for a tensor of losses."""
-        return self._global_loss(value).tolist()
-
     def _global_loss(self, value: torch.Tensor) -> torch.Tensor:
         """The loss (or a tensor of losses) every rank agrees on, left on the device: this
         rank's shares summed over the pipeline ranks (only the last stage holds one) and the
@@ -565,7 +562,7 @@ class Trainer:
         for part in self.model_parts:
             part.train()
         count = sum_over_ranks(count, self.batch_groups).clamp_(min=1)
-        return self._reduce_loss(loss_sum / count)
+        return self._global_loss(loss_sum / count).item()
 
     # ------------------------------------------------------------------ the loop
 
@@ -637,6 +634,7 @@ class Trainer:
         """Feeds the step's global loss and gradient norm to the spike detector; when `read_now`
         (log and checkpoint steps, where the host reads the device anyway) rolls back if it
         fired."""
+        assert self.spike_detector is not None  # called only with spike detection on
         self.spike_detector.observe(self.step, self._global_loss(loss), grad_norm)
         if not read_now:
             return False
@@ -710,7 +708,7 @@ class Trainer:
     def _log_step(self, grad_norm, lr, gbs: int) -> None:
         """One row for the steps since the last: `loss` is their mean (Megatron's logged loss),
         over the steps whose loss is finite; each step's own goes to TensorBoard as loss_step."""
-        losses = self._reduce_loss(torch.stack(self.interval_losses))
+        losses = self._global_loss(torch.stack(self.interval_losses)).tolist()
         self.interval_losses = []
         finite = [x for x in losses if math.isfinite(x)]
         row = {
@@ -729,7 +727,7 @@ class Trainer:
 
     def _log_eval(self) -> None:
         start = time.perf_counter()
-        row = {"step": self.step}
+        row: dict[str, float] = {"step": self.step}
         row["eval_loss"] = self.evaluate(self.make_valid_loader)
         row["eval_ppl"] = math.exp(min(row["eval_loss"], 50.0))
         if self.valid_long is not None:

@@ -1279,11 +1279,13 @@ def alibi_attention_block_reference(
     dropout_p: float = 0.0,
     rng_seed: torch.Tensor | None = None,
     q_segment_start: torch.Tensor | None = None,
+    k_segment_end: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`flash_alibi_attention_block` in torch ops with an explicit bias block: the
     ``[batch, heads, q_len, k_len]`` scores with ALiBi at the blocks' positions, in fp32 (float64
     for float64 inputs, whose lse2 is then float64 too). A query that sees no key of the block
-    gets out 0 and lse2 -inf, as from the kernel."""
+    gets out 0 and lse2 -inf, as from the kernel; ``k_segment_end`` is accepted (and unused)
+    so that both block forms take the same arguments."""
     scores = _alibi_scores(q, k, slopes, causal, softmax_scale, q_offset, k_offset, q_segment_start)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(nan=0.0)  # -inf - -inf: no key
@@ -1310,9 +1312,12 @@ def alibi_attention_block_backward_reference(
     dropout_p: float = 0.0,
     rng_seed: torch.Tensor | None = None,
     q_segment_start: torch.Tensor | None = None,
+    k_segment_end: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`flash_alibi_attention_block_backward` in torch ops (the softmax backward with the
-    merged statistics: ``dS = P (dP - rowsum(dO * O))``)."""
+    merged statistics: ``dS = P (dP - rowsum(dO * O))``). The mask needs the queries' segment
+    starts only; ``k_segment_end`` (which the kernels use to skip blocks) is accepted so that
+    both block forms take the same arguments."""
     scores = _alibi_scores(q, k, slopes, causal, softmax_scale, q_offset, k_offset, q_segment_start)
     compute = scores.dtype
     probs = torch.exp(scores - lse2.to(compute)[..., None] / _LOG2E)

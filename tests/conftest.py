@@ -3,7 +3,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
+import launching
+from bloomnative.log import LogSettings, setup_logging
 from training_helpers import (
     SAMPLE_PROMPT,
     TINY_RUN,
@@ -18,6 +21,23 @@ from training_helpers import (
 os.environ["BLOOMNATIVE_PYTHON"] = sys.executable
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test may launch programs (its fixtures' set-up included) only if it is marked
+    `multiprocess` (see launching.py). What a test's in-process run leaves behind (a trainer's
+    process group, the logging an entry point set up) goes after it, so that the next test
+    starts as a fresh process would, whichever tests ran before (the quick run leaves many
+    out)."""
+    launching.launches_allowed = item.nodeid if item.get_closest_marker("multiprocess") else ""
+    try:
+        yield
+    finally:
+        launching.launches_allowed = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        setup_logging(LogSettings())
+
+
 @pytest.fixture(scope="session")
 def synthetic_corpus(tmp_path_factory) -> str:
     """Prefix of a 200-document indexed dataset with a 128-token vocabulary."""
@@ -30,8 +50,8 @@ def synthetic_corpus(tmp_path_factory) -> str:
 def fsdp_run(tmp_path_factory, synthetic_corpus) -> tuple[Path, str]:
     """(dump folder, stdout) of one 2-process FSDP run of 3 steps on the synthetic corpus with
     its word tokenizer, that profiles steps 2-3, prints a sample from its final checkpoint and
-    writes per-rank log files to <dump folder>/logs. Shared by the generation, profiling and
-    logging tests (one torchrun world for all)."""
+    writes per-rank log files to <dump folder>/logs. Shared by the generation, profiling, logging
+    and Hugging Face export tests (one torchrun world for all)."""
     root = tmp_path_factory.mktemp("fsdp_run")
     tokenizer = write_word_tokenizer(root / "tokenizer.json")
     dump = root / "run"

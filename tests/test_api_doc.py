@@ -6,11 +6,10 @@ from __future__ import annotations
 import importlib
 import re
 import socket
-import subprocess
-import sys
 
 import pytest
 
+from launching import python_command, run
 from training_helpers import REPO, train_env
 
 API_DOC = REPO / "docs" / "api.md"
@@ -67,6 +66,7 @@ exit_process(0)
 """
 
 
+@pytest.mark.multiprocess
 def test_every_snippet_runs(tmp_path):
     """In one process started as torchrun would start a world of one, from a folder with the
     repo's configs and bundled corpus (what the snippets read) and room for what they write."""
@@ -80,13 +80,5 @@ def test_every_snippet_runs(tmp_path):
         **{"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"},
         **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
     }
-    proc = subprocess.run(
-        [sys.executable, "-c", _RUN_SNIPPETS, *snippets()],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run(python_command(["-c", _RUN_SNIPPETS, *snippets()]), cwd=tmp_path, env=env, timeout=300)
     assert (tmp_path / "outputs" / "api-snippet" / "metrics.jsonl").is_file()

@@ -23,13 +23,13 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+import launching
 from training_helpers import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -57,6 +57,10 @@ WHY_SMALL_BENCH = (
 WHY_WARM = "one compile cache for all the commands: a cold compile costs about a CPU-minute"
 WHY_SWEEP = "the sweep's placeholders, filled with one small point of it"
 WHY_CKPT = "a small model, one repetition: the test checks that it runs, not the timing"
+WHY_SAME_BENCH = (
+    "docs/benchmarks.md's command, which writes there: it is run once (a command the scratch root "
+    "has run as it stands is not run again)"
+)
 WHY_RUN = "README.md's training run (2 steps) stands for a run's dump folder"
 WHY_HF = "the export above, of the debug model, stands for a downloaded BLOOM-560m"
 WHY_DEBUG = "the placeholder, as configs/debug.toml sets it"
@@ -107,6 +111,16 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
         ("configs/bloom-560m.toml", "configs/bloom-560m.toml" + SHRUNK_BLOOM, WHY_HF),
     ],
     "docs/performance.md": [
+        (
+            "--steps 10 --json out.json",
+            "--steps 10 --json outputs/bench/debug_cpu.json",
+            WHY_SAME_BENCH,
+        ),
+        (
+            "--cold-compile --json out.json",
+            "--cold-compile --json outputs/bench/debug_cpu_hf.json",
+            WHY_SAME_BENCH,
+        ),
         (*FEW_STEPS, WHY_BENCH),
         ("python tools/bench_train.py", SMALL_BENCH, WHY_SMALL_BENCH),
         ("--cold-compile ", "", WHY_WARM),
@@ -265,31 +279,27 @@ class DocRoot:
             PYTHONPATH=f"{REPO / 'src'}:{REPO}",
             PATH=f"{bin_dir}:{os.environ['PATH']}",
         )
-        self.done: set[Command] = set()
+        self.done: set[str] = set()
+        """The scripts run so far, as run (exports, substitutions and all)."""
 
     def run(self, command: Command) -> None:
-        """Runs `command`, after the one whose output it reads; a failure fails the test with
-        the command's output."""
-        if command in self.done:
-            return
+        """Runs `command`, after the one whose output it reads, unless the same script has run
+        already (the same command in another doc, or twice in one); a failure fails the test
+        with the command's output."""
         if source := command.reads():
             (provider,) = [c for c in runnable_commands() if c.matches(*source)]
             self.run(provider)
         run = command.as_run()
-        proc = subprocess.run(
-            ["bash", "-c", "\n".join(["set -eo pipefail", *command.exports, run])],
-            cwd=self.root,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        script = "\n".join(["set -eo pipefail", *command.exports, run])
+        if script in self.done:
+            return
+        proc = launching.run(["bash", "-c", script], cwd=self.root, env=self.env, check=False)
         if proc.returncode != 0:
             raise AssertionError(
                 f"{command.doc}: {command.text}\nran as: {run}\nexit code {proc.returncode}\n"
                 f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
             )
-        self.done.add(command)
+        self.done.add(script)
 
 
 @pytest.fixture(scope="module")
@@ -308,6 +318,7 @@ def doc_root(tmp_path_factory) -> DocRoot:
     return DocRoot(root, bin_dir)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("block", shell_blocks(), ids=lambda b: b.id)
 def test_the_commands_of_a_doc_block_run(block, doc_root):
     if reason := block.skip_reason():

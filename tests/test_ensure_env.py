@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from training_helpers import REPO, train_env
+from launching import REPO, run, train_env
+
+pytestmark = pytest.mark.multiprocess  # every test sources ensure_env.sh in bash
 
 # The Python ensure_env.sh picks, and the torch it imports.
 REPORT = (
@@ -22,9 +25,7 @@ REPORT = (
 
 
 def source_ensure_env(env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", "-c", REPORT], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
+    return run(["bash", "-c", REPORT], cwd=REPO, env=env, timeout=120, check=False)
 
 
 def test_run_train_sh_runs_the_python_and_torch_under_test():

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,32 +15,29 @@ import transformers
 from bloomnative.checkpoint.integrity import read_record, unrecorded_files, verify_files
 from bloomnative.interop import load_native_model
 from bloomnative.model import Bloom
-from training_helpers import REPO, TINY_RUN, metric_rows, train_env
+from launching import python_command, run, train_env
+from training_helpers import REPO, TINY_RUN, metric_rows
 
 EXAMPLES = REPO / "examples"
 # The shape of TINY_RUN's model, as the own-loop example's --model.
 TINY_MODEL = "debug,n_layer=4,hidden_size=32,n_head=4,vocab_size=128"
 
 
-def run(command: list[str], extra_env: dict[str, str] | None = None) -> str:
+pytestmark = pytest.mark.multiprocess  # each example runs as a user runs it
+
+
+def run_from_root(command: list[str], extra_env: dict[str, str] | None = None) -> str:
     """Runs from the repo root with the package on PYTHONPATH; returns stdout and stderr."""
-    env = {**train_env(), **(extra_env or {})}
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(command)} failed ({proc.returncode})\n"
-            f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
+    proc = run(command, cwd=REPO, env=train_env(extra_env))
     return proc.stdout + proc.stderr
 
 
 def torchrun(nproc: int, script: Path, args: list[str]) -> str:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return run([*launcher, f"--nproc-per-node={nproc}", str(script), *args])
+    return run_from_root(python_command([str(script), *args], nproc))
 
 
 def run_train_sh(nproc: int, args: list[str]) -> str:
-    return run([str(REPO / "run_train.sh"), *args], {"NPROC": str(nproc)})
+    return run_from_root([str(REPO / "run_train.sh"), *args], {"NPROC": str(nproc)})
 
 
 def test_own_training_loop_gives_the_losses_of_run_train_sh(tmp_path, synthetic_corpus):
@@ -107,8 +102,8 @@ def test_hf_example_writes_a_checkpoint_run_train_sh_starts_from(tmp_path, synth
 def test_kernels_example_matches_its_eager_reference():
     """Under TRITON_INTERPRET=1 the ops run their Triton kernels (Triton's CPU interpreter),
     inside an Inductor-compiled graph; the reference is the model in plain torch ops."""
-    stdout = run(
-        [sys.executable, str(EXAMPLES / "kernels_in_your_model.py")],
+    stdout = run_from_root(
+        python_command([str(EXAMPLES / "kernels_in_your_model.py")]),
         {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")},
     )
     match = re.search(r"relative difference: loss (\S+), gradients (\S+)", stdout)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import pytest
 import torch.distributed as dist
@@ -19,7 +18,7 @@ from bloomnative.log import (
     get_logger,
     setup_logging,
 )
-from training_helpers import train_env
+from launching import python_command, run, train_env
 
 
 @pytest.fixture
@@ -118,15 +117,10 @@ def test_a_malformed_variable_is_named_with_what_is_valid(variable, value):
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        env={**train_env(), **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run(python_command(["-c", code]), env=train_env(env), timeout=120, check=False)
 
 
+@pytest.mark.multiprocess
 def test_the_first_record_sets_logging_up_from_the_environment():
     code = "from bloomnative.log import get_logger; log = get_logger('x')\nlog.info('a')\n"
     code += "log.warning('b')"
@@ -142,14 +136,14 @@ def test_the_first_record_sets_logging_up_from_the_environment():
     )
 
 
+@pytest.mark.multiprocess
 def test_the_launcher_refuses_a_malformed_variable_before_starting_workers():
-    proc = subprocess.run(
-        [sys.executable, "-m", "bloomnative.train.launch", "--standalone"]
-        + ["--nproc-per-node=1", "-m", "bloomnative.train.main"],
-        env={**train_env(), "BLOOMNATIVE_LOG_RANKS": "rank0"},
-        capture_output=True,
-        text=True,
+    launcher = ["-m", "bloomnative.train.launch", "--standalone", "--nproc-per-node=1"]
+    proc = run(
+        python_command([*launcher, "-m", "bloomnative.train.main"]),
+        env=train_env({"BLOOMNATIVE_LOG_RANKS": "rank0"}),
         timeout=120,
+        check=False,
     )
     assert proc.returncode == 2
     assert proc.stdout == ""

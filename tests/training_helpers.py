@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +12,7 @@ import numpy as np
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from bloomnative.data import IndexedDatasetBuilder
-
-REPO = Path(__file__).resolve().parents[1]
+from launching import REPO, python_command, run, train_env
 
 
 def load_tool(name: str):
@@ -109,28 +107,10 @@ SAMPLE_PROMPT = "w1 w2 w3"
 """The end-of-training sample's prompt in the conftest's 2-process run."""
 
 
-# Set by torchrun for its workers; a launched run must not inherit them from the test process.
-_LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"}
-
-
-def train_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
-
-
 def train_command(args: list[str], nproc: int = 0, max_restarts: int = 0) -> list[str]:
     """`python -m bloomnative.train.main ARGS` (a world of one), or under torchrun (which
     restarts a failed job up to `max_restarts` times)."""
-    if nproc:
-        launcher = [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}",
-        ]
-        return [sys.executable, *launcher, "-m", "bloomnative.train.main", *args]
-    return [sys.executable, "-m", "bloomnative.train.main", *args]
+    return python_command(["-m", "bloomnative.train.main", *args], nproc, max_restarts)
 
 
 def run_training(
@@ -140,21 +120,9 @@ def run_training(
     check: bool = True,
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Runs the trainer to its end (`env`: variables added to `train_env()`'s); `check`: a
-    non-zero exit fails the test with the output."""
-    proc = subprocess.run(
-        train_command(args, nproc),
-        env={**train_env(), **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"training failed ({proc.returncode}): {' '.join(args)}\n"
-            f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc
+    """Runs the trainer to its end in a process (a world) of its own (`env`: variables added to
+    `train_env()`'s); `check`: a non-zero exit fails the test with the output."""
+    return run(train_command(args, nproc), env=train_env(env), timeout=timeout, check=check)
 
 
 def metric_rows(dump: Path) -> list[dict]:

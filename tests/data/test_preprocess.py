@@ -9,14 +9,13 @@ import json
 import os
 import pty
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bloomnative.data import IndexedDataset, load_tokenizer
 from bloomnative.data.preprocess import BadLineError, PreprocessConfig, preprocess
+from launching import python_command, run, start
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = str(REPO / "assets" / "pydocs" / "tokenizer.json")
@@ -148,27 +147,28 @@ def test_an_unknown_eod_token_is_refused_with_the_candidates(tmp_path):
         _run(tmp_path, [path], "out", eod_token="</eod>")
 
 
+@pytest.mark.multiprocess
 def test_command_line_summarizes_and_fails_cleanly_on_bad_lines(tmp_path):
-    tool = [sys.executable, str(REPO / "tools" / "preprocess_data.py")]
-    help_text = subprocess.run([*tool, "--help"], capture_output=True, text=True, check=True)
+    tool = python_command([str(REPO / "tools" / "preprocess_data.py")])
+    help_text = run([*tool, "--help"], env=os.environ)
     assert "WHOLE FILE IS ONE DOCUMENT" in help_text.stdout
     good = _write_jsonl(tmp_path / "good.jsonl", [{"text": t} for t in _texts(50)])
     common = ["--tokenizer", TOKENIZER, "--append-eod", "--log-interval", "0"]
-    ok = subprocess.run(
+    ok = run(
         [*tool, "--input", str(good), "--output-prefix", str(tmp_path / "ok"), *common],
-        capture_output=True,
-        text=True,
+        env=os.environ,
+        check=False,
     )
     assert ok.returncode == 0, ok.stderr
     # Not a terminal: no progress line, only the summary.
     assert "ETA" not in ok.stderr and "\r" not in ok.stderr
     assert ok.stderr.startswith("[preprocess] done: 50 documents")
     assert IndexedDataset(str(tmp_path / "ok_text_document")).num_tokens > 0
-    bad = subprocess.run(
+    bad = run(
         [*tool, "--input", str(_bad_input(tmp_path)), "--output-prefix", str(tmp_path / "bad"),
          *common],
-        capture_output=True,
-        text=True,
+        env=os.environ,
+        check=False,
     )  # fmt: skip
     assert bad.returncode == 1 and "in.jsonl:2: invalid JSON" in bad.stderr
     assert not list(tmp_path.glob("bad*"))
@@ -198,12 +198,14 @@ def test_progress_on_a_terminal_shows_documents_tokens_per_second_and_eta(tmp_pa
     )
 
 
+@pytest.mark.multiprocess
 def test_the_command_line_shows_progress_only_on_a_terminal(tmp_path):
     good = _write_jsonl(tmp_path / "good.jsonl", [{"text": t} for t in _texts(300)])
     main, secondary = pty.openpty()
-    tool = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(good)]
+    tool = [str(REPO / "tools" / "preprocess_data.py"), "--input", str(good)]
     args = ["--output-prefix", str(tmp_path / "out"), "--tokenizer", TOKENIZER, "--append-eod"]
-    proc = subprocess.run([*tool, *args], stderr=secondary, timeout=120)
+    proc = start(python_command([*tool, *args]), env=os.environ, stderr=secondary)
+    proc.wait(timeout=120)
     os.close(secondary)
     output = b""
     with contextlib.suppress(OSError):  # reading past the end of a closed pty raises EIO

@@ -4,8 +4,6 @@ conventions (EOD, leading space), chat records, bad records, and never a half-wr
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from bloomnative.data import IndexedDataset, IndexedDatasetError, PairDataset, l
 from bloomnative.data import indexed_builder as indexed_builder_module
 from bloomnative.data.chat_pairs import pair_from_messages
 from bloomnative.data.preprocess import BadLineError, PreprocessConfig, preprocess
+from launching import python_command, run
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = str(REPO / "assets" / "pydocs" / "tokenizer.json")
@@ -145,22 +144,17 @@ def test_a_run_interrupted_between_the_two_datasets_leaves_no_pair_to_load(tmp_p
         PairDataset(str(tmp_path / "xp3"))
 
 
+@pytest.mark.multiprocess
 def test_the_command_line_writes_pairs_and_names_a_bad_record(tmp_path):
-    tool = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--tokenizer", TOKENIZER]
+    tool = python_command([str(REPO / "tools" / "preprocess_data.py"), "--tokenizer", TOKENIZER])
     good = _write_jsonl(tmp_path / "good.jsonl", [{"inputs": "q", "targets": "a"}] * 4)
     common = ["--json-keys", "inputs", "targets", "--append-eod", "--prepend-space"]
-    ok = subprocess.run(
-        [*tool, "--input", str(good), "--output-prefix", str(tmp_path / "xp3"), *common],
-        capture_output=True,
-        text=True,
-    )
-    assert ok.returncode == 0, ok.stderr
+    run([*tool, "--input", str(good), "--output-prefix", str(tmp_path / "xp3"), *common])
     assert len(PairDataset(str(tmp_path / "xp3"))) == 4
     bad = _write_jsonl(tmp_path / "bad.jsonl", [{"inputs": "q", "targets": "a"}, {"inputs": "q"}])
-    failed = subprocess.run(
+    failed = run(
         [*tool, "--input", str(bad), "--output-prefix", str(tmp_path / "bad"), *common],
-        capture_output=True,
-        text=True,
+        check=False,
     )
     assert failed.returncode != 0 and failed.stderr.count("\n") == 1, failed.stderr
     assert "bad.jsonl:2: missing key 'targets'" in failed.stderr

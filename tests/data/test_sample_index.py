@@ -184,6 +184,7 @@ def _build_in_child(prefix: str, cache: str, queue) -> None:
     queue.put(np.asarray(dataset.index.sample_order).tolist())
 
 
+@pytest.mark.multiprocess
 def test_concurrent_processes_build_once_and_never_read_half_files(small_corpus, tmp_path):
     cache = str(tmp_path / "cache")
     builds = tmp_path / "builds.log"

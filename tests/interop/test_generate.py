@@ -35,6 +35,7 @@ def run_tool(args: list[str], capsys) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+@pytest.mark.multiprocess  # the conftest's 2-process run
 def test_the_run_ends_with_a_sample_that_generate_reproduces(fsdp_run, capsys):
     dump, stdout = fsdp_run
     match = re.search(r"\[bloomnative\] sample from step-3 .*\n(.*)\n", stdout)
@@ -46,6 +47,7 @@ def test_the_run_ends_with_a_sample_that_generate_reproduces(fsdp_run, capsys):
     assert code == 0 and out == printed + "\n"
 
 
+@pytest.mark.multiprocess  # the conftest's 2-process run
 def test_dump_folder_step_folder_and_hf_export_give_the_same_text(fsdp_run, tmp_path, capsys):
     dump, _ = fsdp_run
     step = dump / "checkpoints" / "step-3"
@@ -118,6 +120,7 @@ def test_the_sample_stops_on_the_eod_token_the_run_trained_with(tmp_path):
     assert load_tokenizer_for(tmp_path).eod_id == 5
 
 
+@pytest.mark.multiprocess  # the conftest's 2-process run
 def test_a_sample_that_cannot_be_made_is_reported_not_raised(fsdp_run, tmp_path, capsys):
     dump, _ = fsdp_run
     copy = tmp_path / "run"

@@ -1,22 +1,20 @@
 """tools/bench_kernels.py --smoke runs end to end on CPU and writes every benchmark row."""
 
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
+
+import pytest
+
+from launching import python_command, run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "bench_kernels.py"
 
 
+@pytest.mark.multiprocess
 def test_bench_kernels_smoke_mode_writes_a_row_per_implementation(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run(python_command([str(SCRIPT), "--smoke", "--out", str(out)]), env=os.environ)
     payload = json.loads(out.read_text())
     assert payload["environment"]["smoke"] is True
     rows = payload["rows"]

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from kernel_writes import CASES, OPAQUE_OPS, WRITES
 
+from launching import python_command, run
+
 pytest.importorskip("triton")
+pytestmark = pytest.mark.multiprocess  # the traces are made in a process of their own
 
 SCRIPT = Path(__file__).with_name("gpu_route.py")
 ATTENTION_KERNELS = {"_flash_alibi_fwd_kernel", "_flash_alibi_bwd_kernel"}
@@ -27,14 +28,7 @@ ATTENTION_KERNELS = {"_flash_alibi_fwd_kernel", "_flash_alibi_bwd_kernel"}
 @pytest.fixture(scope="module")
 def traced() -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run(python_command([str(SCRIPT), "--json"]), env=env, timeout=900)
     return {r["case"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
 
 

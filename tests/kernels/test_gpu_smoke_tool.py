@@ -5,12 +5,12 @@ broken script on it."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from kernel_test_utils import NEEDS_TRITON, TEST_DEVICE
+
+from launching import python_command, run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,13 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(TEST_DEVICE == "cuda", reason="on a GPU, run the smoke phase itself")
 def test_gpu_smoke_tiny_passes_every_check_on_cpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}", "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "gpu_smoke.py"), "--tiny", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
+    smoke = [str(REPO / "tools" / "gpu_smoke.py"), "--tiny", "--out", str(tmp_path)]
+    proc = run(python_command(smoke), env=env, timeout=900, check=False)
     report = json.loads((tmp_path / "smoke.json").read_text())
     failed = {name: section for name, section in report.items() if not section["ok"]}
     assert proc.returncode == 0 and not failed, (proc.stdout, failed)

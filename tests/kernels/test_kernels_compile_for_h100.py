@@ -9,13 +9,13 @@ sm90_compile_check.py."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from kernel_test_utils import TEST_DEVICE
 from sm90_tables import documented_tables, markdown_tables
+
+from launching import python_command, run
 
 triton = pytest.importorskip("triton")
 
@@ -39,6 +39,7 @@ EXPECTED_KERNELS = {
 }
 
 pytestmark = [
+    pytest.mark.multiprocess,  # the kernels compile in a process of their own
     pytest.mark.skipif(
         not any((BIN_DIR / name).exists() for name in ("ptxas", "ptxas-blackwell")),
         reason="this Triton build ships no ptxas",
@@ -53,14 +54,7 @@ pytestmark = [
 def compiled() -> list[dict]:
     """Every autotune config of every kernel, compiled for sm_90 (one run for both tests)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--all-configs", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run(python_command([str(SCRIPT), "--all-configs", "--json"]), env=env, timeout=900)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 import zipfile
 from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 
+from launching import python_command, run
 from training_helpers import REPO
 
 PROBE = textwrap.dedent(
@@ -36,21 +35,14 @@ PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("path", ["src:.", "src"])
 def test_a_source_tree_imports_the_kernels_once(path, tmp_path):
     """As the GPU machines run it (PYTHONPATH=src:.) and with src alone, transformers' probe
     for Hugging Face's `kernels` first. Run from another folder, so that only PYTHONPATH puts
     the repository root on sys.path."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in path.split(":"))}
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run(python_command(["-c", PROBE]), cwd=tmp_path, env=env, timeout=300)
     module, init, probed = proc.stdout.split()
     assert module == "bloomnative.kernels.layer_norm"
     assert init == str(REPO / "src" / "bloomnative" / "kernels" / "__init__.py")
@@ -71,6 +63,7 @@ def _setuptools_version() -> tuple[int, ...]:
     reason="builds offline with this environment's setuptools, and pyproject.toml's "
     "build-system needs setuptools >= 68 (older ones reject its license field)",
 )
+@pytest.mark.multiprocess
 def test_a_wheel_holds_the_kernels_as_files(tmp_path):
     """Built from a copy of what the wheel is made of (links kept), so the build's own folders
     stay out of the checkout."""
@@ -80,14 +73,10 @@ def test_a_wheel_holds_the_kernels_as_files(tmp_path):
         shutil.copytree(REPO / name, tree / name, symlinks=True, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, tree / name)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-        + ["--wheel-dir", str(tmp_path), str(tree)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    pip = ["-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    run(
+        python_command([*pip, "--wheel-dir", str(tmp_path), str(tree)]), env=os.environ, timeout=300
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = tmp_path.glob("bloomnative-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         held = {name: archive.read(name) for name in archive.namelist()}

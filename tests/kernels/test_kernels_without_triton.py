@@ -1,8 +1,11 @@
 """A CPU-only install without Triton imports bloomnative.kernels and runs every op's reference."""
 
-import subprocess
-import sys
+import os
 import textwrap
+
+import pytest
+
+from launching import python_command, run
 
 SCRIPT = textwrap.dedent(
     """
@@ -34,9 +37,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 def test_ops_fall_back_to_the_references_when_triton_is_not_installed():
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run(python_command(["-c", SCRIPT]), env=os.environ, timeout=120)
     assert proc.stdout.strip().endswith("ok")

@@ -1,20 +1,17 @@
-"""Runs several parallel layouts of one small training job in one torchrun world and saves, per
-layout, metrics.jsonl, the final (gathered) parameters and what the pipeline stages hold.
-Driven by test_layouts.py:
+"""One parallel layout of a small training job, as a scenario of a shared world
+(tests/shared_world.py): test_layouts.py runs every layout of a world size in one torchrun world.
+Saves, per layout, metrics.jsonl, the final (gathered) parameters and what the pipeline stages
+hold.
 
-    torchrun --nproc-per-node N tests/parallel/layout_runner.py OUT_DIR LAYOUTS_JSON BASE_ARGS...
-
-LAYOUTS_JSON maps a layout name to its list of `--section.key=value` overrides. A layout named
-`*-resumed` trains to its `checkpoint.interval` and stops, then a second trainer resumes from
-that checkpoint (which must verify) to the end; resumed.json records where it resumed and which
-checkpoints it verified.
+A layout named `*-resumed` trains to its `checkpoint.interval` and stops, then a second trainer
+resumes from that checkpoint (which must verify) to the end; resumed.json records where it
+resumed and which checkpoints it verified.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -24,7 +21,6 @@ from torch.distributed.tensor import DTensor
 
 from bloomnative.config import parse_args
 from bloomnative.model.state import model_state
-from bloomnative.train.distributed import exit_process
 from bloomnative.train.trainer import Trainer
 
 RESUMED = "-resumed"
@@ -60,33 +56,27 @@ def live_stage_buffers() -> dict:
     }
 
 
-def main() -> None:
-    out, layouts, base = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:]
-    for name, overrides in layouts.items():
-        args = [*base, f"--job.dump_folder={out / name}", *overrides]
-        config = parse_args(args)
-        if name.endswith(RESUMED):
-            first = Trainer(parse_args([*args, f"--training.steps={config.checkpoint.interval}"]))
-            first.train()
-            del first
-        trainer = Trainer(config)
-        if name.endswith(RESUMED):
-            resumed = {"step": trainer.step, "verified": sorted(trainer.checkpointer.verified)}
-            (out / name / f"resumed_rank{dist.get_rank()}.json").write_text(json.dumps(resumed))
-        trainer.train()
-        params = gathered_params(trainer)
-        mesh = trainer.mesh
-        if trainer.dp_mesh.get_local_rank() == 0 and all(
-            mesh[dim].get_local_rank() == 0 for dim in ("cp", "tp")
-        ):
-            torch.save(params, out / name / f"params_pp{trainer.pp_rank}.pt")
-        stages = live_stage_buffers()
-        (out / name / f"stages_rank{dist.get_rank()}.json").write_text(json.dumps(stages))
-        del trainer
-        dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-    exit_process(0)
+def train_layout(argv: list[str]) -> None:
+    """Trains the layout `argv` describes (its dump folder included) and saves what the tests
+    compare; the process group stays for the next layout."""
+    config = parse_args(argv)
+    out = Path(config.job.dump_folder)
+    if out.name.endswith(RESUMED):
+        first = Trainer(parse_args([*argv, f"--training.steps={config.checkpoint.interval}"]))
+        first.train()
+        del first
+    trainer = Trainer(config)
+    if out.name.endswith(RESUMED):
+        resumed = {"step": trainer.step, "verified": sorted(trainer.checkpointer.verified)}
+        (out / f"resumed_rank{dist.get_rank()}.json").write_text(json.dumps(resumed))
+    trainer.train()
+    params = gathered_params(trainer)
+    mesh = trainer.mesh
+    if trainer.dp_mesh.get_local_rank() == 0 and all(
+        mesh[dim].get_local_rank() == 0 for dim in ("cp", "tp")
+    ):
+        torch.save(params, out / f"params_pp{trainer.pp_rank}.pt")
+    stages = live_stage_buffers()
+    (out / f"stages_rank{dist.get_rank()}.json").write_text(json.dumps(stages))
+    del trainer
+    dist.barrier()

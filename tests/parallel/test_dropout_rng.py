@@ -7,15 +7,15 @@ run with dropout recomputes its blocks (the ring's seed included) with the forwa
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from training_helpers import TINY_RUN, losses_by_step, train_env
+from launching import python_command, run
+from training_helpers import TINY_RUN, losses_by_step
 
 RUNNER = Path(__file__).with_name("dropout_rng_runner.py")
+pytestmark = pytest.mark.multiprocess  # one torchrun world for all
 DROPOUT_RUN = [
     *TINY_RUN,
     "--model.hidden_dropout=0.2",
@@ -28,23 +28,8 @@ DROPOUT_RUN = [
 @pytest.fixture(scope="module")
 def world(synthetic_corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dropout_rng")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    proc = subprocess.run(
-        [
-            *launcher,
-            "--nproc-per-node=2",
-            str(RUNNER),
-            str(out),
-            *DROPOUT_RUN,
-            f"--data.blend={synthetic_corpus}",
-        ],
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"runner failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    runner = [str(RUNNER), str(out), *DROPOUT_RUN, f"--data.blend={synthetic_corpus}"]
+    run(python_command(runner, nproc=2))
     return out
 
 

@@ -18,8 +18,6 @@ reduced and accumulated in fp32 in every layout. Measured (docs/parallelism.md):
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +31,10 @@ from bloomnative.config import model_args_from_config, parse_args
 from bloomnative.data import build_gpt_datasets
 from bloomnative.model import Bloom
 from bloomnative.parallel import init_weights, shard_sequence
-from training_helpers import EOD_ID, TINY_RUN, build_eod_heavy_corpus, metric_rows, train_env
+from shared_world import SharedWorld
+from training_helpers import EOD_ID, TINY_RUN, build_eod_heavy_corpus, metric_rows
 
-RUNNER = Path(__file__).with_name("layout_runner.py")
+TRAIN_LAYOUT = f"{Path(__file__).with_name('layout_runner.py')}:train_layout"
 BASE = [
     *TINY_RUN,
     "--training.steps=5",
@@ -162,29 +161,15 @@ def eod_corpus(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def runs(synthetic_corpus, eod_corpus, tmp_path_factory) -> Path:
-    """Runs all layouts, one torchrun world per world size."""
+    """Runs all layouts, one shared world per world size."""
     out = tmp_path_factory.mktemp("layouts")
     base = [*BASE, f"--data.blend={synthetic_corpus}", f"--data.cache_dir={out / 'cache'}"]
-    env = train_env()
-    for nproc, world in LAYOUTS.items():
-        layouts = {
-            name: [arg.replace(EOD_CORPUS, eod_corpus) for arg in overrides]
-            for name, overrides in world.items()
-        }
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            str(RUNNER),
-            str(out),
-            json.dumps(layouts),
-            *base,
-        ]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0:
-            pytest.fail(f"world {nproc} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    for nproc, layouts in LAYOUTS.items():
+        world = SharedWorld(out / f"world{nproc}", nproc)
+        for name, overrides in layouts.items():
+            argv = [*base, f"--job.dump_folder={out / name}", *overrides]
+            world.add(name, TRAIN_LAYOUT, [arg.replace(EOD_CORPUS, eod_corpus) for arg in argv])
+        world.run().results()  # fails on the first layout that did not train
     return out
 
 

@@ -6,11 +6,11 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from launching import python_command, run
 from training_helpers import REPO, load_tool
 
 SMALL_RUN = [
@@ -26,14 +26,8 @@ SMALL_RUN = [
 
 def run_bench(tmp_path: Path, *args: str, timeout: int = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "2"}
-    return subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_train.py"), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    bench = python_command([str(REPO / "tools" / "bench_train.py"), *args])
+    return run(bench, cwd=REPO, env=env, timeout=timeout, check=False)
 
 
 def positive_finite(value) -> bool:
@@ -58,6 +52,7 @@ def check_run(result: dict, steps: int) -> None:
     assert positive_finite(result["memory"]["peak_rss_gib"])
 
 
+@pytest.mark.multiprocess
 def test_bench_train_reports_ours_and_hugging_face(tmp_path):
     out = tmp_path / "bench.json"
     proc = run_bench(
@@ -93,6 +88,7 @@ def test_bench_train_reports_ours_and_hugging_face(tmp_path):
     assert "ratio_ours_over_hf_eager" in proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_bench_train_reports_torchtitan_llama3_with_its_own_flops(tmp_path):
     out = tmp_path / "bench.json"
     proc = run_bench(

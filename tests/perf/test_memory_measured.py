@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +27,7 @@ from memory_measurement import (
 from torch.profiler import ProfilerActivity, profile
 
 from bloomnative import planner
+from launching import python_command, run
 
 TOLERANCE = 0.15
 HERE = Path(__file__).resolve().parent
@@ -79,19 +78,8 @@ def test_pipeline_ranks_peaks_match_the_estimate(tmp_path):
         "--parallelism.pp_microbatches=4",
         "--training.global_batch_size=16",
     ]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(HERE / "memory_worker.py"),
-        str(tmp_path),
-        *overrides,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    command = python_command([str(HERE / "memory_worker.py"), str(tmp_path), *overrides], 2)
+    run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         error = relative_error(result["predicted"], result["measured"])

@@ -1,16 +1,13 @@
 """Runs the real trainer and records every operation that makes the host wait for the device
 (a readback such as `.item()` or `bool(t)`, or an op whose output shape depends on the data),
 with the step it happened in, whether a log step was reading its metrics at the time, and the
-line in bloomnative that asked for it. Prints the records as one JSON line, then `SYNCS:` and
-that line, on rank 0.
-
-    python host_sync_probe.py TRAINER_ARGS...   (or under torchrun)
+line in bloomnative that asked for it. `record_syncs(argv)`, a scenario of a shared world
+(tests/shared_world.py), prints the records on rank 0 as one line: `SYNCS:` and a JSON list.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import traceback
 from pathlib import Path
 
@@ -18,7 +15,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bloomnative.config import parse_args
-from bloomnative.train.distributed import exit_process
 from bloomnative.train.trainer import Trainer
 
 ATEN = torch.ops.aten
@@ -65,8 +61,8 @@ class SyncRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def main() -> None:
-    trainer = Trainer(parse_args(sys.argv[1:]))
+def record_syncs(argv: list[str]) -> None:
+    trainer = Trainer(parse_args(argv))
     recorder = SyncRecorder(trainer)
 
     def while_reading_metrics(method):
@@ -91,8 +87,3 @@ def main() -> None:
         trainer.run()
     if trainer.rank == 0:
         print("SYNCS:" + json.dumps(recorder.records), flush=True)
-
-
-if __name__ == "__main__":
-    main()
-    exit_process(0)

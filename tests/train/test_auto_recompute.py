@@ -4,15 +4,15 @@ planner predicts fits the budget, and a budget nothing fits is refused before tr
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
 from bloomnative import planner
 from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.train.run import resolve_run
-from training_helpers import TINY_RUN, run_training, train_env
+from shared_world import SharedWorld
+from training_helpers import TINY_RUN
 
 
 def tiny_args(corpus: str, dump, *extra: str) -> list[str]:
@@ -38,23 +38,54 @@ def predicted_bytes(argv: list[str], mode: str, every: int = 1) -> int:
     ).worst.device_bytes
 
 
-def test_auto_runs_the_least_recompute_that_fits_the_budget(tmp_path, synthetic_corpus):
-    argv = tiny_args(synthetic_corpus, tmp_path / "run", "--training.steps=2")
+AUTO = "--activation_checkpoint.mode=auto"
+NOTHING_FITS = "--activation_checkpoint.memory_budget_gib=1e-6"
+
+
+@pytest.fixture(scope="module")
+def runs(synthetic_corpus, tmp_path_factory) -> SharedWorld:
+    """The module's runs, scenarios of one shared world, each with a dump folder of its name
+    beside the world's: "budget" (the argv of `budget_argv` with auto recompute and
+    `budget_gib`), "no_budget" (auto, no budget), and a budget nothing fits given to the
+    preflight's and the trainer's entry points ("nothing_fits_preflight", "nothing_fits_main":
+    exit code 2)."""
+    out = tmp_path_factory.mktemp("auto_recompute")
+    world = SharedWorld(out / "world")
+    argv = budget_argv(synthetic_corpus, out)
+    world.train(
+        "budget", [*argv, AUTO, f"--activation_checkpoint.memory_budget_gib={budget_gib(argv)!r}"]
+    )
+    world.train(
+        "no_budget", tiny_args(synthetic_corpus, out / "no_budget", "--training.steps=1", AUTO)
+    )
+    for module in ("preflight", "main"):
+        name = f"nothing_fits_{module}"
+        argv = tiny_args(synthetic_corpus, out / name, AUTO, NOTHING_FITS)
+        world.add(name, f"bloomnative.train.{module}:main", argv, expect=2)
+    return world.run()
+
+
+def budget_argv(corpus: str, out: Path) -> list[str]:
+    return tiny_args(corpus, out / "budget", "--training.steps=2")
+
+
+def budget_gib(argv: list[str]) -> float:
+    """Between what the run of `argv` needs without recompute (so that does not fit) and with
+    full recompute (which does)."""
     none, full = predicted_bytes(argv, "none"), predicted_bytes(argv, "full")
     assert full < none  # the tiny model's activations are worth recomputing
-    budget = (none + full) / 2 / planner.GiB  # "none" does not fit, "full" does
+    return (none + full) / 2 / planner.GiB
 
-    proc = run_training(
-        [
-            *argv,
-            "--activation_checkpoint.mode=auto",
-            f"--activation_checkpoint.memory_budget_gib={budget!r}",
-        ]
-    )
-    ac = resolved_config(tmp_path / "run").activation_checkpoint
+
+@pytest.mark.multiprocess
+def test_auto_runs_the_least_recompute_that_fits_the_budget(runs, synthetic_corpus):
+    proc = runs.result("budget")
+    argv = budget_argv(synthetic_corpus, runs.out.parent)
+    limit = budget_gib(argv) * planner.GiB
+    ac = resolved_config(runs.out.parent / "budget").activation_checkpoint
     assert ac.mode in ("selective", "full")
     every = ac.every if ac.mode == "selective" else 1
-    assert predicted_bytes(argv, ac.mode, every) <= budget * planner.GiB
+    assert predicted_bytes(argv, ac.mode, every) <= limit
     assert "chosen by the planner" in proc.stdout
     # Minimal: the option with one checkpointed block fewer does not fit.
     if ac.mode == "full":
@@ -63,34 +94,23 @@ def test_auto_runs_the_least_recompute_that_fits_the_budget(tmp_path, synthetic_
         cheaper = ("selective", every + 1)
     else:
         cheaper = ("none", 1)
-    assert predicted_bytes(argv, *cheaper) > budget * planner.GiB
+    assert predicted_bytes(argv, *cheaper) > limit
 
 
-def test_auto_on_cpu_without_a_budget_recomputes_nothing(tmp_path, synthetic_corpus):
-    argv = tiny_args(synthetic_corpus, tmp_path / "run", "--training.steps=1")
-    run_training([*argv, "--activation_checkpoint.mode=auto"])
-    assert resolved_config(tmp_path / "run").activation_checkpoint.mode == "none"
+@pytest.mark.multiprocess
+def test_auto_on_cpu_without_a_budget_recomputes_nothing(runs):
+    runs.result("no_budget")
+    assert resolved_config(runs.out.parent / "no_budget").activation_checkpoint.mode == "none"
 
 
-@pytest.mark.parametrize("module", ["bloomnative.train.preflight", "bloomnative.train.main"])
-def test_a_budget_nothing_fits_is_a_config_error(tmp_path, synthetic_corpus, module):
-    argv = tiny_args(
-        synthetic_corpus,
-        tmp_path / "run",
-        "--activation_checkpoint.mode=auto",
-        "--activation_checkpoint.memory_budget_gib=1e-6",
-    )
-    proc = subprocess.run(
-        [sys.executable, "-m", module, *argv],
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("module", ["preflight", "main"])
+def test_a_budget_nothing_fits_is_a_config_error(runs, module):
+    name = f"nothing_fits_{module}"
+    proc = runs.result(name)  # exit code 2
     assert 'activation_checkpoint.mode = "auto"' in proc.stderr
     assert "training.micro_batch_size" in proc.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (runs.out.parent / name / "checkpoints").exists()
 
 
 def test_negative_budget_is_rejected():

@@ -1,5 +1,7 @@
-"""The BLOOM-176B recipe, whole, at toy size: configs/bloom-176b.toml through the real entry
-point (`python -m bloomnative.train.main` under torchrun) on 8 CPU processes.
+"""The BLOOM-176B recipe, whole, at toy size: configs/bloom-176b.toml through the trainer's entry
+point (`bloomnative.train.main`) in a torchrun world of 8 CPU processes (the runs compared share
+one world, tests/shared_world.py; the killed job is `python -m bloomnative.train.main` under
+torchrun of its own).
 
 Only the model is shrunk (4 layers, hidden 96, 6 heads, vocab 8192, seq 64, micro batch 1) and
 the run shortened to 8 steps, with the schedules that count samples shortened with it: the
@@ -33,7 +35,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -41,13 +42,9 @@ import torch
 
 from bloomnative.interop import load_native_model
 from bloomnative.train.launch import children
-from training_helpers import (
-    REPO,
-    metric_rows,
-    run_training,
-    train_command,
-    train_env,
-)
+from launching import start, wait_for
+from shared_world import SharedWorld
+from training_helpers import REPO, metric_rows, train_command
 
 STEPS = 8
 TOY = [
@@ -92,10 +89,10 @@ LOSS_KEYS = ("loss", "eval_loss", "eval_loss_long")
 NO_DROPOUT = ["--model.hidden_dropout=0", "--model.attention_dropout=0"]
 
 
-def train(dump: Path, dtype: str, nproc: int = 0, dropout: bool = False) -> None:
+def train_args(dump: Path, dtype: str, nproc: int = 0, dropout: bool = False) -> list[str]:
     layout = LAYOUT if nproc else ONE_PROCESS
     args = [*TOY, *layout, f"--training.dtype={dtype}", f"--job.dump_folder={dump}"]
-    run_training(args if dropout else [*args, *NO_DROPOUT], nproc=nproc, timeout=900)
+    return args if dropout else [*args, *NO_DROPOUT]
 
 
 def by_step(dump: Path, key: str) -> dict[int, float]:
@@ -117,12 +114,15 @@ def assert_close(candidate: dict, reference: dict, tolerance: float) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """The 8-process jobs in fp32 and bf16 and their single-process references (no dropout), and
-    the 8-process fp32 job with the config's dropout."""
+    the 8-process fp32 job with the config's dropout: one shared world per world size."""
     out = tmp_path_factory.mktemp("recipe")
+    eight, one = SharedWorld(out / "world_8", 8), SharedWorld(out / "world_1")
     for dtype in ("fp32", "bf16"):
-        train(out / f"{dtype}_8", dtype, nproc=8)
-        train(out / f"{dtype}_1", dtype)
-    train(out / "dropout_8", "fp32", nproc=8, dropout=True)
+        eight.train(f"{dtype}_8", train_args(out / f"{dtype}_8", dtype, nproc=8))
+        one.train(f"{dtype}_1", train_args(out / f"{dtype}_1", dtype))
+    eight.train("dropout_8", train_args(out / "dropout_8", "fp32", nproc=8, dropout=True))
+    for world in (eight, one):
+        world.run().results()
     return out
 
 
@@ -162,19 +162,14 @@ def test_recipe_killed_mid_rampup_resumes_under_torchrun_with_identical_losses(r
     dump = tmp_path / "killed"
     shutil.copytree(uninterrupted / "checkpoints" / "step-4", dump / "checkpoints" / "step-4")
     args = [*TOY, *LAYOUT, "--training.dtype=fp32", f"--job.dump_folder={dump}"]
-    launcher = subprocess.Popen(
+    launcher = start(
         train_command(args, nproc=8, max_restarts=1),
-        env=train_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        deadline = time.monotonic() + 600
-        while 5 not in losses_if_written(dump):
-            assert launcher.poll() is None, launcher.stderr.read()[-4000:]
-            assert time.monotonic() < deadline, "the resumed job did not reach step 5"
-            time.sleep(0.05)
+        wait_for(lambda: 5 in losses_if_written(dump), launcher, 600, "the resumed job's step 5")
         assert not (dump / "checkpoints" / "step-6").exists()
         os.kill(children(launcher.pid)[5], signal.SIGKILL)  # while step 6 trains
         _, stderr = launcher.communicate(timeout=600)

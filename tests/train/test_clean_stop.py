@@ -8,16 +8,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from bloomnative.checkpoint import checkpointer as ckpt
-from training_helpers import REPO, TINY_RUN, metric_rows, train_env
+from launching import logged_rows, python_command, run, start, train_env, wait_for
+from training_helpers import REPO, TINY_RUN, metric_rows
 
 SLOW_SAVES = Path(__file__).with_name("slow_saves.py")
+pytestmark = pytest.mark.multiprocess
 
 
 def args(dump: Path, corpus: str) -> list[str]:
@@ -32,25 +33,13 @@ def args(dump: Path, corpus: str) -> list[str]:
 
 
 def wait_for_steps(dump: Path, proc: subprocess.Popen, steps: int = 2) -> None:
-    metrics = dump / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the run did not start"
-        time.sleep(0.05)
+    wait_for(lambda: logged_rows(dump) >= steps, proc, 180, f"{steps} logged steps")
 
 
-def wait_for(predicate, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while not predicate():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-
-
-def start(command: list[str], **env) -> subprocess.Popen:
-    return subprocess.Popen(
+def start_session(command: list[str], **env: str) -> subprocess.Popen:
+    return start(
         command,
-        env={**train_env(), **env},
+        env=train_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -58,7 +47,6 @@ def start(command: list[str], **env) -> subprocess.Popen:
     )
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "sig, to_group, nproc",
     [(signal.SIGTERM, False, 2), (signal.SIGINT, True, 1)],
@@ -67,7 +55,8 @@ def start(command: list[str], **env) -> subprocess.Popen:
 def test_a_signal_to_run_train_sh_saves_and_exits_zero(
     synthetic_corpus, tmp_path, sig, to_group, nproc
 ):
-    proc = start([str(REPO / "run_train.sh"), *args(tmp_path, synthetic_corpus)], NPROC=str(nproc))
+    run_train_sh = [str(REPO / "run_train.sh"), *args(tmp_path, synthetic_corpus)]
+    proc = start_session(run_train_sh, NPROC=str(nproc))
     wait_for_steps(tmp_path, proc)
     if to_group:
         os.killpg(proc.pid, sig)
@@ -85,10 +74,10 @@ def test_a_signal_to_run_train_sh_saves_and_exits_zero(
 
 def test_ctrl_c_during_the_stop_save_leaves_no_complete_checkpoint(synthetic_corpus, tmp_path):
     # Every save is held 60 s before it is marked complete: the second signal lands inside it.
-    proc = start([sys.executable, str(SLOW_SAVES), "60", *args(tmp_path, synthetic_corpus)])
+    proc = start_session(python_command([str(SLOW_SAVES), "60", *args(tmp_path, synthetic_corpus)]))
     wait_for_steps(tmp_path, proc)
     proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: any((tmp_path / "checkpoints").glob("*.partial")), proc)
+    wait_for(lambda: any((tmp_path / "checkpoints").glob("*.partial")), proc, what="a save")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
@@ -96,10 +85,10 @@ def test_ctrl_c_during_the_stop_save_leaves_no_complete_checkpoint(synthetic_cor
 
 
 def test_workers_still_saving_at_the_end_of_the_grace_period_are_killed(synthetic_corpus, tmp_path):
-    launcher = [sys.executable, "-m", "bloomnative.train.launch", "--stop-grace-s=2"]
+    launcher = ["-m", "bloomnative.train.launch", "--stop-grace-s=2"]
     torchrun = ["--standalone", "--nproc-per-node=1", "--max-restarts=0"]
-    command = [*launcher, *torchrun, str(SLOW_SAVES), "60", *args(tmp_path, synthetic_corpus)]
-    proc = start(command)
+    slow_saves = [str(SLOW_SAVES), "60", *args(tmp_path, synthetic_corpus)]
+    proc = start_session(python_command([*launcher, *torchrun, *slow_saves]))
     wait_for_steps(tmp_path, proc)
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -107,5 +96,5 @@ def test_workers_still_saving_at_the_end_of_the_grace_period_are_killed(syntheti
     assert proc.returncode == 1 and time.monotonic() - started < 30
     assert "workers killed after the grace period of 2 s" in err
     assert ckpt.complete_steps(tmp_path / "checkpoints") == []
-    survivors = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    survivors = run(["pgrep", "-f", str(tmp_path)], check=False)
     assert survivors.stdout == ""

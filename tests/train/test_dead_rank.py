@@ -14,7 +14,8 @@ import time
 import pytest
 
 from bloomnative.train.launch import children
-from training_helpers import TINY_RUN, losses_by_step, train_command, train_env
+from launching import start, wait_for
+from training_helpers import TINY_RUN, losses_by_step, train_command
 
 STEPS = 4
 # Far above what a dead rank may cost: waiting for the collective timeout, or for torchrun's
@@ -38,9 +39,8 @@ def test_a_killed_rank_ends_the_attempt_in_seconds_and_torchrun_resumes(tmp_path
         "--parallelism.dp_shard=2",
         "--parallelism.pp=2",
     ]
-    launcher = subprocess.Popen(
+    launcher = start(
         train_command(args, nproc=4, max_restarts=1),
-        env=train_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -49,16 +49,17 @@ def test_a_killed_rank_ends_the_attempt_in_seconds_and_torchrun_resumes(tmp_path
     reader = threading.Thread(
         target=lambda: lines.extend((time.monotonic(), line) for line in launcher.stdout)
     )
+    output = lambda: "".join(line for _, line in lines[-60:])
+    wait = lambda predicate, what: wait_for(predicate, launcher, RESUMED_WITHIN_S, what, output)
     reader.start()
     try:
-        wait = lambda predicate: _wait_for(predicate, launcher, lines)
-        wait(lambda: (tmp_path / "checkpoints" / "step-2").is_dir())
+        wait(lambda: (tmp_path / "checkpoints" / "step-2").is_dir(), "the step-2 checkpoint")
         workers = children(launcher.pid)
         killed_at = time.monotonic()
         os.kill(workers[1], signal.SIGKILL)  # a middle rank, mid-step
-        wait(lambda: not set(workers) & set(children(launcher.pid)))
+        wait(lambda: not set(workers) & set(children(launcher.pid)), "the workers' end")
         teardown = time.monotonic() - killed_at
-        wait(lambda: any("resumed from" in line for _, line in lines))
+        wait(lambda: any("resumed from" in line for _, line in lines), "the resume")
         resumed = time.monotonic() - killed_at
         launcher.wait(timeout=COLLECTIVE_TIMEOUT_S)
     finally:
@@ -70,12 +71,3 @@ def test_a_killed_rank_ends_the_attempt_in_seconds_and_torchrun_resumes(tmp_path
     assert teardown < TEARDOWN_WITHIN_S, f"the other ranks took {teardown:.1f}s to end"
     assert resumed < RESUMED_WITHIN_S
     assert sorted(losses_by_step(tmp_path)) == list(range(1, STEPS + 1))
-
-
-def _wait_for(predicate, launcher: subprocess.Popen, lines: list) -> None:
-    deadline = time.monotonic() + RESUMED_WITHIN_S
-    while not predicate():
-        tail = "".join(line for _, line in lines[-60:])
-        assert launcher.poll() is None, f"the launcher exited early:\n{tail}"
-        assert time.monotonic() < deadline, f"not done within {RESUMED_WITHIN_S}s:\n{tail}"
-        time.sleep(0.05)

@@ -4,15 +4,14 @@ On CPU the peak is the resident set's (VmHWM, reset through /proc/self/clear_ref
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from bloomnative.train.metrics import PeakMemory
-from training_helpers import TINY_RUN, metric_rows, train_env
+from launching import python_command, run
+from training_helpers import TINY_RUN, metric_rows
 
 ALLOCATE_IN_STEP = Path(__file__).with_name("allocate_in_step.py")
 HELD_MIB = 512
@@ -42,6 +41,7 @@ def test_each_interval_reports_its_own_peak_on_cpu():
     assert busy - quiet > 0.9 * HELD_MIB / 1024, (busy, quiet)
 
 
+@pytest.mark.multiprocess
 def test_mem_peak_gib_is_the_peak_since_the_last_row_over_all_ranks(tmp_path, synthetic_corpus):
     """Rank 1 holds 512 MiB during step 2 only; rank 0 writes the rows."""
     args = [
@@ -52,12 +52,7 @@ def test_mem_peak_gib_is_the_peak_since_the_last_row_over_all_ranks(tmp_path, sy
         "--checkpoint.enable=false",
         f"--job.dump_folder={tmp_path}",
     ]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command = [*launcher, "--nproc-per-node=2", str(ALLOCATE_IN_STEP), "1", "2", str(HELD_MIB)]
-    proc = subprocess.run(
-        [*command, *args], env=train_env(), capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run(python_command([str(ALLOCATE_IN_STEP), "1", "2", str(HELD_MIB), *args], nproc=2))
     peak = {row["step"]: row["mem_peak_gib"] for row in metric_rows(tmp_path)}
     held = 0.9 * HELD_MIB / 1024
     assert sorted(peak) == [1, 2, 3]

@@ -8,43 +8,56 @@ the real trainer runs (on CPU, where they are visible to a dispatch mode and cos
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from training_helpers import TINY_RUN, train_env
+from shared_world import SharedWorld
+from training_helpers import TINY_RUN
 
-PROBE = Path(__file__).with_name("host_sync_probe.py")
+RECORD_SYNCS = f"{Path(__file__).with_name('host_sync_probe.py')}:record_syncs"
 # The stop check reads a flag that lives on the CPU by construction (a gloo all-reduce), and so
 # do the checkpointer's verdicts on a save (gathered over its gloo group after the run).
 CPU_BY_DESIGN = {"train/faults.py:should_stop", "checkpoint/checkpointer.py:_all_problems"}
+# name -> (world size, trainer options): the cases that check the step loop, and one that
+# checks the probe.
+CASES = {
+    "one-process": (0, ["--optimizer.implementation=fused"]),
+    "spike-detection": (  # the spike detector too
+        0,
+        ["--optimizer.implementation=fused", "--spikes.enable=true", "--checkpoint.enable=true"],
+    ),
+    "per-step-readback": (0, ["--optimizer.implementation=foreach"]),
+    "fsdp2": (2, ["--optimizer.implementation=fused"]),  # FSDP2 over both ranks
+    "tp2": (2, ["--optimizer.implementation=fused", "--parallelism.tp=2"]),
+    "pp2": (2, ["--optimizer.implementation=fused", "--parallelism.pp=2"]),
+}
 
 
-def recorded_syncs(tmp_path, corpus: str, *extra: str, nproc: int = 0) -> list[dict]:
-    launcher = [sys.executable]
-    if nproc:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    argv = [
-        *TINY_RUN,
-        f"--data.blend={corpus}",
-        f"--job.dump_folder={tmp_path / 'run'}",
-        "--checkpoint.enable=false",
-        "--training.steps=6",
-        "--metrics.log_freq=3",
-        *extra,
-    ]
-    proc = subprocess.run(
-        [*launcher, str(PROBE), *argv],
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(s for s in proc.stdout.splitlines() if s.startswith("SYNCS:"))
-    return json.loads(line.removeprefix("SYNCS:"))
+@pytest.fixture(scope="module")
+def recorded(synthetic_corpus, tmp_path_factory) -> dict[str, list[dict]]:
+    """Every case's records: one shared world per world size."""
+    out = tmp_path_factory.mktemp("host_sync")
+    worlds = {nproc: SharedWorld(out / f"world{nproc}", nproc) for nproc, _ in CASES.values()}
+    for name, (nproc, options) in CASES.items():
+        argv = [
+            *TINY_RUN,
+            f"--data.blend={synthetic_corpus}",
+            f"--job.dump_folder={out / name}",
+            "--checkpoint.enable=false",
+            "--training.steps=6",
+            "--metrics.log_freq=3",
+            *options,
+        ]
+        worlds[nproc].add(name, RECORD_SYNCS, argv)
+    for world in worlds.values():
+        world.run()
+    records = {}
+    for name, (nproc, _) in CASES.items():
+        stdout = worlds[nproc].result(name).stdout
+        line = next(s for s in stdout.splitlines() if s.startswith("SYNCS:"))
+        records[name] = json.loads(line.removeprefix("SYNCS:"))
+    return records
 
 
 def unexpected(records: list[dict], from_step: int = 0) -> list[dict]:
@@ -55,20 +68,10 @@ def unexpected(records: list[dict], from_step: int = 0) -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize(
-    "nproc, layout",
-    [
-        (0, []),
-        (2, []),  # FSDP2 over both ranks
-        (2, ["--parallelism.tp=2"]),
-        (2, ["--parallelism.pp=2"]),
-        (0, ["--spikes.enable=true", "--checkpoint.enable=true"]),  # the spike detector too
-    ],
-    ids=["one-process", "fsdp2", "tp2", "pp2", "spike-detection"],
-)
-def test_no_device_readback_between_log_steps(tmp_path, synthetic_corpus, nproc, layout):
-    args = ["--optimizer.implementation=fused", *layout]
-    records = recorded_syncs(tmp_path, synthetic_corpus, *args, nproc=nproc)
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["one-process", "fsdp2", "tp2", "pp2", "spike-detection"])
+def test_no_device_readback_between_log_steps(recorded, case):
+    records = recorded[case]
     # The first step does one-time set-up that may read back: the pipeline schedule exchanges
     # activation shapes between stages (torch's recv_object_list) when it first runs.
     assert unexpected(records, from_step=1) == []
@@ -76,12 +79,12 @@ def test_no_device_readback_between_log_steps(tmp_path, synthetic_corpus, nproc,
     assert {r["step"] for r in records if r["reading_metrics"]} == {1, 3, 6}
 
 
-def test_the_probe_catches_a_per_step_readback(tmp_path, synthetic_corpus):
+@pytest.mark.multiprocess
+def test_the_probe_catches_a_per_step_readback(recorded):
     # foreach AdamW has no found_inf input, so the skip decision (and the learning rate with it)
     # is read on the host every step; the non-capturable foreach kernel then reads its own step
     # counters (within _step_at).
-    records = recorded_syncs(tmp_path, synthetic_corpus, "--optimizer.implementation=foreach")
-    caught = unexpected(records)
+    caught = unexpected(recorded["per-step-readback"])
     assert {r["where"] for r in caught} == {
         "train/nonfinite.py:step",
         "train/nonfinite.py:_step_at",

@@ -4,29 +4,28 @@ it, exit code 2, before torchrun starts."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import pytest
 
 from bloomnative.train.preflight import main as preflight
-from training_helpers import REPO, run_training, train_env
+from launching import run
+from training_helpers import REPO, run_training
 
 BUNDLED = REPO / "assets" / "pydocs" / "pydocs_text_document"
 
 
+@pytest.mark.multiprocess
 def test_run_train_sh_stops_on_a_truncated_idx_before_torchrun(tmp_path):
     prefix = tmp_path / "corpus_text_document"
     shutil.copy(BUNDLED.with_suffix(".bin"), prefix.with_suffix(".bin"))
     idx = prefix.with_suffix(".idx")
     idx.write_bytes(BUNDLED.with_suffix(".idx").read_bytes()[:-8])
     dump = tmp_path / "run"
-    proc = subprocess.run(
+    proc = run(
         [str(REPO / "run_train.sh"), f"--data.blend={prefix}", f"--job.dump_folder={dump}"],
         cwd=REPO,
-        env=train_env(),
-        capture_output=True,
-        text=True,
         timeout=300,
+        check=False,
     )
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()

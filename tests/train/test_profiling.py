@@ -23,6 +23,7 @@ def step_ranges(events: list[dict]) -> set[str]:
     return {e["name"] for e in events if e.get("name", "").startswith("train step ")}
 
 
+@pytest.mark.multiprocess  # the conftest's 2-process run
 def test_each_rank_writes_a_chrome_trace_of_the_profiled_steps(fsdp_run):
     dump, stdout = fsdp_run
     folder = dump / "profile" / "steps-2-3"

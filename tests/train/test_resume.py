@@ -8,12 +8,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from launching import logged_rows, python_command, run, start, wait_for
 from training_helpers import (
     TINY_RUN,
     flip_bytes,
@@ -21,11 +20,11 @@ from training_helpers import (
     metric_rows,
     run_training,
     train_command,
-    train_env,
 )
 
 STEPS = 6
 SLOW_SAVES = Path(__file__).with_name("slow_saves.py")
+pytestmark = pytest.mark.multiprocess
 
 
 def args(dump: Path, corpus: str, *extra: str) -> list[str]:
@@ -65,33 +64,20 @@ def test_resume_after_a_clean_stop_is_bit_identical(
     assert losses_by_step(tmp_path) == uninterrupted[dtype]
 
 
-def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited early with {proc.returncode}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("timed out waiting for the training run")
-        time.sleep(0.02)
-
-
 def _start(run_args: list[str], save_delay_s: float = 0) -> subprocess.Popen:
     """The trainer in a process of its own; `save_delay_s` holds every save that long before it
     is marked complete (tests/train/slow_saves.py)."""
     command = train_command(run_args)
     if save_delay_s:
-        command = [sys.executable, str(SLOW_SAVES), str(save_delay_s), *run_args]
-    return subprocess.Popen(
-        command, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+        command = python_command([str(SLOW_SAVES), str(save_delay_s), *run_args])
+    return start(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def test_resume_after_sigkill_matches_uninterrupted_run(uninterrupted, synthetic_corpus, tmp_path):
     # Each save waits 1 s before it is marked complete, so once step-4 is complete the run is
     # still busy (steps 5-6 and the final save) when the kill lands.
     proc = _start(args(tmp_path, synthetic_corpus), save_delay_s=1)
-    _wait_for(lambda: (tmp_path / "checkpoints" / "step-4").is_dir(), proc)
+    wait_for(lambda: (tmp_path / "checkpoints" / "step-4").is_dir(), proc, what="step-4")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "checkpoints" / "step-6").exists()
@@ -106,10 +92,11 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(
     # kill lands inside the save of step 4.
     proc = _start(args(tmp_path, synthetic_corpus), save_delay_s=30)
     ckpts = tmp_path / "checkpoints"
-    _wait_for(
+    wait_for(
         lambda: (ckpts / "step-4.partial").is_dir() and (ckpts / "step-2").is_dir(),
         proc,
-        timeout=180,
+        180,
+        "the save of step 4",
     )
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -130,13 +117,7 @@ def test_stop_request_saves_the_current_step_and_exits_zero(synthetic_corpus, tm
             f"--lr_scheduler.decay_steps={STEPS}",
         )
     )
-    _wait_for(
-        lambda: (
-            (tmp_path / "metrics.jsonl").is_file()
-            and len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= 2
-        ),
-        proc,
-    )
+    wait_for(lambda: logged_rows(tmp_path) >= 2, proc, what="2 logged steps")
     if how == "STOP file":
         (tmp_path / "STOP").touch()
     else:
@@ -170,29 +151,16 @@ def test_torchrun_restarts_a_crashed_worker_which_resumes_from_the_checkpoint(
 ):
     """What run_train.sh's --max-restarts buys: the worker dies, torchrun starts it again and
     the run finishes with the losses of one that never crashed."""
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=1",
-        "--max-restarts=1",
-        str(SLOW_SAVES),
-        "1",  # seconds each save is held: the run is still busy when the kill lands
-    ]
-    proc = subprocess.Popen(
-        [*launcher, *args(tmp_path, synthetic_corpus)],
-        env=train_env(),
+    # Each save is held 1 s: the run is still busy when the kill lands.
+    slow_saves = [str(SLOW_SAVES), "1", *args(tmp_path, synthetic_corpus)]
+    proc = start(
+        python_command(slow_saves, nproc=1, max_restarts=1),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait_for(lambda: (tmp_path / "checkpoints" / "step-4").is_dir(), proc)
-    worker = subprocess.run(
-        ["pgrep", "-P", str(proc.pid), "-f", SLOW_SAVES.name],
-        capture_output=True,
-        text=True,
-    ).stdout.split()
+    wait_for(lambda: (tmp_path / "checkpoints" / "step-4").is_dir(), proc, what="step-4")
+    worker = run(["pgrep", "-P", str(proc.pid), "-f", SLOW_SAVES.name], check=False).stdout.split()
     assert len(worker) == 1, worker
     os.kill(int(worker[0]), signal.SIGKILL)
     _, stderr = proc.communicate(timeout=300)

@@ -4,20 +4,22 @@ order included) and the losses continue as in the run that never stopped."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from training_helpers import TINY_RUN, losses_by_step, run_training
+from shared_world import SharedWorld
+from training_helpers import TINY_RUN, losses_by_step
 
 STEPS, SAVED = 6, 3
 
-LAYOUTS = {
-    "single": (0, []),
-    "fsdp2": (2, ["--parallelism.dp_shard=2"]),
-    "tp2": (2, ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
-    "pp2": (2, ["--parallelism.pp=2", "--parallelism.dp_shard=1"]),
-    "cp2": (2, ["--parallelism.cp=2", "--parallelism.dp_shard=1"]),
+LAYOUTS = {  # "single" runs in one process, the others on 2
+    "single": [],
+    "fsdp2": ["--parallelism.dp_shard=2"],
+    "tp2": ["--parallelism.tp=2", "--parallelism.dp_shard=1"],
+    "pp2": ["--parallelism.pp=2", "--parallelism.dp_shard=1"],
+    "cp2": ["--parallelism.cp=2", "--parallelism.dp_shard=1"],
 }
 
 
@@ -30,75 +32,94 @@ def args(dump: Path, corpus: str, steps: int, layout: str) -> list[str]:
         f"--lr_scheduler.decay_steps={STEPS}",
         f"--checkpoint.interval={SAVED}",
         "--checkpoint.keep_latest_k=0",
-        *LAYOUTS[layout][1],
+        *LAYOUTS[layout],
     ]
 
 
-def train(dump: Path, corpus: str, steps: int, layout: str) -> None:
-    run_training(args(dump, corpus, steps, layout), nproc=LAYOUTS[layout][0])
+PAIRS = [  # (source, target): saved under the one, resumed under the other
+    ("fsdp2", "tp2"),
+    ("fsdp2", "pp2"),
+    ("fsdp2", "single"),
+    ("single", "fsdp2"),
+    ("tp2", "fsdp2"),
+    ("pp2", "fsdp2"),
+    ("pp2", "tp2"),
+    ("fsdp2", "cp2"),
+    ("cp2", "single"),
+]
+DAMAGED = "damaged"
+
+
+@dataclass(frozen=True)
+class Runs:
+    folder: Path
+    """Each run's dump folder is folder/<its name>."""
+    worlds: dict[str, SharedWorld]
+    """The world each run is a scenario of."""
+
+    def losses(self, name: str) -> dict[int, float]:
+        """The losses of run `name`, which must have ended well."""
+        self.worlds[name].result(name)
+        return losses_by_step(self.folder / name)
 
 
 @pytest.fixture(scope="module")
-def reference(synthetic_corpus, tmp_path_factory) -> dict[int, float]:
-    dump = tmp_path_factory.mktemp("reference")
-    train(dump, synthetic_corpus, STEPS, "single")
-    return losses_by_step(dump)
+def runs(synthetic_corpus, tmp_path_factory) -> Runs:
+    """Every run of the module, by name (each in a dump folder of that name beside the others):
+    "reference" (uninterrupted, one process), "saved_<layout>" (stopped at the step-3
+    checkpoint), "<source>-<target>" (a copy of saved_<source> resumed under <target>) and
+    DAMAGED. Three shared worlds, as a resume needs the checkpoint of a run in another one:
+    the 2-process saves; the single-process runs; the 2-process resumes."""
+    out = tmp_path_factory.mktemp("resume_layouts")
+    by_name: dict[str, SharedWorld] = {}
 
+    def train(world: SharedWorld, name: str, layout: str, steps: int = STEPS) -> None:
+        world.train(name, args(out / name, synthetic_corpus, steps, layout))
+        by_name[name] = world
 
-@pytest.fixture(scope="module")
-def saved(synthetic_corpus, tmp_path_factory):
-    """Dump folders holding step-3 checkpoints written under each source layout."""
-    folders: dict[str, Path] = {}
+    def resume(world: SharedWorld, name: str, source: str, target: str) -> None:
+        shutil.copytree(out / f"saved_{source}", out / name)
+        train(world, name, target)
 
-    def get(layout: str) -> Path:
-        if layout not in folders:
-            folders[layout] = tmp_path_factory.mktemp(f"saved_{layout}")
-            train(folders[layout], synthetic_corpus, SAVED, layout)
-        return folders[layout]
-
-    return get
+    saves = SharedWorld(out / "world_saves", 2)
+    for layout in ("fsdp2", "tp2", "pp2", "cp2"):
+        train(saves, f"saved_{layout}", layout, SAVED)
+    saves.run()
+    one = SharedWorld(out / "world_one_process", 0)
+    train(one, "reference", "single")
+    train(one, "saved_single", "single", SAVED)
+    for source, target in PAIRS:
+        if target == "single":
+            resume(one, f"{source}-{target}", source, target)
+    one.run()
+    two = SharedWorld(out / "world_resumes", 2)
+    for source, target in PAIRS:
+        if target != "single":
+            resume(two, f"{source}-{target}", source, target)
+    # Rank 1's shard of the only checkpoint is truncated.
+    resume(two, DAMAGED, "fsdp2", "fsdp2")
+    shard = out / DAMAGED / "checkpoints" / f"step-{SAVED}" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    two.run()
+    return Runs(out, by_name)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "source,target",
-    [
-        ("fsdp2", "tp2"),
-        ("fsdp2", "pp2"),
-        ("fsdp2", "single"),
-        ("single", "fsdp2"),
-        ("tp2", "fsdp2"),
-        ("pp2", "fsdp2"),
-        ("pp2", "tp2"),
-        ("fsdp2", "cp2"),
-        ("cp2", "single"),
-    ],
-)
-def test_resume_under_another_layout_continues_the_losses(
-    reference, saved, synthetic_corpus, tmp_path, source, target
-):
-    dump = tmp_path / "run"
-    shutil.copytree(saved(source), dump)
-    train(dump, synthetic_corpus, STEPS, target)
-    losses = losses_by_step(dump)
-    assert sorted(losses) == list(range(1, STEPS + 1))
+@pytest.mark.parametrize("source,target", PAIRS)
+def test_resume_under_another_layout_continues_the_losses(runs, source, target):
+    reference, resumed = runs.losses("reference"), runs.losses(f"{source}-{target}")
+    assert sorted(resumed) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         expected = reference[step]
-        assert abs(losses[step] - expected) / expected < 1e-5, (step, losses[step], expected)
+        assert abs(resumed[step] - expected) / expected < 1e-5, (step, resumed[step], expected)
 
 
 @pytest.mark.multiprocess
-def test_ranks_agree_on_a_shard_damaged_on_one_of_them(
-    reference, saved, synthetic_corpus, tmp_path
-):
+def test_ranks_agree_on_a_shard_damaged_on_one_of_them(runs):
     """Rank 1's shard of the only checkpoint is truncated: the ranks split the verification,
     agree that it is bad, set it aside and start afresh, reproducing the reference run."""
-    dump = tmp_path / "run"
-    shutil.copytree(saved("fsdp2"), dump)
-    shard = dump / "checkpoints" / f"step-{SAVED}" / "__1_0.distcp"
-    shard.write_bytes(shard.read_bytes()[:100])
-    train(dump, synthetic_corpus, STEPS, "fsdp2")
-    assert (dump / "checkpoints" / f"step-{SAVED}.corrupt" / "__1_0.distcp").stat().st_size == 100
-    losses = losses_by_step(dump)
+    reference, resumed = runs.losses("reference"), runs.losses(DAMAGED)
+    set_aside = runs.folder / DAMAGED / "checkpoints" / f"step-{SAVED}.corrupt"
+    assert (set_aside / "__1_0.distcp").stat().st_size == 100
     for step in range(1, STEPS + 1):
-        assert abs(losses[step] - reference[step]) / reference[step] < 1e-5, step
+        assert abs(resumed[step] - reference[step]) / reference[step] < 1e-5, step

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import launching
 from bloomnative.config import SpikesConfig
 from bloomnative.train.spikes import SpikeDetector
-from training_helpers import TINY_RUN, losses_by_step, metric_rows, train_env
+from shared_world import SharedWorld
+from training_helpers import TINY_RUN, losses_by_step, metric_rows
 
 INJECT = Path(__file__).with_name("inject_spike.py")
 GBS = 8  # TINY_RUN's global batch
@@ -31,8 +32,11 @@ SPIKES = [
 ]
 
 
-def run(dump: Path, corpus: str, spec: dict, *extra: str) -> subprocess.CompletedProcess:
-    argv = [
+TRAIN_WITH_SPIKES = f"{INJECT}:train_with_spikes"
+
+
+def spike_argv(dump: Path, corpus: str, *extra: str) -> list[str]:
+    return [
         *TINY_RUN,
         f"--data.blend={corpus}",
         f"--job.dump_folder={dump}",
@@ -43,23 +47,39 @@ def run(dump: Path, corpus: str, spec: dict, *extra: str) -> subprocess.Complete
         *SPIKES,
         *extra,
     ]
-    return subprocess.run(
-        [sys.executable, str(INJECT), json.dumps(spec), *argv],
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+
+def run(dump: Path, corpus: str, spec: dict) -> subprocess.CompletedProcess:
+    """The spiking trainer in a process of its own."""
+    command = [str(INJECT), json.dumps(spec), *spike_argv(dump, corpus)]
+    return launching.run(launching.python_command(command), timeout=300, check=False)
 
 
 @pytest.fixture(scope="module")
-def spiked_run(synthetic_corpus, tmp_path_factory) -> Path:
-    dump = tmp_path_factory.mktemp("spiked")
-    proc = run(dump, synthetic_corpus, BAD, "--metrics.tensorboard=true")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return dump
+def runs(synthetic_corpus, tmp_path_factory) -> SharedWorld:
+    """ "spiked" (the BAD window, TensorBoard on) and "endless" (every batch from position 48 on
+    spikes: exit code 1), in one shared world; each dump folder is <world.out>/../<name>."""
+    out = tmp_path_factory.mktemp("spikes")
+    world = SharedWorld(out / "world")
+    spiked = spike_argv(out / "spiked", synthetic_corpus, "--metrics.tensorboard=true")
+    world.add("spiked", TRAIN_WITH_SPIKES, BAD, spiked)
+    world.add(
+        "endless",
+        TRAIN_WITH_SPIKES,
+        {**BAD, "bad_to": 10**9},
+        spike_argv(out / "endless", synthetic_corpus),
+        expect=1,
+    )
+    return world.run()
 
 
+@pytest.fixture(scope="module")
+def spiked_run(runs) -> Path:
+    runs.result("spiked")
+    return runs.out.parent / "spiked"
+
+
+@pytest.mark.multiprocess
 def test_a_spike_rolls_back_skips_its_data_and_training_goes_on(spiked_run):
     rows = metric_rows(spiked_run)
     rollbacks = [row for row in rows if "rollback" in row]
@@ -82,6 +102,7 @@ def test_a_spike_rolls_back_skips_its_data_and_training_goes_on(spiked_run):
     assert [r["skipped"] for r in recorded["rollbacks"]] == [[48, 80]]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_the_rollback_is_in_tensorboard_and_in_later_checkpoints(spiked_run):
     events = EventAccumulator(str(spiked_run / "tb"))
@@ -92,6 +113,7 @@ def test_the_rollback_is_in_tensorboard_and_in_later_checkpoints(spiked_run):
     assert state["data"]["skipped"] == [(48, 80)]
 
 
+@pytest.mark.multiprocess
 def test_a_restart_right_after_a_rollback_skips_the_same_data(
     spiked_run, synthetic_corpus, tmp_path
 ):
@@ -107,14 +129,14 @@ def test_a_restart_right_after_a_rollback_skips_the_same_data(
     assert not [row for row in metric_rows(tmp_path)[-6:] if "rollback" in row]
 
 
-def test_spikes_after_max_rollbacks_stop_the_run_with_a_message(synthetic_corpus, tmp_path):
+@pytest.mark.multiprocess
+def test_spikes_after_max_rollbacks_stop_the_run_with_a_message(runs):
     # Every batch from position 48 on spikes: the skip does not help, and the second spike is
     # one more than spikes.max_rollbacks = 1 allows.
-    proc = run(tmp_path, synthetic_corpus, {**BAD, "bad_to": 10**9})
-    assert proc.returncode != 0
+    proc = runs.result("endless")  # exit code 1
     assert "spikes.max_rollbacks = 1 rollbacks have been made already" in proc.stderr
-    recorded = json.loads((tmp_path / "checkpoints" / "rollbacks.json").read_text())
-    assert len(recorded["rollbacks"]) == 1
+    rollbacks = runs.out.parent / "endless" / "checkpoints" / "rollbacks.json"
+    assert len(json.loads(rollbacks.read_text())["rollbacks"]) == 1
 
 
 def test_the_detector_fires_after_consecutive_spike_steps_only():

@@ -156,7 +156,8 @@ class _RingAttention(torch.autograd.Function):
             for qi, ki, causal in ring.blocks(source):
                 block_k, block_v = kv[:, :, :, ki * chunk_len : (ki + 1) * chunk_len].unbind(0)
                 out, lse2 = block_forward(
-                    q_chunks[qi], block_k, block_v, slopes, causal=causal, softmax_scale=scale,
+                    q_chunks[qi], block_k, block_v, slopes, causal=segments.causal(causal),
+                    softmax_scale=scale,
                     q_offset=ring.chunk_start(ring.rank, qi, chunk_len),
                     k_offset=ring.chunk_start(source, ki, chunk_len),
                     dropout_p=dropout_p, rng_seed=rng_seed, **segments.block(qi, k_ends, ki),
@@ -202,7 +203,7 @@ class _RingAttention(torch.autograd.Function):
                 block_k, block_v = kv[:, :, :, keys].unbind(0)
                 block_dq, block_dk, block_dv = block_backward(
                     grad_chunks[qi], q_chunks[qi], block_k, block_v, out_chunks[qi],
-                    lse_chunks[qi], slopes, causal=causal, softmax_scale=scale,
+                    lse_chunks[qi], slopes, causal=segments.causal(causal), softmax_scale=scale,
                     q_offset=ring.chunk_start(ring.rank, qi, chunk_len),
                     k_offset=ring.chunk_start(source, ki, chunk_len),
                     dropout_p=ctx.dropout_p, rng_seed=rng_seed, **segments.block(qi, k_ends, ki),
@@ -239,6 +240,12 @@ class _SegmentsOnTheRing:
         if k_ends is None:
             return None, []
         return ring.exchange(k_ends)
+
+    def causal(self, causal: bool) -> bool:
+        """The causal flag of a block: with segments always set, as the kernels take segments
+        with causal attention only; for a block of keys wholly before its queries the causal
+        mask of global positions hides nothing, so the result is the same."""
+        return causal or self.start is not None
 
     def block(self, qi: int, k_ends: torch.Tensor | None, ki: int) -> dict:
         """The segment arguments of block (query chunk qi, key chunk ki of `k_ends`)."""

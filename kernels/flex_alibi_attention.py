@@ -24,7 +24,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 _BLOCK_MASKS: dict[tuple[int, int, str], BlockMask] = {}
-_SEGMENT_MASK: list[tuple[tuple, BlockMask]] = []  # the last segments' mask, with its key
+_SEGMENT_MASK: list[tuple[torch.Tensor, int, BlockMask]] = []  # the last segments' mask
 _compiled_flex_alibi: Any = None
 
 
@@ -49,17 +49,18 @@ def causal_block_mask(q_len: int, kv_len: int, device: torch.device) -> BlockMas
 def segment_block_mask(start: torch.Tensor) -> BlockMask:
     """The ``BlockMask`` of causal attention inside segments: query ``i`` of sample ``b`` sees
     key ``j`` iff ``start[b, i] <= j <= i`` (``start`` int32 ``[batch, seq]``: where each token's
-    segment starts, ``kernels.segment_bounds``). The mask of the last ``start`` is cached."""
-    key = (start.data_ptr(), start._version, tuple(start.shape), str(start.device))
-    if _SEGMENT_MASK and _SEGMENT_MASK[0][0] == key:
-        return _SEGMENT_MASK[0][1]
+    segment starts, ``kernels.segment_bounds``). The mask of the last ``start`` is cached, for
+    the other layers of the same forward: the cache holds that tensor itself (so its memory is
+    never another tensor's while cached) and its version counter (so an in-place change misses)."""
+    if _SEGMENT_MASK and _SEGMENT_MASK[0][0] is start and _SEGMENT_MASK[0][1] == start._version:
+        return _SEGMENT_MASK[0][2]
 
     def inside_segment(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (kv_idx >= start[b, q_idx])
 
     batch, seq = start.shape
     mask = create_block_mask(inside_segment, batch, None, seq, seq, device=start.device)
-    _SEGMENT_MASK[:] = [(key, mask)]
+    _SEGMENT_MASK[:] = [(start, start._version, mask)]
     return mask
 
 

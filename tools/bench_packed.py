@@ -9,24 +9,27 @@ The "gpt" run trains on the config's blend. The "mtf" run trains on (input, targ
 from that blend's first dataset (`pairs_from_documents`: each document's first tokens, up to
 --input-len, are the input, the next ones, up to --target-len, the target), packed into samples
 of the same length, with norm_target_loss and attention kept inside each pair; the pad token
-is the tokenizer's pad, else its EOD. Steps are `Trainer.train_step()`, timed as
-tools/bench_train.py times them (its options and every --section.key=value of the trainer
-config are accepted). Reported per run: tokens/s at the median step (every position of a
-sample counts, padding included), and for "mtf" how full the samples are and how many labels
-count; then mtf / gpt.
+is the tokenizer's pad, else its EOD. A step is `Trainer.train_step()`, timed from its start
+until its loss is read back; tools/bench_train.py's --warmup, --steps and --json and every
+--section.key=value of the trainer config are accepted. The two trainers are built side by side
+and take their timed steps in turn (gpt, mtf, gpt, ...), so a load that comes and goes on a
+shared machine slows both alike. Reported per run: tokens/s at the median step (every position
+of a sample counts, padding included), for "mtf" how full its samples are and how many labels
+count, and mtf / gpt.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-from bench_train import bench_bloomnative, environment, parse_bench_args, release_memory
+from bench_train import RecordingLoader, environment, parse_bench_args
 
 from bloomnative.config import Config, ConfigError, model_args_from_config
 from bloomnative.data import (
@@ -68,6 +71,21 @@ def packed_fill(batches: list, pad_id: int) -> dict:
     return {"non_pad_share": 1 - padding / positions, "counted_label_share": counted / positions}
 
 
+def timed_steps(trainers: dict, warmup: int, steps: int) -> dict[str, list[float]]:
+    """`warmup` untimed steps of each trainer, then `steps` timed rounds in which every trainer
+    takes one step in turn: a load that comes and goes on a shared machine slows both alike."""
+    for trainer in trainers.values():
+        for _ in range(warmup):
+            float(trainer.train_step()[0])
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for _ in range(steps):
+        for name, trainer in trainers.items():
+            start = time.perf_counter()
+            float(trainer.train_step()[0])  # reads the loss back: the step has finished
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(add_help=False)
@@ -85,20 +103,27 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, OSError, ValueError) as e:
             print(f"bench_packed.py: error: {e}", file=sys.stderr)
             return 2
+        from bloomnative.train.trainer import Trainer
+
+        trainers = {"gpt": Trainer(gpt), "mtf": Trainer(mtf)}
+        served = trainers["mtf"].train_loader = RecordingLoader(trainers["mtf"].train_loader)
+        times = timed_steps(trainers, options.warmup, options.steps)
         runs = {}
-        for name, config in (("gpt", gpt), ("mtf", mtf)):
-            result, batches, run = bench_bloomnative(config, options)
-            if name == "mtf":
-                result |= packed_fill(batches, run.data.pad_id)
-            runs[name] = result
-            del batches
-            device = torch.device(run.device_type)
-            release_memory(device)
+        for name, trainer in trainers.items():
+            median = statistics.median(times[name])
+            tokens = trainer.config.training.global_batch_size * trainer.config.training.seq_len
+            runs[name] = {
+                "step_time_s_median": median,
+                "tokens_per_sec_median": tokens / median,
+                "step_times_s": times[name],
+            }
+        mtf_trainer = trainers["mtf"]
+        runs["mtf"] |= packed_fill(served.batches, mtf_trainer.resolved.data.pad_id)
         ratio = runs["mtf"]["tokens_per_sec_median"] / runs["gpt"]["tokens_per_sec_median"]
         report = {
             "tool": "bench_packed",
             "command": "python tools/bench_packed.py " + " ".join(argv),
-            **environment(device),
+            **environment(mtf_trainer.device),
             "warmup": options.warmup,
             "steps": options.steps,
             "runs": runs,

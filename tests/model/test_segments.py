@@ -135,3 +135,14 @@ def test_the_model_on_a_packed_sample_equals_each_segment_run_alone(backend):
         # Without segments the same sample is one sequence: the later segments differ.
         whole = model(tokens)
     assert not torch.allclose(whole[0, 6:], packed[0, 6:], atol=1e-3)
+
+
+def test_flex_builds_the_mask_of_every_new_packing():
+    """FlexAttention caches the block mask of the last segments for the other layers of a
+    forward; new segments (a new tensor, possibly where the last one was freed) get their own."""
+    q, k, v = qkv(torch.float32)
+    slopes = alibi_slopes(HEADS)
+    for lengths in (LENGTHS, [[20, 20], [1, 39]], LENGTHS, [[40], [39, 1]]):
+        got = attention_backend("flex")(q, k, v, slopes, 0.0, packed_segments(lengths))
+        want = each_segment_alone(q, k, v, slopes, lengths)
+        torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)

@@ -6,8 +6,9 @@
   alone, positions from 0, the loss on its target labels only (fp32, relative 1e-5); with
   data.norm_target_loss each pair's target weighs the same;
 * a pretraining step with reset_attention_mask has the loss of its documents run separately;
-* data, tensor, pipeline (with evaluation) and context parallelism train the packed samples as
-  one process does (relative 1e-5 at every step, and the same eval_loss).
+* data, tensor, pipeline (with evaluation) and context parallelism, and regional compilation
+  with recomputation, train the packed samples as one process does (relative 1e-5 at every
+  step, and the same eval_loss).
 
 The scenarios run in two shared worlds, one of one process and one of two.
 """
@@ -66,6 +67,12 @@ SCENARIOS = {
         "mtf": MTF,
         "mtf_norm": [*MTF, *NORM],
         "mtf_norm_fused_loss": [*MTF, *NORM, "--model.fused_loss=true"],
+        "mtf_norm_compile_ac": [
+            *MTF,
+            *NORM,
+            "--compile.enable=true",
+            "--activation_checkpoint.mode=full",
+        ],
         "gpt_reset_attention_mask": RESET,
     },
     2: {
@@ -225,6 +232,7 @@ def eval_losses(dump: Path) -> list[float]:
 @pytest.mark.parametrize(
     "layout, reference",
     [
+        ("mtf_norm_compile_ac", "mtf_norm"),
         ("mtf_norm_dp2", "mtf_norm"),
         ("mtf_norm_tp2", "mtf_norm"),
         ("mtf_pp2", "mtf"),

@@ -80,6 +80,14 @@ SCENARIOS = {
         "mtf_norm_tp2": [*MTF, *NORM, "--parallelism.tp=2"],
         "mtf_pp2": [*MTF, "--parallelism.pp=2"],
         "mtf_norm_pp2": [*MTF, *NORM, "--parallelism.pp=2"],
+        # Two stages per rank: a multi-stage schedule hands every stage its segments too.
+        "mtf_norm_pp2_zbv": [
+            *MTF,
+            *NORM,
+            "--parallelism.pp=2",
+            "--parallelism.pp_stages_per_rank=2",
+            "--parallelism.pp_schedule=ZBVZeroBubble",
+        ],
         "mtf_norm_cp2": [*MTF, *NORM, "--parallelism.cp=2"],
     },
 }
@@ -237,6 +245,7 @@ def eval_losses(dump: Path) -> list[float]:
         ("mtf_norm_tp2", "mtf_norm"),
         ("mtf_pp2", "mtf"),
         ("mtf_norm_pp2", "mtf_norm"),
+        ("mtf_norm_pp2_zbv", "mtf_norm"),
         ("mtf_norm_cp2", "mtf_norm"),
     ],
 )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import transformers
 from tokenizers import Tokenizer, models
 
 from bloomnative import planner
@@ -241,12 +242,21 @@ def small_pair_data(folder: Path) -> list[str]:
 def test_shipped_config_passes_preflight_at_the_world_size_its_header_names(path, capsys, tmp_path):
     header = re.search(r"^# World size: (\d+)", path.read_text(), re.M)
     assert header, f"{path.name}: the header must name its world size ('# World size: N')"
-    data = []
-    if parse_args(["--config", str(path)]).data.format == "mtf":
-        data = small_pair_data(tmp_path)
+    config = parse_args(["--config", str(path)])
+    data = small_pair_data(tmp_path) if config.data.format == "mtf" else []
+    if config.checkpoint.initial_hf:  # the model to start from, in place of the download
+        transformers.BloomConfig().save_pretrained(tmp_path / "hf")
+        data.append(f"--checkpoint.initial_hf={tmp_path / 'hf'}")
     assert main(["--world-size", header.group(1), "--config", str(path), *data]) == 0, (
         capsys.readouterr().err
     )
+
+
+def test_a_missing_initial_hf_folder_is_named_before_anything_starts(capsys, tmp_path):
+    assert main(["--world-size=1", f"--checkpoint.initial_hf={tmp_path / 'bloom-560m'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert err.startswith("config error: checkpoint.initial_hf = ") and "config.json" in err, err
 
 
 def test_the_planner_refuses_what_preflight_refuses():

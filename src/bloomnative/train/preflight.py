@@ -1,5 +1,6 @@
 """Checks a run can start, before anything expensive: the config, the parallel layout for the
-world size, the data files, the tokenizer and, with `data.eod_mask_loss`, its EOD. `run_train.sh`
+world size, the data files, the tokenizer and, with `data.eod_mask_loss`, its EOD, and the
+Hugging Face folder a run starts from (checkpoint.initial_hf). `run_train.sh`
 calls it before launching torchrun:
 
     python -m bloomnative.train.preflight --world-size 8 --config configs/X.toml --k=v ...
@@ -73,12 +74,24 @@ def check_data(config: Config, args: BloomArgs) -> str:
     )
 
 
+def check_initial_hf(config: Config) -> None:
+    """checkpoint.initial_hf, when set, is a Hugging Face model folder (it has a config.json)."""
+    folder = config.checkpoint.initial_hf
+    if folder and not (Path(folder) / "config.json").is_file():
+        raise ConfigError(
+            f"checkpoint.initial_hf = {folder!r}: no Hugging Face model folder there (no "
+            "config.json); download the model into it (e.g. huggingface-cli download "
+            "bigscience/bloom-560m --local-dir bloom-560m) or fix the path"
+        )
+
+
 def check_run(config: Config, world_size: int, device: torch.device | str = "cpu") -> ResolvedRun:
     """The run resolved for `world_size` processes on `device` (train/run.py: the layout
-    checked, "auto" recomputation planned against this machine's devices), and its data files
-    present."""
+    checked, "auto" recomputation planned against this machine's devices), its data files
+    present and its initial Hugging Face folder, if any, there."""
     run = resolve_run(config, world_size, device)
     check_data_files(config)
+    check_initial_hf(config)
     return run
 
 

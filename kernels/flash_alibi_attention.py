@@ -980,7 +980,7 @@ def flash_alibi_attention_reference(
     rng_seed: torch.Tensor | None = None,
     q_offset: int = 0,
     k_offset: int = 0,
-    segment_ids: torch.Tensor | None = None,
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Pure-torch ALiBi attention, same contract as :func:`flash_alibi_attention` (dropout
     and segments included: the same elements are dropped for the same seed).
@@ -989,7 +989,7 @@ def flash_alibi_attention_reference(
     portable CPU path and the test oracle, not something to run at seq 2048 on a GPU.
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    starts = segment_bounds(segment_ids, q_offset)[0] if segment_ids is not None else None
+    starts = segments[0] if segments is not None else None
     scores = _alibi_scores(q, k, slopes, causal, scale, q_offset, k_offset, starts)
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0:
@@ -1104,7 +1104,7 @@ def flash_alibi_attention(
     rng_seed: torch.Tensor | None = None,
     q_offset: int = 0,
     k_offset: int = 0,
-    segment_ids: torch.Tensor | None = None,
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention with BLOOM's ALiBi bias, FlashAttention style (no seq x seq tensor).
 
@@ -1126,11 +1126,13 @@ def flash_alibi_attention(
             mask and the dropout draws of its place in the whole: query row i is position
             ``q_offset + i``, key row j position ``k_offset + j``. Causal needs
             ``q_offset >= k_offset``; dropout a ``k_offset`` that is a multiple of 4.
-        segment_ids: ``[batch, seq]`` integers, with causal attention and ``q_offset ==
-            k_offset``: packed sequences. A segment is a run of equal ids; a token attends only
-            to the earlier tokens of its own segment. Key blocks wholly before a query block's
-            segments are never visited, so many short segments cost less than one causal
-            sequence. ALiBi is relative, so no position resets.
+        segments: packed sequences, with causal attention and ``q_offset == k_offset``:
+            ``(start, end)``, int32 ``[batch, seq]``, the positions where each token's segment
+            starts and ends, as :func:`segment_bounds` makes them from segment ids (a segment
+            is a run of equal ids). A token attends only to the earlier tokens of its own
+            segment. Key blocks wholly before a query block's segments are never visited, so
+            many short segments cost less than one causal sequence. ALiBi is relative, so no
+            position resets.
 
     Returns:
         ``[batch, heads, seq, head_dim]`` in q's dtype (and, when possible, q's memory layout).
@@ -1146,19 +1148,18 @@ def flash_alibi_attention(
     elif rng_seed is None:
         rng_seed = _draw_seed(q.device)
     bounds: tuple[torch.Tensor, ...] = ()
-    if segment_ids is not None:
-        if segment_ids.shape != q.shape[:1] + q.shape[2:3] or q_offset != k_offset:
+    if segments is not None:
+        if q_offset != k_offset:
             raise ValueError(
-                f"{name}: segment_ids must be [batch, seq] = {[q.shape[0], q.shape[2]]} for "
-                f"queries and keys at the same positions, got {list(segment_ids.shape)} "
-                f"(q_offset {q_offset}, k_offset {k_offset})"
+                f"{name}: segments need queries and keys at the same positions, got q_offset "
+                f"{q_offset} and k_offset {k_offset} (the block API takes both sides' bounds)"
             )
-        bounds = segment_bounds(segment_ids.to(q.device), q_offset)
+        bounds = tuple(segments)
         _check_segment_bounds(name, q, causal, bounds)
     if not use_triton(q) or q.numel() == 0:
         return flash_alibi_attention_reference(
             q, k, v, slopes, causal, scale, dropout_p=dropout_p, rng_seed=rng_seed,
-            q_offset=q_offset, k_offset=k_offset, segment_ids=segment_ids,
+            q_offset=q_offset, k_offset=k_offset, segments=segments,
         )  # fmt: skip
     slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous()
     out, _ = _flash_alibi_fwd(
@@ -1278,11 +1279,13 @@ def alibi_attention_block_reference(
     dropout_p: float = 0.0,
     rng_seed: torch.Tensor | None = None,
     q_segment_start: torch.Tensor | None = None,
+    k_segment_end: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`flash_alibi_attention_block` in torch ops with an explicit bias block: the
     ``[batch, heads, q_len, k_len]`` scores with ALiBi at the blocks' positions, in fp32 (float64
     for float64 inputs, whose lse2 is then float64 too). A query that sees no key of the block
-    gets out 0 and lse2 -inf, as from the kernel."""
+    gets out 0 and lse2 -inf, as from the kernel; ``k_segment_end`` is accepted (and unused)
+    so that both block forms take the same arguments."""
     scores = _alibi_scores(q, k, slopes, causal, softmax_scale, q_offset, k_offset, q_segment_start)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(nan=0.0)  # -inf - -inf: no key
@@ -1309,9 +1312,12 @@ def alibi_attention_block_backward_reference(
     dropout_p: float = 0.0,
     rng_seed: torch.Tensor | None = None,
     q_segment_start: torch.Tensor | None = None,
+    k_segment_end: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`flash_alibi_attention_block_backward` in torch ops (the softmax backward with the
-    merged statistics: ``dS = P (dP - rowsum(dO * O))``)."""
+    merged statistics: ``dS = P (dP - rowsum(dO * O))``). The mask needs the queries' segment
+    starts only; ``k_segment_end`` (which the kernels use to skip blocks) is accepted so that
+    both block forms take the same arguments."""
     scores = _alibi_scores(q, k, slopes, causal, softmax_scale, q_offset, k_offset, q_segment_start)
     compute = scores.dtype
     probs = torch.exp(scores - lse2.to(compute)[..., None] / _LOG2E)

@@ -5,11 +5,15 @@ For hidden ``h`` [N, H], the (tied) head ``W`` [V, H] and targets ``t`` [N]:
     z_i    = W h_i                           logits of token i (input dtype, fp32 accumulation)
     lse_i  = log sum_v exp(z_iv)             (fp32)
     loss_i = lse_i - z_{i, t_i}              (0 where t_i == ignore_index)
-    loss   = sum_i loss_i / n_valid  ("mean", n_valid = non-ignored tokens)  or  sum_i loss_i
+    loss   = sum_i w_i loss_i / sum_i w_i  ("mean", over non-ignored tokens)  or  sum_i w_i loss_i
+
+with per-token weights ``w`` (all 1 unless given: Megatron-DeepSpeed's ``--norm-target-loss``
+weighs each target sequence's tokens 1 / its length).
 
 Because the loss is the last op of the graph, its gradient can be computed during the forward:
 for a chunk of tokens, ``g = (softmax(z) - onehot(t)) * grad_scale`` (``grad_scale = 1/n_valid``
-or 1; rows with an ignored target are 0) is written in place of the chunk's logits, then
+or 1, times the row's weight; rows with an ignored target are 0) is written in place of the
+chunk's logits, then
 
     d_hidden[chunk] = g W          d_weight += g^T h[chunk]   (fp32 accumulator)
 
@@ -78,15 +82,14 @@ def _row_stats_kernel(
 
 @triton.jit
 def _row_grad_kernel(
-    LOGITS, GRAD, TARGETS, LSE, GRAD_SCALE, V, stride_row, stride_grad, vocab_start, ignore_index,
+    LOGITS, GRAD, TARGETS, LSE, ROW_SCALE, V, stride_row, stride_grad, vocab_start, ignore_index,
     BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    # g = (exp(z - lse) - onehot(target)) * grad_scale, 0 on an ignored row; GRAD may be LOGITS.
+    # g = (exp(z - lse) - onehot(target)) * row_scale (0 on an ignored row); GRAD may be LOGITS.
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(TARGETS + row)
     lse = tl.load(LSE + row)
-    scale = tl.load(GRAD_SCALE)
-    scale = tl.where(target == ignore_index, 0.0, scale)
+    scale = tl.load(ROW_SCALE + row)
     local = target - vocab_start
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
@@ -127,25 +130,25 @@ def _row_grad_(
     logits: torch.Tensor,
     targets: torch.Tensor,
     lse: torch.Tensor,
-    grad_scale: torch.Tensor,
+    row_scale: torch.Tensor,
     vocab_start: int,
     ignore_index: int,
 ) -> torch.Tensor:
-    """Overwrite a chunk of logits with (softmax - onehot) * grad_scale (0 on ignored rows)."""
+    """Overwrite a chunk of logits with (softmax - onehot) * row_scale (fp32 [rows], 0 on the
+    rows of ignored targets)."""
     rows, v = logits.shape
     if use_triton(logits):
         _row_grad_kernel[(rows,)](
-            logits, logits, targets, lse, grad_scale, v, logits.stride(0), logits.stride(0),
+            logits, logits, targets, lse, row_scale, v, logits.stride(0), logits.stride(0),
             vocab_start, ignore_index, BLOCK_V=_block_v(v), num_warps=8,
         )  # fmt: skip
         return logits
-    keep = targets != ignore_index
     grad = torch.exp(logits.float() - lse[:, None])
     local = targets - vocab_start
-    hit = keep & (local >= 0) & (local < v)
+    hit = (targets != ignore_index) & (local >= 0) & (local < v)
     rows_hit = torch.nonzero(hit)[:, 0]
     grad[rows_hit, local[rows_hit]] -= 1.0
-    grad *= torch.where(keep, grad_scale, 0.0)[:, None]
+    grad *= row_scale[:, None]
     return logits.copy_(grad)
 
 
@@ -210,6 +213,7 @@ def _fused_loss_and_grads(
     need_grad_hidden: bool,
     need_grad_weight: bool,
     group: dist.ProcessGroup | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunk loop shared by the single-device op and the vocab-parallel function.
 
@@ -218,12 +222,16 @@ def _fused_loss_and_grads(
     n, _ = hidden.shape
     device = hidden.device
     targets = targets.contiguous()
-    n_valid = (targets != ignore_index).sum()
+    # Each row's weight in the loss: its token weight (1 without), 0 for an ignored target.
+    counted = (targets != ignore_index).to(torch.float32)
+    row_weight = counted if token_weights is None else counted * token_weights.float()
     if reduction == "mean":
         # All targets ignored: loss 0 and zero gradients (torch's cross_entropy returns NaN).
-        grad_scale = 1.0 / n_valid.clamp(min=1).to(torch.float32)
+        total = row_weight.sum()
+        grad_scale = 1.0 / torch.where(total > 0, total, torch.ones_like(total))
     else:
         grad_scale = torch.ones((), dtype=torch.float32, device=device)
+    row_scale = row_weight * grad_scale
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     parallel = group is not None
     if need_grad_hidden:
@@ -246,10 +254,13 @@ def _fused_loss_and_grads(
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
             row_max, (row_sumexp, target_logit) = global_max, sums
         lse = row_max + torch.log(row_sumexp)
-        loss_sum += torch.where(t != ignore_index, lse - target_logit, 0.0).sum()
+        rows = slice(start, start + chunk_size)
+        loss_sum += (
+            row_weight[rows] * torch.where(t != ignore_index, lse - target_logit, 0.0)
+        ).sum()
         if not (need_grad_hidden or need_grad_weight):
             continue
-        grad = _row_grad_(logits, t, lse, grad_scale, vocab_start, ignore_index)
+        grad = _row_grad_(logits, t, lse, row_scale[rows], vocab_start, ignore_index)
         if need_grad_hidden:
             d_hidden_chunk = d_hidden[start : start + chunk_size]
             if parallel:  # a partial sum over this rank's vocab shard, reduced in fp32 below
@@ -275,18 +286,20 @@ def _linear_cross_entropy_op(
     chunk_size: int,
     need_grad_hidden: bool,
     need_grad_weight: bool,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (loss, d_hidden, d_weight); the gradients are empty when not requested."""
     return _fused_loss_and_grads(
         hidden, weight, targets, 0, ignore_index, reduction, chunk_size,
-        need_grad_hidden, need_grad_weight,
+        need_grad_hidden, need_grad_weight, token_weights=token_weights,
     )  # fmt: skip
 
 
 @_linear_cross_entropy_op.register_fake
 def _(
-    hidden, weight, targets, ignore_index, reduction, chunk_size, need_grad_hidden, need_grad_weight
-):
+    hidden, weight, targets, ignore_index, reduction, chunk_size, need_grad_hidden,
+    need_grad_weight, token_weights=None,
+):  # fmt: skip
     loss = hidden.new_empty((), dtype=torch.float32)
     d_hidden = hidden.new_empty(hidden.shape if need_grad_hidden else (0,))
     d_weight = weight.new_empty(weight.shape if need_grad_weight else (0,))
@@ -294,7 +307,7 @@ def _(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    *_, need_grad_hidden, need_grad_weight = inputs
+    need_grad_hidden, need_grad_weight = inputs[6], inputs[7]
     loss, d_hidden, d_weight = output
     ctx.mark_non_differentiable(d_hidden, d_weight)
     ctx.save_for_backward(d_hidden, d_weight)
@@ -305,14 +318,19 @@ def _backward(ctx, grad_loss, _grad_d_hidden, _grad_d_weight):
     d_hidden, d_weight = ctx.saved_tensors
     dh = d_hidden * grad_loss.to(d_hidden.dtype) if ctx.need_grad_hidden else None
     dw = d_weight * grad_loss.to(d_weight.dtype) if ctx.need_grad_weight else None
-    return dh, dw, None, None, None, None, None, None
+    return dh, dw, None, None, None, None, None, None, None
 
 
 _linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check_inputs(
-    name: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str
+    name: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    reduction: str,
+    token_weights: torch.Tensor | None = None,
 ) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -326,6 +344,11 @@ def _check_inputs(
         )
     if reduction not in ("mean", "sum"):
         raise ValueError(f"{name}: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if token_weights is not None and token_weights.shape != targets.shape:
+        raise ValueError(
+            f"{name}: token_weights must have the shape of targets, [{hidden.shape[0]}], got "
+            f"{tuple(token_weights.shape)}"
+        )
 
 
 def _resolve_chunk_size(chunk_size: int | None, vocab: int, dtype: torch.dtype) -> int:
@@ -343,6 +366,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     chunk_size: int | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T, targets)`` without materializing the logits.
 
@@ -354,6 +378,8 @@ def linear_cross_entropy(
         reduction: ``"mean"`` over non-ignored tokens (0 if there are none) or ``"sum"``.
         chunk_size: tokens per chunk; default: a power of two keeping one chunk of logits
             at most 1 GiB (2048 tokens at BLOOM's vocabulary in bf16), at most 8192.
+        token_weights: ``[tokens]`` weight of each token's loss (all 1 when None); "mean"
+            then divides by the weights of the non-ignored tokens. Not differentiated.
 
     Returns:
         The fp32 scalar loss; differentiable in hidden and weight (gradients computed eagerly in
@@ -363,14 +389,14 @@ def linear_cross_entropy(
     ``TRITON_INTERPRET=1``), otherwise in torch; the chunked algorithm is the same on both paths.
     The op is opaque to ``torch.compile`` (one custom op, no graph break).
     """
-    _check_inputs("linear_cross_entropy", hidden, weight, targets, reduction)
+    _check_inputs("linear_cross_entropy", hidden, weight, targets, reduction, token_weights)
     if weight.dtype != hidden.dtype:
         weight = weight.to(hidden.dtype)
     grad_on = torch.is_grad_enabled()
     loss, _, _ = _linear_cross_entropy_op(
         hidden, weight, targets, ignore_index, reduction,
         _resolve_chunk_size(chunk_size, weight.shape[0], hidden.dtype),
-        grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+        grad_on and hidden.requires_grad, grad_on and weight.requires_grad, token_weights,
     )  # fmt: skip
     return loss
 
@@ -378,14 +404,15 @@ def linear_cross_entropy(
 class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, hidden, weight_shard, targets, vocab_start, group, ignore_index, reduction, chunk_size
-    ):
+        ctx, hidden, weight_shard, targets, vocab_start, group, ignore_index, reduction, chunk_size,
+        token_weights,
+    ):  # fmt: skip
         # Grad mode is off inside forward: whether gradients are wanted is decided by the caller
         # (needs_input_grad) and by whether autograd recorded this call at all.
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss, d_hidden, d_weight = _fused_loss_and_grads(
             hidden, weight_shard, targets, vocab_start, ignore_index, reduction, chunk_size,
-            need_dh, need_dw, group=group,
+            need_dh, need_dw, group=group, token_weights=token_weights,
         )  # fmt: skip
         ctx.save_for_backward(d_hidden, d_weight)
         return loss
@@ -395,7 +422,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         d_hidden, d_weight = ctx.saved_tensors
         dh = d_hidden * grad_loss.to(d_hidden.dtype) if ctx.needs_input_grad[0] else None
         dw = d_weight * grad_loss.to(d_weight.dtype) if ctx.needs_input_grad[1] else None
-        return dh, dw, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -407,6 +434,7 @@ def vocab_parallel_linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     chunk_size: int | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`linear_cross_entropy` with the vocabulary sharded over ``group``.
 
@@ -417,7 +445,10 @@ def vocab_parallel_linear_cross_entropy(
     ``weight_shard`` covers the shard. Uses eager ``torch.distributed`` collectives (call it
     outside ``torch.compile`` regions).
     """
-    _check_inputs("vocab_parallel_linear_cross_entropy", hidden, weight_shard, targets, reduction)
+    _check_inputs(
+        "vocab_parallel_linear_cross_entropy", hidden, weight_shard, targets, reduction,
+        token_weights,
+    )  # fmt: skip
     if not dist.is_initialized():
         raise RuntimeError(
             "vocab_parallel_linear_cross_entropy needs torch.distributed initialized"
@@ -429,12 +460,13 @@ def vocab_parallel_linear_cross_entropy(
     if not torch.is_grad_enabled():  # no autograd record: compute the loss only
         loss, _, _ = _fused_loss_and_grads(
             hidden, weight_shard, targets, vocab_start, ignore_index, reduction, chunk,
-            False, False, group=group,
+            False, False, group=group, token_weights=token_weights,
         )  # fmt: skip
         return loss
     return _VocabParallelLinearCrossEntropy.apply(
-        hidden, weight_shard, targets, vocab_start, group, ignore_index, reduction, chunk
-    )
+        hidden, weight_shard, targets, vocab_start, group, ignore_index, reduction, chunk,
+        token_weights,
+    )  # fmt: skip
 
 
 def linear_cross_entropy_reference(
@@ -443,11 +475,21 @@ def linear_cross_entropy_reference(
     targets: torch.Tensor,
     ignore_index: int = -100,
     reduction: str = "mean",
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Unfused ``F.cross_entropy(F.linear(hidden, weight).float(), targets)``: the test oracle
-    and the baseline the benchmark compares against (it materializes all the logits)."""
+    """Unfused ``F.cross_entropy(F.linear(hidden, weight).float(), targets)`` (weighted per
+    token with ``token_weights``): the test oracle and the baseline the benchmark compares
+    against (it materializes all the logits)."""
     logits = F.linear(hidden, weight.to(hidden.dtype))
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return F.cross_entropy(
-        logits.to(compute), targets, ignore_index=ignore_index, reduction=reduction
+    losses = F.cross_entropy(
+        logits.to(compute), targets, ignore_index=ignore_index, reduction="none"
     )
+    weights = (targets != ignore_index).to(compute)
+    if token_weights is not None:
+        weights = weights * token_weights.to(compute)
+    total = (losses * weights).sum()
+    if reduction == "sum":
+        return total
+    count = weights.sum()
+    return total / torch.where(count > 0, count, torch.ones_like(count))

@@ -15,7 +15,10 @@ CUDA-graphed step hides the launches).
   materialized ALiBi bias, vs FlexAttention with the ALiBi score_mod (compiled), vs SDPA's flash
   backend with plain causal masking and no bias (the speed of light for the shape). Forward,
   backward and forward+backward are timed separately; TFLOP/s counts the causal half (forward
-  2 matmuls, backward 5).
+  2 matmuls, backward 5). ``--segments N`` adds flash_alibi_attention on packed samples of N
+  equal segments (each attending inside itself: key blocks no query of a block sees are
+  skipped); its TFLOP/s counts the same causal half, so against the causal row it reads as the
+  speed-up the skipping buys.
 * layer_norm and bias_gelu: vs eager torch and torch.compile; GB/s is the minimal fwd+bwd
   traffic over time, next to the device copy bandwidth measured on a large tensor copy.
 * linear_cross_entropy (16k tokens x 250,880 vocab x hidden 1024): vs the unfused loss
@@ -48,6 +51,7 @@ from bloomnative.kernels import (
     flex_alibi_attention,
     layer_norm,
     linear_cross_entropy,
+    segment_bounds,
     use_triton,
 )
 from bloomnative.kernels._dispatch import INTERPRET
@@ -178,7 +182,15 @@ def alibi_slopes(heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def bench_attention(batch: int, seq: int, heads: int, head_dim: int, s: Settings) -> list[Row]:
+def equal_segments(batch: int, seq: int, count: int, device: torch.device) -> tuple:
+    """Segment bounds of `count` equal segments per sample (the last one takes the rest)."""
+    ids = (torch.arange(seq, device=device) * count // seq).expand(batch, seq)
+    return segment_bounds(ids)
+
+
+def bench_attention(
+    batch: int, seq: int, heads: int, head_dim: int, s: Settings, segments: int = 0
+) -> list[Row]:
     shape = f"b{batch} s{seq} h{heads} d{head_dim}"
     slopes = alibi_slopes(heads).to(s.device)
 
@@ -214,6 +226,7 @@ def bench_attention(batch: int, seq: int, heads: int, head_dim: int, s: Settings
 
     impls = {
         "flash_alibi_attention": lambda q, k, v: flash_alibi_attention(q, k, v, slopes),
+        **packed_impl(batch, seq, segments, slopes, s),
         "sdpa + materialized alibi bias": sdpa_alibi_bias,
         "flex_attention + alibi score_mod": flex,
         "sdpa flash, causal, no bias": sdpa_flash_causal,
@@ -231,6 +244,15 @@ def bench_attention(batch: int, seq: int, heads: int, head_dim: int, s: Settings
                 row.metric, row.metric_unit = fwd_flops * factor / (row.ms * 1e-3) / 1e12, "TFLOP/s"
             rows.append(row)
     return rows
+
+
+def packed_impl(batch: int, seq: int, segments: int, slopes: torch.Tensor, s: Settings) -> dict:
+    """{row name: attention} of flash_alibi_attention on `segments` equal segments (none: 0)."""
+    if not segments:
+        return {}
+    bounds = equal_segments(batch, seq, segments, s.device)
+    name = f"flash_alibi_attention, {segments} segments"
+    return {name: lambda q, k, v: flash_alibi_attention(q, k, v, slopes, segments=bounds)}
 
 
 def copy_bandwidth_gbs(s: Settings) -> Row:
@@ -329,7 +351,9 @@ def extra_peak_memory_mib(step: Callable[[], None]) -> float:
 OURS = {"flash_alibi_attention", "layer_norm", "bias_gelu", "linear_cross_entropy (chunked)"}
 
 
-def run(s: Settings, suites: set[str], seqs: list[int], head_dims: list[int]) -> list[Row]:
+def run(
+    s: Settings, suites: set[str], seqs: list[int], head_dims: list[int], segments: int = 0
+) -> list[Row]:
     rows = [copy_bandwidth_gbs(s)]
     if s.smoke:
         models = {"tiny": (64, 2)}
@@ -342,7 +366,7 @@ def run(s: Settings, suites: set[str], seqs: list[int], head_dims: list[int]) ->
     if "attention" in suites:
         for seq in seqs:
             for head_dim in head_dims:
-                rows += bench_attention(max(1, tokens // seq), seq, heads, head_dim, s)
+                rows += bench_attention(max(1, tokens // seq), seq, heads, head_dim, s, segments)
     if "norms" in suites:
         for name, (hidden, _) in models.items():
             rows += bench_layer_norm(name, tokens, hidden, s)
@@ -354,7 +378,7 @@ def run(s: Settings, suites: set[str], seqs: list[int], head_dims: list[int]) ->
     if INTERPRET and not s.cuda:
         path = "triton interpreter"
     for row in rows:
-        if row.impl in OURS:
+        if row.impl in OURS or row.impl.startswith("flash_alibi_attention,"):
             row.note = row.note or f"path: {path}"
     return rows
 
@@ -416,7 +440,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seqs", default="2048,4096", help="attention sequence lengths")
     parser.add_argument("--head-dims", default="64,80,96,128", help="attention head dims")
+    parser.add_argument(
+        "--segments",
+        type=int,
+        default=0,
+        help="also time flash_alibi_attention on samples of this many equal packed segments",
+    )
     args = parser.parse_args(argv)
+    if args.segments < 0:
+        parser.error(f"--segments {args.segments}: a number of segments, 0 for none")
 
     if not args.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: the benchmark needs a GPU (use --smoke to check it on CPU)")
@@ -433,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--suites: unknown {sorted(unknown)}; valid: attention, norms, loss")
     torch.manual_seed(0)
     seqs = [int(x) for x in args.seqs.split(",")]
-    rows = run(s, suites, seqs, [int(x) for x in args.head_dims.split(",")])
+    rows = run(s, suites, seqs, [int(x) for x in args.head_dims.split(",")], args.segments)
     print(format_table(rows))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -175,6 +175,10 @@ class DataConfig:
     norm_target_loss: bool = False
     """With format = "mtf": every target sequence weighs the same in the loss, each of its
     tokens 1 / its length (Megatron-DeepSpeed's --norm-target-loss), instead of every token."""
+    reset_attention_mask: bool = False
+    """With format = "gpt": each document of a sample is attended to alone, the sample cut
+    into segments after every EOD (data.eod_token; Megatron's --reset-attention-mask). ALiBi
+    is relative, so positions need no reset. (Packed pairs always stay inside their pair.)"""
     cache_dir: str = ""
     """Where the sample-index arrays are cached; empty: <dump_folder>/data_cache."""
     prefetch: bool = True
@@ -728,6 +732,11 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
 
 def _validate_data_format(data: DataConfig) -> None:
     if data.format == "mtf":
+        _check(
+            not data.reset_attention_mask,
+            'data.reset_attention_mask applies to format = "gpt"; packed pairs (format = '
+            '"mtf") are always attended to one pair at a time: leave it unset',
+        )
         return
     for key, value in (("norm_target_loss", data.norm_target_loss), ("pad_token", data.pad_token)):
         _check(

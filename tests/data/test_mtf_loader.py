@@ -60,7 +60,9 @@ def test_labels_count_only_on_target_tokens_that_are_not_padding():
     # Label i is token i + 1; it counts where token i + 1 is a target and not padding: 13, 14,
     # 15 (predicted from 12, 13, 14) and 22 (from 21). 21 is an input, the rest padding.
     assert batch.labels.tolist() == [[X, 13, 14, 15, X, 22, X, X]]
-    assert batch.segment_ids.tolist() == [[1, 1, 1, 1, 1, 2, 2, 0]]  # of the inputs
+    # The inputs' segments: pair 1 is positions 0-4, pair 2 positions 5-6, padding from 7.
+    assert batch.segment_start.tolist() == [[0, 0, 0, 0, 0, 5, 5, 7]]
+    assert batch.segment_end.tolist() == [[5, 5, 5, 5, 5, 7, 7, 8]]
 
 
 def test_norm_target_loss_weighs_each_target_run_by_one_over_its_length():
@@ -100,12 +102,14 @@ def test_packed_samples_need_the_pad_id():
 
 
 def test_a_micro_batch_is_the_pair_of_inputs_and_labels_with_attributes():
-    inputs, labels, segments = torch.arange(4).view(1, 4), torch.ones(1, 4), torch.zeros(1, 4)
-    batch = MicroBatch(inputs, labels, segments)
+    inputs, labels = torch.arange(4).view(1, 4), torch.ones(1, 4)
+    start, end = torch.zeros(1, 4, dtype=torch.int32), torch.full((1, 4), 4, dtype=torch.int32)
+    batch = MicroBatch(inputs, labels, start, end)
     x, y = batch
     assert x is inputs and y is labels and batch[1] is labels and len(batch) == 2
+    assert batch.segments == (start, end) and MicroBatch(inputs, labels).segments is None
     for again in (copy.deepcopy(batch), pickle.loads(pickle.dumps(batch))):
-        assert isinstance(again, MicroBatch) and torch.equal(again.segment_ids, segments)
+        assert isinstance(again, MicroBatch) and torch.equal(again.segment_end, end)
         assert again.loss_weights is None and torch.equal(again.input_ids, inputs)
 
 
@@ -166,7 +170,7 @@ def test_resume_and_rollback_windows_serve_the_batches_of_an_uninterrupted_run(p
     for batch, again in zip(expected, before + after, strict=True):
         for micro, micro_again in zip(batch, again, strict=True):
             assert torch.equal(micro.labels, micro_again.labels)
-            assert torch.equal(micro.segment_ids, micro_again.segment_ids)
+            assert torch.equal(micro.segment_start, micro_again.segment_start)
 
 
 def test_context_parallel_ranks_get_their_chunks_of_every_field(pairs):
@@ -186,5 +190,9 @@ def test_context_parallel_ranks_get_their_chunks_of_every_field(pairs):
         for mine, full in zip(part.__getnewargs__(), whole.__getnewargs__(), strict=True):
             assert torch.equal(mine, shard(full)) and mine.is_contiguous()
     # Weights sum to the number of target runs, whichever rank holds their tokens.
-    runs = sum(int(seg.max()) for seg in whole.segment_ids)
+    # One target run per pair: the segments (by their start) holding a counted label.
+    counted = whole.labels != IGNORE_INDEX
+    runs = sum(
+        len(set(row[mask].tolist())) for row, mask in zip(whole.segment_start, counted, strict=True)
+    )
     assert whole.loss_weights.sum().item() == pytest.approx(runs)

@@ -90,7 +90,7 @@ def _attention(
         def attend(q, k, v):
             return flash_alibi_attention(
                 q, k, v, slopes, causal=causal, dropout_p=dropout_p, rng_seed=seed,
-                segment_ids=ids[None] if segments else None,
+                segments=segment_bounds(ids[None]) if segments else None,
             )  # fmt: skip
 
         return attend, (q, k, v)

@@ -141,6 +141,7 @@ def compile_all(all_configs: bool) -> list[dict]:
         flash_alibi_attention,
         layer_norm,
         linear_cross_entropy,
+        segment_bounds,
     )
 
     def backward(out, *leaves):
@@ -148,15 +149,15 @@ def compile_all(all_configs: bool) -> list[dict]:
 
     dtype = torch.bfloat16
     seed = torch.zeros((), dtype=torch.int64)
-    packed = torch.arange(4).repeat_interleave(64)[None]  # 4 segments of 64
+    packed = segment_bounds(torch.arange(4).repeat_interleave(64)[None])  # 4 segments of 64
     for head_dim in ATTENTION_HEAD_DIMS:
         # Dropout: Philox in both kernels, other search spaces. Segments: three loops each.
-        for dropout_p, segment_ids in itertools.product((0.0, 0.1), (None, packed)):
+        for dropout_p, segments in itertools.product((0.0, 0.1), (None, packed)):
             q, k, v = (
                 torch.zeros(1, 2, 256, head_dim, dtype=dtype, requires_grad=True) for _ in range(3)
             )
             out = flash_alibi_attention(
-                q, k, v, torch.ones(2), dropout_p=dropout_p, rng_seed=seed, segment_ids=segment_ids
+                q, k, v, torch.ones(2), dropout_p=dropout_p, rng_seed=seed, segments=segments
             )
             backward(out, q, k, v)
     for hidden in LAYER_NORM_SIZES:

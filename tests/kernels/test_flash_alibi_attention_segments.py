@@ -65,7 +65,7 @@ def test_each_segment_attends_as_if_alone(triton_kernels, sample, head_dim, dtyp
     seq = ids.shape[1]
     q, k, v = (torch.randn(2, 3, seq, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
     slopes = bloom_alibi_slopes(3)
-    out = flash_alibi_attention(q, k, v, slopes, segment_ids=ids)
+    out = flash_alibi_attention(q, k, v, slopes, segments=segment_bounds(ids))
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     ref, ref_grads = _each_segment_alone(q, k, v, slopes, lengths, grad_out)
@@ -75,7 +75,7 @@ def test_each_segment_attends_as_if_alone(triton_kernels, sample, head_dim, dtyp
         assert_close_to_reference(got, want, tol, name)
     # The torch reference (the CPU path) agrees with the oracle too.
     reference = flash_alibi_attention_reference(
-        *(t.detach().double() for t in (q, k, v)), slopes.double(), segment_ids=ids
+        *(t.detach().double() for t in (q, k, v)), slopes.double(), segments=segment_bounds(ids)
     )
     assert_close_to_reference(reference, ref, 1e-12, "reference")
 
@@ -86,7 +86,7 @@ def test_segments_with_dropout_draw_the_packed_positions_stream(triton_kernels):
     ids = _segment_ids([7, 30, 1, 26], pad_last=True)[None]
     q, k, v = (torch.randn(1, 2, 64, 32, requires_grad=True) for _ in range(3))
     slopes, seed = bloom_alibi_slopes(2), torch.tensor(5, dtype=torch.int64)
-    args = dict(segment_ids=ids, dropout_p=0.2, rng_seed=seed)
+    args = dict(segments=segment_bounds(ids), dropout_p=0.2, rng_seed=seed)
     out = flash_alibi_attention(q, k, v, slopes, **args)
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
@@ -127,7 +127,7 @@ def test_blocks_of_a_packed_sequence_merge_into_the_whole(triton_kernels):
     weights = [torch.exp(r[1] * math.log(2) - lse)[..., None] for r in results]
     out = sum(w * r[0] for w, r in zip(weights, results, strict=True))
     whole = flash_alibi_attention_reference(
-        q.double(), k.double(), v.double(), slopes.double(), segment_ids=ids
+        q.double(), k.double(), v.double(), slopes.double(), segments=(start, end)
     )
     assert_close_to_reference(out, whole[:, :, rows], 1e-5, "merged out")
     grad_out = torch.randn_like(out)
@@ -143,7 +143,7 @@ def test_blocks_of_a_packed_sequence_merge_into_the_whole(triton_kernels):
         dk[:, :, keys] += gk
         dv[:, :, keys] += gv
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    ref = flash_alibi_attention_reference(*leaves, slopes.double(), segment_ids=ids)
+    ref = flash_alibi_attention_reference(*leaves, slopes.double(), segments=(start, end))
     ref_grads = torch.autograd.grad(ref[:, :, rows], leaves, grad_out.double())
     assert_close_to_reference(dq, ref_grads[0][:, :, rows], 1e-5, "dq")
     assert_close_to_reference(dk, ref_grads[1], 1e-5, "dk")
@@ -171,7 +171,7 @@ def _forward_dots(monkeypatch, **kwargs) -> int:
 def test_eight_segments_cost_about_an_eighth_of_causal(triton_kernels, monkeypatch):
     ids = torch.arange(8).repeat_interleave(128)[None]
     causal = _forward_dots(monkeypatch)
-    packed = _forward_dots(monkeypatch, segment_ids=ids)
+    packed = _forward_dots(monkeypatch, segments=segment_bounds(ids))
     # 1024 keys in 16-key blocks under 32-row query blocks: causal visits 1056 key blocks; the
     # 8 segments of 128 visit 160 (the diagonal blocks of each query block are in both).
     assert packed / causal < 1 / 6, (packed, causal)

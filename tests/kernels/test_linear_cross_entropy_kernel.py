@@ -1,6 +1,7 @@
 """linear_cross_entropy (chunked, Triton softmax/grad via the interpreter) against float64."""
 
 import importlib
+import itertools
 
 import pytest
 import torch
@@ -65,6 +66,39 @@ def test_loss_and_gradients_match_float64_reference(triton_kernels, dtype, chunk
     _check_against_float64(h, w, targets, reduction, chunk_size, TOLERANCE[dtype])
 
 
+def _weighted_float64(h, w, targets, token_weights, reduction):
+    """The weighted loss by hand: per-token cross-entropies times the weights of the counted
+    tokens, summed (and divided by those weights' sum for "mean")."""
+    losses = torch.nn.functional.cross_entropy(
+        h @ w.t(), targets, ignore_index=IGNORE, reduction="none"
+    )
+    weights = token_weights.double() * (targets != IGNORE)
+    total = (losses * weights).sum()
+    return total if reduction == "sum" else total / weights.sum()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "torch-path"])
+def test_token_weights_weigh_each_tokens_loss_and_gradient(monkeypatch, reduction, triton):
+    """Megatron-DeepSpeed's --norm-target-loss: each token's loss times its weight."""
+    if not triton:
+        monkeypatch.setattr(lce_module, "use_triton", lambda tensor: False)
+    elif not lce_module.INTERPRET:
+        pytest.skip("the Triton path runs in the interpreter (TRITON_INTERPRET=1) on CPU")
+    h, w, targets = _inputs(37, 32, 200, torch.float32)
+    token_weights = torch.rand(37) + 0.1
+    loss = linear_cross_entropy(h, w, targets, IGNORE, reduction, 16, token_weights)
+    dh, dw = torch.autograd.grad(loss * 1.7, (h, w))
+    h64, w64 = float64_leaves(h, w)
+    ref = _weighted_float64(h64, w64, targets, token_weights, reduction)
+    ref_dh, ref_dw = torch.autograd.grad(ref * 1.7, (h64, w64))
+    assert_close_to_reference(loss, ref, 1e-5, "loss")
+    assert_close_to_reference(dh, ref_dh, 1e-5, "d_hidden")
+    assert_close_to_reference(dw, ref_dw, 1e-5, "d_weight")
+    reference = linear_cross_entropy_reference(h64, w64, targets, IGNORE, reduction, token_weights)
+    assert_close_to_reference(reference, ref, 1e-12, "reference")
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_torch_path_on_cpu_without_interpreter_matches_reference(monkeypatch, reduction):
     monkeypatch.setattr(lce_module, "use_triton", lambda tensor: False)
@@ -93,9 +127,9 @@ def test_no_gradients_are_computed_when_none_are_needed(triton_kernels, monkeypa
     seen = []
     original = lce_module._fused_loss_and_grads
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         seen.append(args[-2:])  # need_grad_hidden, need_grad_weight
-        return original(*args)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(lce_module, "_fused_loss_and_grads", spy)
     h, w, targets = _inputs(10, 16, 50, torch.float32)
@@ -150,15 +184,16 @@ def _vocab_parallel_worker(rank, world_size, init_file):
         h, w, targets = _inputs(tokens, hidden, vocab, torch.float32)
         shard = vocab // world_size
         w_shard = w.detach()[rank * shard : (rank + 1) * shard].clone().requires_grad_()
-        for reduction in ("mean", "sum"):
-            name = f"rank {rank} {reduction}"
+        token_weights = torch.rand(tokens) + 0.1
+        for reduction, weights in itertools.product(("mean", "sum"), (None, token_weights)):
+            name = f"rank {rank} {reduction}{' weighted' if weights is not None else ''}"
             loss = vocab_parallel_linear_cross_entropy(
-                h, w_shard, targets, rank * shard, None, IGNORE, reduction, chunk_size=8
+                h, w_shard, targets, rank * shard, None, IGNORE, reduction, 8, weights
             )
             dh, dw_shard = torch.autograd.grad(loss * 1.7, (h, w_shard))
 
             h64, w64 = float64_leaves(h, w)
-            ref = linear_cross_entropy_reference(h64, w64, targets, IGNORE, reduction)
+            ref = linear_cross_entropy_reference(h64, w64, targets, IGNORE, reduction, weights)
             ref_dh, ref_dw = torch.autograd.grad(ref * 1.7, (h64, w64))
             assert_close_to_reference(loss, ref, 1e-5, f"{name} loss")
             assert_close_to_reference(dh, ref_dh, 1e-5, f"{name} d_hidden")
@@ -166,7 +201,7 @@ def _vocab_parallel_worker(rank, world_size, init_file):
             assert_close_to_reference(dw_shard, ref_dw_shard, 1e-5, f"{name} d_weight")
             with torch.no_grad():
                 eval_loss = vocab_parallel_linear_cross_entropy(
-                    h, w_shard, targets, rank * shard, None, IGNORE, reduction, chunk_size=8
+                    h, w_shard, targets, rank * shard, None, IGNORE, reduction, 8, weights
                 )
             assert_close_to_reference(eval_loss, ref, 1e-5, f"{name} no_grad loss")
     finally:

@@ -58,9 +58,9 @@ def record_masks(tp: int, dp: int, sequence_parallel: bool, cp: int = 1) -> dict
     for block in model.layers.values():
         attend = block.self_attention.attend
 
-        def recorded(q, k, v, slopes, dropout_p, attend=attend):
+        def recorded(q, k, v, slopes, dropout_p, segments=None, attend=attend):
             record["attention"].append(digest(torch.get_rng_state()))
-            return attend(q, k, v, slopes, dropout_p)
+            return attend(q, k, v, slopes, dropout_p, segments)
 
         block.self_attention.attend = recorded
     if cp > 1:  # the ring replaces the recorded attention: only the hidden masks are recorded

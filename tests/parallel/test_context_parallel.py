@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bloomnative.kernels import _dispatch, flash_alibi_attention_reference
+from bloomnative.kernels import _dispatch, flash_alibi_attention_reference, segment_bounds
 from bloomnative.model import alibi_slopes
 from bloomnative.model.attention import backends_with
 from bloomnative.parallel.context_parallel import (
@@ -71,13 +71,27 @@ def test_lse_merge_of_two_key_sets_is_the_softmax_over_their_union():
     torch.testing.assert_close(lse2, torch.logsumexp(scores, -1) * LOG2E)
 
 
-def _check_ring(ring, backend, dtype, tol, dropout_p=0.0, batch=2, heads=3, drawn_by=None):
+def _packed_segments(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment bounds of packed samples whose segments cross the ranks' chunks: one of
+    length 1, the others starting and ending inside chunks, and a last sample of one segment."""
+    cuts = [(3, 4, 17, 37, 50), (5, 6, 30)]
+    positions = torch.arange(seq)
+    ids = [(positions[None, :] >= torch.tensor(c)[:, None]).sum(0) for c in cuts[: batch - 1]]
+    ids.append(torch.zeros(seq, dtype=torch.int64))
+    return segment_bounds(torch.stack(ids))
+
+
+def _check_ring(
+    ring, backend, dtype, tol, dropout_p=0.0, batch=2, heads=3, drawn_by=None, packed=False
+):
     """Ring attention of this rank's shard vs the float64 reference over the whole sequence:
     output and the gradients of q, k, v (shards of the full gradients). `drawn_by`: the global
     rank of the group's first member, whose generator draws the dropout seed for the whole group
-    (every rank's generator is seeded differently); None passes a fixed seed."""
+    (every rank's generator is seeded differently); None passes a fixed seed. `packed`: the
+    samples are packed segments (`_packed_segments`), each rank given its tokens' bounds."""
     torch.manual_seed(1)  # the same full tensors on every rank
     seq, head_dim = 16 * ring.size, 32
+    segments = _packed_segments(batch, seq) if packed else None
     q, k, v = (torch.randn(batch, heads, seq, head_dim, dtype=torch.float64) for _ in range(3))
     grad = torch.randn(batch, heads, seq, head_dim, dtype=torch.float64)
     slopes = alibi_slopes(heads)
@@ -86,8 +100,9 @@ def _check_ring(ring, backend, dtype, tol, dropout_p=0.0, batch=2, heads=3, draw
         seed = torch.randint(0, 2**62, (), generator=torch.Generator().manual_seed(500 + drawn_by))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = flash_alibi_attention_reference(
-        *leaves, slopes.double(), causal=True, dropout_p=dropout_p, rng_seed=seed
-    )
+        *leaves, slopes.double(), causal=True, dropout_p=dropout_p, rng_seed=seed,
+        segments=segments,
+    )  # fmt: skip
     ref_grads = torch.autograd.grad(ref, leaves, grad)
 
     shard = lambda t: shard_sequence(t, ring.rank, ring.size, dim=2)  # noqa: E731
@@ -95,9 +110,14 @@ def _check_ring(ring, backend, dtype, tol, dropout_p=0.0, batch=2, heads=3, draw
     if drawn_by is not None:
         torch.manual_seed(500 + dist.get_rank())
     given = None if drawn_by is not None else seed
-    out = ring_attention(*local, slopes, ring, backend, dropout_p, rng_seed=given)
+    local_segments = None
+    if packed:
+        local_segments = tuple(shard_sequence(t, ring.rank, ring.size, dim=1) for t in segments)
+    out = ring_attention(
+        *local, slopes, ring, backend, dropout_p, rng_seed=given, segments=local_segments
+    )
     grads = torch.autograd.grad(out, local, shard(grad).to(dtype))
-    where = f"cp {ring.size} rank {ring.rank} {backend} {dtype} dropout {dropout_p}"
+    where = f"cp {ring.size} rank {ring.rank} {backend} {dtype} dropout {dropout_p} {packed=}"
     torch.testing.assert_close(out.double(), shard(ref), rtol=tol, atol=tol, msg=where)
     for name, got, want in zip("qkv", grads, ref_grads, strict=True):
         torch.testing.assert_close(
@@ -118,10 +138,12 @@ def _ring_worker(rank, world_size, init_file):
         for ring in rings:
             _check_ring(ring, "sdpa", torch.float64, 1e-10)
             _check_ring(ring, "sdpa", torch.float64, 1e-10, dropout_p=0.3)
+            _check_ring(ring, "sdpa", torch.float64, 1e-10, dropout_p=0.3, packed=True)
         # Without a given seed the group's first rank draws it and the others take it.
         _check_ring(rings[1], "sdpa", torch.float64, 1e-10, dropout_p=0.3, drawn_by=rank // 2 * 2)
         if _dispatch.INTERPRET:  # the Triton kernels at their offsets, through the interpreter
             _check_ring(rings[1], "triton", torch.float32, 2e-5, dropout_p=0.3, batch=1, heads=2)
+            _check_ring(rings[0], "triton", torch.float32, 2e-5, batch=2, heads=2, packed=True)
     finally:
         dist.destroy_process_group()
     exit_process(0)  # a spawned child would otherwise finalize with gloo threads alive
@@ -131,5 +153,6 @@ def _ring_worker(rank, world_size, init_file):
 def test_ring_attention_on_gloo_ranks_matches_one_process_over_the_whole_sequence(tmp_path):
     """cp 4 over the world and cp 2 over its halves; sdpa blocks in float64 (exact up to
     rounding), with and without dropout (a given seed, and one drawn by the group's first rank
-    and broadcast); Triton blocks through the interpreter in fp32."""
+    and broadcast), and on packed samples (segment bounds travelling with K/V); Triton blocks
+    through the interpreter in fp32, plain and packed."""
     mp.spawn(_ring_worker, args=(4, str(tmp_path / "store")), nprocs=4, join=True)

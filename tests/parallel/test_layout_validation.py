@@ -5,10 +5,14 @@ memory planner refuses what preflight refuses."""
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+import transformers
+from tokenizers import Tokenizer, models
 
 from bloomnative import planner
-from bloomnative.config import ConfigError, parse_args
+from bloomnative.config import ConfigError, model_args_from_config, parse_args
+from bloomnative.data import IndexedDatasetBuilder
 from bloomnative.parallel import LayoutError
 from bloomnative.parallel.layout_check import run_batch_sizes
 from bloomnative.parallel.schedules import stage_layer_counts
@@ -219,11 +223,34 @@ def test_a_rampup_is_not_refused_for_its_increment():
     )
 
 
+def small_pair_data(folder: Path) -> list[str]:
+    """What a fine-tuning recipe (data.format = "mtf") reads, small, in place of xP3 and
+    BLOOM's tokenizer: a pair dataset and a tokenizer whose pad is <pad>, as BLOOM's is."""
+    words = {"<|endoftext|>": 0, "<pad>": 1, **{f"w{i}": i for i in range(2, 64)}}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<|endoftext|>"))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 300, (400, 2))
+    for side, column in (("inputs", 0), ("targets", 1)):
+        with IndexedDatasetBuilder(f"{folder}/xp3_{side}_document", vocab_size=64) as builder:
+            for n in lengths[:, column]:
+                builder.add_document(rng.integers(2, 64, n))
+    return [f"--data.blend={folder}/xp3", f"--data.tokenizer={folder}/tokenizer.json"]
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_shipped_config_passes_preflight_at_the_world_size_its_header_names(path, capsys):
+def test_shipped_config_passes_preflight_at_the_world_size_its_header_names(path, capsys, tmp_path):
     header = re.search(r"^# World size: (\d+)", path.read_text(), re.M)
     assert header, f"{path.name}: the header must name its world size ('# World size: N')"
-    assert main(["--world-size", header.group(1), "--config", str(path)]) == 0, (
+    config = parse_args(["--config", str(path)])
+    data = small_pair_data(tmp_path) if config.data.format == "mtf" else []
+    if config.checkpoint.initial_hf:  # the model to start from, in place of the download
+        args = model_args_from_config(config.model)
+        hf_shape = {k: getattr(args, k) for k in ("n_layer", "hidden_size", "n_head", "vocab_size")}
+        transformers.BloomConfig(**hf_shape).save_pretrained(tmp_path / "hf")
+        (tmp_path / "hf" / "model.safetensors").touch()  # preflight reads names, not weights
+        data.append(f"--checkpoint.initial_hf={tmp_path / 'hf'}")
+    assert main(["--world-size", header.group(1), "--config", str(path), *data]) == 0, (
         capsys.readouterr().err
     )
 

@@ -23,7 +23,7 @@ Multitask fine-tuning packs (input, target) pairs, ``<prefix>_inputs_document`` 
                                             num_samples=(n_train, 0, 0), pad_id=3)
     loader = PretrainingLoader(train, 2, dp_rank, dp_size, pad_id=3, norm_target_loss=True)
     for batch in loader.next_batch(global_batch_size):
-        batch.input_ids, batch.labels, batch.segment_ids, batch.loss_weights
+        batch.input_ids, batch.labels, batch.segments, batch.loss_weights
 
 See docs/data.md for the formats and rules.
 """

@@ -11,7 +11,8 @@ A loss-spike rollback adds windows of the order to skip (``skip``): sample ``k``
 ``k``-th position of the order outside every window, and the windows go into checkpoints too.
 
 Batches are ``MicroBatch``es (``data/micro_batch.py``): the pair ``(input_ids, labels)``, plus
-segment ids and loss weights when the dataset serves packed (input, target) samples.
+segment bounds and loss weights when the dataset serves packed (input, target) samples, and
+segment bounds for documents with ``document_eod_id``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import numpy as np
 import torch
 
 from bloomnative.data.micro_batch import (
-    IGNORE_INDEX,
     MicroBatch,
+    document_micro_batch,
     packed_micro_batch,
     stack_samples,
 )
@@ -50,7 +51,7 @@ class PretrainingLoader:
             token becomes ``IGNORE_INDEX``: no loss on predicting what follows the end of a
             document (Megatron's ``--eod-mask-loss`` masks the same positions).
         sequence_shard: applied to every tensor of every micro batch (``[micro batch,
-            seq_len]``: inputs, labels and, for packed samples, segment ids and loss weights)
+            seq_len]``: inputs, labels and, for segmented samples, segment bounds and loss weights)
             on the host, after the masks and weights are made from whole sequences: the part of
             each sequence this rank holds under context parallelism
             (``parallel.context_parallel.shard_sequence``). None: all of it.
@@ -58,6 +59,8 @@ class PretrainingLoader:
             (required with them).
         norm_target_loss: for packed samples: serve ``loss_weights``, each target run's
             labels weighted ``1 / its length`` (Megatron-DeepSpeed's ``--norm-target-loss``).
+        document_eod_id: for pretraining samples: with a token id (the EOD), each document is
+            a segment of its own, attended to alone (Megatron's ``--reset-attention-mask``).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class PretrainingLoader:
         sequence_shard: Callable[[torch.Tensor], torch.Tensor] | None = None,
         pad_id: int | None = None,
         norm_target_loss: bool = False,
+        document_eod_id: int | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
@@ -86,6 +90,7 @@ class PretrainingLoader:
         self.sequence_shard = sequence_shard
         self.pad_id = pad_id
         self.norm_target_loss = norm_target_loss
+        self.document_eod_id = document_eod_id
         if pad_id is None and len(dataset) and isinstance(dataset[0], dict):
             raise ValueError(
                 f"{dataset!r} serves packed samples, whose loss mask needs the padding token: "
@@ -102,8 +107,8 @@ class PretrainingLoader:
     def next_batch(self, global_batch_size: int) -> Batch:
         """This rank's micro batches of the next step: ``MicroBatch``es, i.e. ``(input_ids,
         labels)`` pairs of int64 ``[micro_batch_size, seq_len]`` tensors (this rank's part of
-        the sequence with a ``sequence_shard``) on the loader's device, with ``segment_ids``
-        (and with ``norm_target_loss`` ``loss_weights``) for packed samples."""
+        the sequence with a ``sequence_shard``) on the loader's device, with segment bounds for
+        segmented samples (and with ``norm_target_loss`` ``loss_weights``)."""
         self._check_batch_size(global_batch_size)
         key = (self.consumed_samples, global_batch_size)
         if self._pending is not None and self._pending[0] == key:
@@ -199,13 +204,7 @@ class PretrainingLoader:
                 self.norm_target_loss,
                 self.eod_mask_id,
             )
-        micro = samples[rows]
-        inputs, labels = micro[:, :-1], micro[:, 1:]
-        if self.eod_mask_id is not None:
-            # Not in place: with one sample per micro batch, labels and inputs are views
-            # of the same tokens.
-            labels = labels.masked_fill(inputs == self.eod_mask_id, IGNORE_INDEX)
-        return MicroBatch(inputs, labels)
+        return document_micro_batch(samples[rows], self.document_eod_id, self.eod_mask_id)
 
     def _check_batch_size(self, global_batch_size: int) -> None:
         unit = self.micro_batch_size * self.dp_size

@@ -1,11 +1,15 @@
 """What the loader serves per micro batch, and the loss masks of packed (input, target) samples.
 
 A micro batch is the pair ``(input_ids, labels)`` of ``[micro batch, seq_len]`` int64 tensors,
-``sample[:-1]`` and ``sample[1:]``. A label that counts in no loss is ``IGNORE_INDEX``. Packed
-multitask samples (``MTFDataset``) add, as attributes:
+``sample[:-1]`` and ``sample[1:]``. A label that counts in no loss is ``IGNORE_INDEX``. Samples
+whose attention stays inside segments (packed multitask samples, ``MTFDataset``: a segment per
+pair, padding a segment of its own; pretraining samples with ``reset_attention_mask``: a
+segment per document) add, as attributes:
 
-* ``segment_ids``: the segment id of every input position (``sample_segment_ids[:-1]``): ``j``
-  for the ``j``-th pair of the sample, 0 for padding. Attention stays inside a segment.
+* ``segment_start``, ``segment_end``: int32, for every input position the positions where its
+  segment starts and ends (end exclusive; ``kernels.segment_bounds``), positions of the whole
+  sample, so that they stay right for a rank that holds only some chunks of the sequence
+  (context parallelism). A token attends to the earlier tokens of its segment only.
 * ``loss_weights`` (only with ``norm_target_loss``): float32, per label ``1 / n`` where ``n``
   is the length of the run of counted labels it belongs to, 0 on uncounted labels.
 
@@ -21,35 +25,47 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from bloomnative.kernels import segment_bounds
+
 IGNORE_INDEX = -100
 """The label of a position that counts in no loss (torch's cross-entropy default)."""
 
 
 class MicroBatch(tuple):
-    """``(input_ids, labels)``, with the extras of packed samples as attributes.
+    """``(input_ids, labels)``, with the extras of segmented samples as attributes.
 
     It is a tuple of the two tensors, so ``inputs, labels = batch`` and ``batch[1]`` work as on
-    a plain pair; ``segment_ids`` and ``loss_weights`` are None when the samples are not packed
-    (or, for ``loss_weights``, when targets are not normalised).
+    a plain pair; ``segment_start``/``segment_end`` are None when attention spans the whole
+    sample, ``loss_weights`` when every counted label weighs the same.
     """
 
-    segment_ids: torch.Tensor | None
+    segment_start: torch.Tensor | None
+    segment_end: torch.Tensor | None
     loss_weights: torch.Tensor | None
 
     def __new__(
         cls,
         input_ids: torch.Tensor,
         labels: torch.Tensor,
-        segment_ids: torch.Tensor | None = None,
+        segment_start: torch.Tensor | None = None,
+        segment_end: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
     ) -> MicroBatch:
         batch = super().__new__(cls, (input_ids, labels))
-        batch.segment_ids = segment_ids
+        batch.segment_start = segment_start
+        batch.segment_end = segment_end
         batch.loss_weights = loss_weights
         return batch
 
-    def __getnewargs__(self) -> tuple:  # pickle and copy rebuild all four fields
-        return (self[0], self[1], self.segment_ids, self.loss_weights)
+    def __getnewargs__(self) -> tuple:  # pickle and copy rebuild every field
+        return (self[0], self[1], self.segment_start, self.segment_end, self.loss_weights)
+
+    @property
+    def segments(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(segment_start, segment_end)``, what the model's attention takes, or None."""
+        if self.segment_start is None:
+            return None
+        return self.segment_start, self.segment_end
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -83,9 +99,27 @@ def packed_micro_batch(
     if eod_mask_id is not None:
         counted &= inputs != eod_mask_id
     weights = target_run_weights(counted) if norm_target_loss else None
-    return MicroBatch(
-        inputs, labels.masked_fill(~counted, IGNORE_INDEX), segment_ids[:, :-1], weights
-    )
+    start, end = segment_bounds(segment_ids[:, :-1])
+    return MicroBatch(inputs, labels.masked_fill(~counted, IGNORE_INDEX), start, end, weights)
+
+
+def document_micro_batch(
+    tokens: torch.Tensor, eod_id: int | None, eod_mask_id: int | None = None
+) -> MicroBatch:
+    """The micro batch of pretraining samples (``[micro batch, seq_len + 1]``). With ``eod_id``
+    each document is a segment of its own (Megatron's ``--reset-attention-mask``): a token
+    after an EOD starts the next one, the EOD ends the one it closes. With ``eod_mask_id`` the
+    labels whose input is that token count in no loss (``--eod-mask-loss``)."""
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    if eod_mask_id is not None:
+        # Not in place: with one sample per micro batch, labels and inputs are views of the
+        # same tokens.
+        labels = labels.masked_fill(inputs == eod_mask_id, IGNORE_INDEX)
+    if eod_id is None:
+        return MicroBatch(inputs, labels)
+    ends = (inputs == eod_id).to(torch.int64)
+    document = torch.cumsum(ends, dim=1) - ends  # EODs before each position
+    return MicroBatch(inputs, labels, *segment_bounds(document))
 
 
 def target_run_weights(counted: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Attention backends: each computes dropout(softmax(q k^T / sqrt(d) + ALiBi, causal)) v.
 
-All take q, k, v as [batch, heads, seq, head_dim], per-head ALiBi slopes [heads] and the dropout
-probability on the attention probabilities (0 outside training). Dropout masks come from torch's
+All take q, k, v as [batch, heads, seq, head_dim], per-head ALiBi slopes [heads], the dropout
+probability on the attention probabilities (0 outside training) and, for packed sequences, the
+bounds of every token's segment (`Segments`). Dropout masks come from torch's
 default generator on q's device, so whoever sets that generator's state (parallel/dropout_rng.py for
 tensor-parallel ranks) decides the masks.
 """
@@ -25,9 +26,14 @@ PORTABLE_BACKEND: AttentionBackend = "sdpa"
 """The backend that runs forward and backward on every device: what `model.attention = "auto"`
 stands for where nothing is timed (on CPU, and for checks and plans made before a run starts)."""
 
-AttentionFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
-]
+Segments = tuple[torch.Tensor, torch.Tensor]
+"""Packed sequences: ``(start, end)``, int32 ``[batch, seq]``, the positions where each token's
+segment starts and ends (``kernels.segment_bounds``); a token attends only to the earlier
+tokens of its segment."""
+
+AttentionFn = Callable[..., torch.Tensor]
+"""``attend(q, k, v, slopes, dropout_p=0.0, segments=None)``: q, k, v ``[batch, heads, seq,
+head_dim]``, slopes ``[heads]``, ``segments`` optional ``Segments``."""
 
 
 def sdpa_alibi_attention(
@@ -36,8 +42,10 @@ def sdpa_alibi_attention(
     v: torch.Tensor,
     slopes: torch.Tensor,
     dropout_p: float = 0.0,
+    segments: Segments | None = None,
 ) -> torch.Tensor:
-    """Portable path: SDPA with a materialised [heads, q_len, k_len] ALiBi + causal bias. k may
+    """Portable path: SDPA with a materialised [heads, q_len, k_len] ALiBi + causal bias (with
+    segments [batch, heads, q_len, k_len]: also -inf before each query's segment start). k may
     be longer than q (keys of earlier tokens from a KV cache): q holds the last positions.
 
     The bias is kept in fp32 when q is fp32; with low-precision inputs SDPA's kernels still
@@ -45,19 +53,25 @@ def sdpa_alibi_attention(
     """
     q_len, k_len = q.shape[-2], k.shape[-2]
     bias = alibi_causal_bias(slopes, q_len, q.dtype, past_len=k_len - q_len)
+    if segments is not None:
+        keys = torch.arange(k_len, device=q.device)
+        before_segment = keys[None, None, :] < segments[0].to(q.device)[:, :, None]
+        bias = bias.unsqueeze(0).masked_fill(before_segment.unsqueeze(1), float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
 
 
-def _triton_attention(q, k, v, slopes, dropout_p=0.0):
+def _triton_attention(q, k, v, slopes, dropout_p=0.0, segments=None):
     # The kernel regenerates its mask from a seed it draws from the default generator.
-    return flash_alibi_attention(q, k, v, slopes, causal=True, dropout_p=dropout_p)
+    return flash_alibi_attention(
+        q, k, v, slopes, causal=True, dropout_p=dropout_p, segments=segments
+    )
 
 
-def _flex_attention(q, k, v, slopes, dropout_p=0.0):
+def _flex_attention(q, k, v, slopes, dropout_p=0.0, segments=None):
     if dropout_p:
         choices = " or ".join(backends_with("dropout"))
         raise ValueError(f"the flex attention backend has no dropout; use {choices}")
-    return flex_alibi_attention(q, k, v, slopes, causal=True)
+    return flex_alibi_attention(q, k, v, slopes, causal=True, segments=segments)
 
 
 _BACKENDS: dict[str, AttentionFn] = {

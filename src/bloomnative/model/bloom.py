@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from bloomnative.kernels import bias_gelu, layer_norm
 from bloomnative.model.alibi import alibi_slopes
 from bloomnative.model.args import BloomArgs
-from bloomnative.model.attention import attention_backend, sdpa_alibi_attention
+from bloomnative.model.attention import Segments, attention_backend, sdpa_alibi_attention
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -85,15 +85,22 @@ class BloomAttention(nn.Module):
         slopes = alibi_slopes(self.n_head)[start:end]
         self.alibi_slopes = slopes.to(self.alibi_slopes.device)
 
-    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: LayerKVCache | None = None,
+        segments: Segments | None = None,
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 instead of n_head: under tensor parallelism this rank holds a subset of the heads.
         qkv = self.query_key_value(x).view(batch, seq, -1, 3, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [b, heads, s, d]
         dropout = self.dropout if self.training else 0.0
         if cache is None:
-            out = self.attend(q, k, v, self.alibi_slopes, dropout)
+            out = self.attend(q, k, v, self.alibi_slopes, dropout, segments)
         else:  # the new queries attend to every cached key: the portable path allows q_len < k_len
+            if segments is not None:
+                raise ValueError("a KV cache (generation) attends to one sequence: no segments")
             k, v = cache.extend(k, v)
             out = sdpa_alibi_attention(q, k, v, self.alibi_slopes, dropout)
         return self.dense(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -124,8 +131,14 @@ class BloomBlock(nn.Module):
         self.mlp = BloomMLP(args)
         self.hidden_dropout = nn.Dropout(args.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None) -> torch.Tensor:
-        x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), cache=cache))
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: LayerKVCache | None = None,
+        segments: Segments | None = None,
+    ) -> torch.Tensor:
+        attention = self.self_attention(self.input_layernorm(x), cache=cache, segments=segments)
+        x = x + self.hidden_dropout(attention)
         return x + self.hidden_dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -163,17 +176,22 @@ class Bloom(nn.Module):
             self.lm_head.weight = self.word_embeddings.weight
 
     def forward(
-        self, tokens: torch.Tensor, cache: dict[str, LayerKVCache] | None = None
+        self,
+        tokens: torch.Tensor,
+        cache: dict[str, LayerKVCache] | None = None,
+        segments: Segments | None = None,
     ) -> torch.Tensor:
         """tokens: int ids [batch, seq] (or, on a later pipeline stage, hidden states
         [batch, seq, hidden]). Returns logits [batch, seq, vocab], or hidden states when this
         stage has no lm head. With a `cache` (from `new_kv_cache`), `tokens` are the ones that
-        follow the cached tokens, and their keys and values are added to it."""
+        follow the cached tokens, and their keys and values are added to it. `segments`: for
+        packed sequences, where each token's segment starts and ends (``Segments``): attention
+        stays inside a segment, so each one is computed as if it were alone."""
         h = tokens
         if self.word_embeddings is not None and self.word_embeddings_layernorm is not None:
             h = self.embedding_dropout(self.word_embeddings_layernorm(self.word_embeddings(h)))
         for name, layer in self.layers.items():
-            h = layer(h, cache=None if cache is None else cache[name])
+            h = layer(h, cache=None if cache is None else cache[name], segments=segments)
         if self.ln_f is not None:
             h = self.ln_f(h)
         if self.lm_head is not None and not self.head_in_loss:

@@ -59,8 +59,9 @@ def load_model_state(
     Hugging Face folder) and each rank takes its shard of them."""
     options = StateDictOptions(strict=False, full_state_dict=full)
     for part in parts:
-        names = set(get_model_state_dict(part))
-        sd: dict[str, Any] = {k: state[k] for k in names if k in state}
+        # In the module's order on every rank: with `full`, each tensor is scattered from rank
+        # 0 in turn (a set's order differs between processes: string hashes are salted).
+        sd: dict[str, Any] = {k: state[k] for k in get_model_state_dict(part) if k in state}
         if owns_head_copy(part):
             sd[TIED_HEAD] = state[EMBEDDING]
         set_model_state_dict(part, sd, options=options)

@@ -44,6 +44,7 @@ from bloomnative.kernels import (
     flash_alibi_attention_block_backward,
 )
 from bloomnative.model import Bloom, BloomAttention
+from bloomnative.model.attention import Segments
 
 # The block functions of each attention backend with a ring form (those model.attention.TRAITS
 # marks context_parallel): the Triton kernels, or torch ops with an explicit bias block for the
@@ -136,44 +137,47 @@ class _RingAttention(torch.autograd.Function):
     docstring). q, k, v: [batch, heads, 2 C, head_dim] in the load-balanced layout."""
 
     @staticmethod
-    def forward(ctx, q, k, v, slopes, ring, backend, dropout_p, rng_seed):
+    def forward(ctx, q, k, v, slopes, ring, backend, dropout_p, rng_seed, seg_start, seg_end):
         block_forward, _ = BLOCK_FUNCTIONS[backend]
         chunk_len = q.shape[2] // 2
         scale = 1.0 / math.sqrt(q.shape[-1])
         q_chunks = q.split(chunk_len, dim=2)
+        segments = _SegmentsOnTheRing(seg_start, seg_end, chunk_len)
         acc = torch.promote_types(q.dtype, torch.float32)
         outs: list[torch.Tensor | None] = [None, None]
         lses: list[torch.Tensor | None] = [None, None]
-        kv = torch.stack((k, v))
+        kv, k_ends = torch.stack((k, v)), seg_end
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
             last = step == ring.size - 1
             if not last:
                 next_kv, requests = ring.exchange(kv)
+                next_ends, end_requests = segments.exchange(ring, k_ends)
             for qi, ki, causal in ring.blocks(source):
                 block_k, block_v = kv[:, :, :, ki * chunk_len : (ki + 1) * chunk_len].unbind(0)
                 out, lse2 = block_forward(
-                    q_chunks[qi], block_k, block_v, slopes, causal=causal, softmax_scale=scale,
+                    q_chunks[qi], block_k, block_v, slopes, causal=segments.causal(causal),
+                    softmax_scale=scale,
                     q_offset=ring.chunk_start(ring.rank, qi, chunk_len),
                     k_offset=ring.chunk_start(source, ki, chunk_len),
-                    dropout_p=dropout_p, rng_seed=rng_seed,
+                    dropout_p=dropout_p, rng_seed=rng_seed, **segments.block(qi, k_ends, ki),
                 )  # fmt: skip
                 if outs[qi] is None:
                     outs[qi], lses[qi] = out.to(acc), lse2.to(acc)
                 else:
                     outs[qi], lses[qi] = merge_partial_attention(outs[qi], lses[qi], out, lse2)
             if not last:
-                _wait(requests)
-                kv = next_kv
+                _wait(requests + end_requests)
+                kv, k_ends = next_kv, next_ends
         out = torch.cat(outs, dim=2).to(q.dtype)
         lse2 = torch.cat(lses, dim=2)
-        ctx.save_for_backward(q, k, v, slopes, out, lse2, rng_seed)
+        ctx.save_for_backward(q, k, v, slopes, out, lse2, rng_seed, seg_start, seg_end)
         ctx.ring, ctx.backend, ctx.dropout_p = ring, backend, dropout_p
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, slopes, out, lse2, rng_seed = ctx.saved_tensors
+        q, k, v, slopes, out, lse2, rng_seed, seg_start, seg_end = ctx.saved_tensors
         ring = ctx.ring
         _, block_backward = BLOCK_FUNCTIONS[ctx.backend]
         chunk_len = q.shape[2] // 2
@@ -184,23 +188,25 @@ class _RingAttention(torch.autograd.Function):
         lse_chunks = [t.contiguous() for t in split(lse2)]
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dq_chunks = split(dq)
-        kv = torch.stack((k, v))
+        segments = _SegmentsOnTheRing(seg_start, seg_end, chunk_len)
+        kv, k_ends = torch.stack((k, v)), seg_end
         travelling, dkv_requests = None, []
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
             last = step == ring.size - 1
             if not last:
                 next_kv, kv_requests = ring.exchange(kv)
+                next_ends, end_requests = segments.exchange(ring, k_ends)
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             for qi, ki, causal in ring.blocks(source):
                 keys = slice(ki * chunk_len, (ki + 1) * chunk_len)
                 block_k, block_v = kv[:, :, :, keys].unbind(0)
                 block_dq, block_dk, block_dv = block_backward(
                     grad_chunks[qi], q_chunks[qi], block_k, block_v, out_chunks[qi],
-                    lse_chunks[qi], slopes, causal=causal, softmax_scale=scale,
+                    lse_chunks[qi], slopes, causal=segments.causal(causal), softmax_scale=scale,
                     q_offset=ring.chunk_start(ring.rank, qi, chunk_len),
                     k_offset=ring.chunk_start(source, ki, chunk_len),
-                    dropout_p=ctx.dropout_p, rng_seed=rng_seed,
+                    dropout_p=ctx.dropout_p, rng_seed=rng_seed, **segments.block(qi, k_ends, ki),
                 )  # fmt: skip
                 dq_chunks[qi].add_(block_dq)
                 dkv[0, :, :, keys].add_(block_dk)
@@ -211,13 +217,42 @@ class _RingAttention(torch.autograd.Function):
             # To the next holder of these chunks; after the last step, to their owner.
             travelling, dkv_requests = ring.exchange(dkv)
             if not last:
-                _wait(kv_requests)
-                kv = next_kv
+                _wait(kv_requests + end_requests)
+                kv, k_ends = next_kv, next_ends
         _wait(dkv_requests)
         dk, dv = travelling.unbind(0)
         return (
-            dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+            dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None,
+            None,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _SegmentsOnTheRing:
+    """Packed sequences on the ring: the local queries' segment starts stay, the segment ends of
+    the keys travel with the K/V chunks (the kernels skip what no query of a block can see)."""
+
+    start: torch.Tensor | None
+    end: torch.Tensor | None
+    chunk_len: int
+
+    def exchange(self, ring: Ring, k_ends: torch.Tensor | None) -> tuple[torch.Tensor | None, list]:
+        if k_ends is None:
+            return None, []
+        return ring.exchange(k_ends)
+
+    def causal(self, causal: bool) -> bool:
+        """The causal flag of a block: with segments always set, as the kernels take segments
+        with causal attention only; for a block of keys wholly before its queries the causal
+        mask of global positions hides nothing, so the result is the same."""
+        return causal or self.start is not None
+
+    def block(self, qi: int, k_ends: torch.Tensor | None, ki: int) -> dict:
+        """The segment arguments of block (query chunk qi, key chunk ki of `k_ends`)."""
+        if self.start is None:
+            return {}
+        chunk = lambda t, i: t[:, i * self.chunk_len : (i + 1) * self.chunk_len].contiguous()  # noqa: E731
+        return {"q_segment_start": chunk(self.start, qi), "k_segment_end": chunk(k_ends, ki)}
 
 
 @torch.compiler.disable  # point-to-point communication: a graph break under regional compile
@@ -230,10 +265,12 @@ def ring_attention(
     backend: str,
     dropout_p: float = 0.0,
     rng_seed: torch.Tensor | None = None,
+    segments: Segments | None = None,
 ) -> torch.Tensor:
     """Causal ALiBi attention of this cp rank's queries over the whole sequence (module
     docstring). q, k, v: [batch, heads, 2 C, head_dim] in the load-balanced layout; the output
-    likewise. `backend`: "triton" or "sdpa" (`BLOCK_FUNCTIONS`).
+    likewise. `backend`: "triton" or "sdpa" (`BLOCK_FUNCTIONS`). `segments`: the bounds of this
+    rank's tokens' segments (positions in the whole sequence), for packed sequences.
 
     With dropout every block draws the keep-mask of its global positions from one seed
     (kernels.flash_alibi_attention: a pure function of the seed and the positions), so the
@@ -250,7 +287,8 @@ def ring_attention(
     elif rng_seed is None:
         rng_seed = torch.randint(0, 2**62, (), device=q.device, dtype=torch.int64)
         dist.broadcast(rng_seed, group=ring.group, group_src=0)
-    return _RingAttention.apply(q, k, v, slopes, ring, backend, dropout_p, rng_seed)
+    start, end = segments if segments is not None else (None, None)
+    return _RingAttention.apply(q, k, v, slopes, ring, backend, dropout_p, rng_seed, start, end)
 
 
 def apply_context_parallel(model: Bloom, cp_mesh: DeviceMesh) -> None:
@@ -275,7 +313,7 @@ def apply_context_parallel(model: Bloom, cp_mesh: DeviceMesh) -> None:
 
 
 def _ring_attend(ring: Ring, backend: str) -> Callable[..., torch.Tensor]:
-    def attend(q, k, v, slopes, dropout_p=0.0):
-        return ring_attention(q, k, v, slopes, ring, backend, dropout_p)
+    def attend(q, k, v, slopes, dropout_p=0.0, segments=None):
+        return ring_attention(q, k, v, slopes, ring, backend, dropout_p, segments=segments)
 
     return attend

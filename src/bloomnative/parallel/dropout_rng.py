@@ -75,11 +75,11 @@ def tp_rank_stream(tp_rank: int, device: torch.device) -> Iterator[None]:
 def attention_in_tp_rank_stream(attend: AttentionFn, tp_rank: int) -> AttentionFn:
     """`attend` with its dropout drawn from this tensor-parallel rank's stream."""
 
-    def attend_in_rank_stream(q, k, v, slopes, dropout_p=0.0):
+    def attend_in_rank_stream(q, k, v, slopes, dropout_p=0.0, segments=None):
         if not dropout_p:
-            return attend(q, k, v, slopes, dropout_p)
+            return attend(q, k, v, slopes, dropout_p, segments)
         with tp_rank_stream(tp_rank, q.device):
-            return attend(q, k, v, slopes, dropout_p)
+            return attend(q, k, v, slopes, dropout_p, segments)
 
     return attend_in_rank_stream
 

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
 
 from bloomnative.model import Bloom
+from bloomnative.model.attention import Segments
 from bloomnative.parallel.layout_check import check_pipeline_split
 from bloomnative.parallel.schedules import (
     is_multi_stage,
@@ -122,8 +123,8 @@ class _StepLoss:
     def __init__(self) -> None:
         self.current: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
-    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.current(output, labels)
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.current(output, target)
 
 
 @dataclass
@@ -139,13 +140,17 @@ class Pipeline:
     def step(
         self,
         inputs: torch.Tensor,
-        labels: torch.Tensor,
+        target: torch.Tensor,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        segments: Segments | None = None,
     ) -> list[torch.Tensor]:
-        """Forward and backward of one batch (all ranks pass the same `inputs` and `labels`;
-        only the first and last stages use them), each micro batch's loss given by `loss_fn`
-        (already normalised: the schedule does not rescale gradients). Returns the micro-batch
-        losses on the rank holding the last stage, [] elsewhere."""
+        """Forward and backward of one batch (all ranks pass the same `inputs`, `target` and
+        `segments`; only the first stage reads the inputs, the last the target, which
+        `loss_fn(output, target)` receives), each micro batch's loss given by `loss_fn`
+        (already normalised: the schedule does not rescale gradients). `segments`: the packed
+        samples' segment bounds (`Bloom.forward`), split into micro batches as the inputs are
+        and given to every stage. Returns the micro-batch losses on the rank holding the last
+        stage, [] elsewhere."""
         losses: list[torch.Tensor] = []
         placement = self.placement
         self.loss.current = loss_fn
@@ -153,9 +158,10 @@ class Pipeline:
             # return_outputs=False: the last stage keeps no micro batch's logits.
             self.schedule.step(
                 *((inputs,) if placement.has_first else ()),
-                target=labels if placement.has_last else None,
+                target=target if placement.has_last else None,
                 losses=losses if placement.has_last else None,
                 return_outputs=False,
+                **({} if segments is None else {"segments": segments}),
             )
         finally:
             self.loss.current = None
@@ -192,14 +198,14 @@ def build_pipeline(
     placement: PipelineStages, n_microbatches: int, device: torch.device
 ) -> Pipeline:
     """The schedule that trains `placement` (from `split_for_pipeline`) on `n_microbatches`
-    micro batches per step: call `pipeline.step(inputs, labels, loss_fn)` on every pipeline
-    rank (all pass the same batch; the first stage reads the inputs, the last the labels).
+    micro batches per step: call `pipeline.step(inputs, target, loss_fn)` on every pipeline
+    rank (all pass the same batch; the first stage reads the inputs, the last the target).
 
     Where it goes among the plans (last), and why: docs/architecture.md (the order of the
     parallel plans). Build another for another micro-batch count (batch-size rampup); each
     holds receive buffers sized for its count.
 
-    Each step's `loss_fn(output, labels)` is called per micro batch and its value is
+    Each step's `loss_fn(output, target)` is called per micro batch and its value is
     backpropagated as it is (the schedule does not divide by the micro-batch count): return
     that micro batch's share of the step's loss. With the tied embedding on two stages, call
     `TiedWeightSync` after the step. (`check_pipeline_microbatches` says which counts a
@@ -219,13 +225,15 @@ def build_pipeline(
 @torch.no_grad()
 def pipeline_forward_loss(
     placement: PipelineStages,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor, Segments | None]],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
 ) -> torch.Tensor:
-    """Forward only (evaluation): each micro batch goes through the stages in order, every
-    activation sent to the rank of the next stage or kept when that is this rank. Returns the
-    sum of `loss_fn` over the micro batches on the rank holding the last stage, 0 elsewhere.
+    """Forward only (evaluation): each micro batch, ``(inputs, target, segments)``, goes
+    through the stages in order (every stage given its `segments`), every activation sent to
+    the rank of the next stage or kept when that is this rank. Returns the sum of
+    `loss_fn(output, target)` over the micro batches on the rank holding the last stage, 0
+    elsewhere.
 
     Used instead of a schedule's `eval()`, which in torch 2.13 fails where a rank runs two
     stages (interleaved and V schedules) and reuses receive buffers shaped for the training
@@ -237,15 +245,15 @@ def pipeline_forward_loss(
     me = dist.get_rank(placement.group)
     last = placement.num_stages - 1
     total = torch.zeros((), device=device)
-    for inputs, labels in micro_batches:
+    for inputs, target, segments in micro_batches:
         hidden = inputs
         for stage_id in sorted(mine):
             previous = placement.owner(stage_id - 1) if stage_id > 0 else me
             if previous != me:
                 hidden = _recv_activation(placement.group, previous, device)
-            output = mine[stage_id](hidden)
+            output = mine[stage_id](hidden, segments=segments)
             if stage_id == last:
-                total += _local(loss_fn(output, labels))
+                total += _local(loss_fn(output, target))
             elif placement.owner(stage_id + 1) != me:
                 _send_activation(output, placement.group, placement.owner(stage_id + 1))
             else:

@@ -1,7 +1,8 @@
 """A run, worked out once: `resolve_run(config, world_size, device)` derives every fact the
 trainer, preflight and the tools need from a config — the parallel layout, the model's shape with
 every "auto" replaced by what it stands for (attention backend, activation checkpointing, AdamW
-kernel), the EOD whose positions carry no loss, the batch-size schedule and how the data is cut —
+kernel), the EOD whose positions carry no loss, the EOD that cuts attention segments, the pad
+token of packed samples, the batch-size schedule and how the data is cut —
 and checks the layout. Nothing else derives these; the config itself is never changed (the
 resolved copy is `ResolvedRun.config`, what the trainer writes to config.toml).
 
@@ -43,6 +44,12 @@ class DataShaping:
     micro_batch_size: int
     eod_mask_id: int | None
     """The token whose positions carry no loss (data.eod_mask_loss), or None."""
+    document_eod_id: int | None
+    """The EOD that ends each attention segment of a pretraining sample
+    (data.reset_attention_mask), or None."""
+    pad_id: int | None
+    """format = "mtf": the token padding each packed sample (data.pad_token resolved), whose
+    labels count in no loss; None for "gpt"."""
     train_samples: int
     """Samples the training order must hold: every step's batch, plus the windows loss-spike
     rollbacks may skip."""
@@ -163,15 +170,46 @@ def eod_mask_id(data: DataConfig, vocab_size: int) -> int | None:
     """The token whose positions carry no loss: with `data.eod_mask_loss`, the EOD of
     `data.tokenizer` (named by `data.eod_token`, else found as preprocessing finds it); else
     None."""
-    if not data.eod_mask_loss:
+    return _eod_id(data, vocab_size, "data.eod_mask_loss") if data.eod_mask_loss else None
+
+
+def document_eod_id(data: DataConfig, vocab_size: int) -> int | None:
+    """The EOD that closes each attention segment with `data.reset_attention_mask` (found as
+    for `eod_mask_id`); else None."""
+    return (
+        _eod_id(data, vocab_size, "data.reset_attention_mask")
+        if data.reset_attention_mask
+        else None
+    )
+
+
+def pad_id(data: DataConfig, vocab_size: int) -> int | None:
+    """With `data.format = "mtf"`, the padding token of packed samples: `data.pad_token`, else
+    the pad of `data.tokenizer` (`bloomnative.data.pad_token_id`); None for "gpt"."""
+    if data.format != "mtf":
         return None
+    from bloomnative.data import pad_token_id
+
+    try:
+        pad = pad_token_id(data.tokenizer, data.pad_token or None)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.pad_token (empty: the pad of data.tokenizer): {e}") from e
+    if pad >= vocab_size:
+        raise ConfigError(
+            f"data.pad_token: its id {pad} in {data.tokenizer} is outside the model's "
+            f"vocabulary of {vocab_size} (model.vocab_size); name a token the model has"
+        )
+    return pad
+
+
+def _eod_id(data: DataConfig, vocab_size: int, needed_by: str) -> int:
     from bloomnative.data import load_tokenizer
 
     try:
         eod = load_tokenizer(data.tokenizer, data.eod_token or None).eod_id
     except (OSError, ValueError) as e:
         raise ConfigError(
-            f"data.eod_mask_loss needs the EOD token of data.tokenizer (data.eod_token names "
+            f"{needed_by} needs the EOD token of data.tokenizer (data.eod_token names "
             f"it; empty: found as preprocessing finds it): {e}"
         ) from e
     if eod >= vocab_size:
@@ -217,6 +255,8 @@ def _data_shaping(config: Config, vocab_size: int) -> DataShaping:
         seq_len=t.seq_len,
         micro_batch_size=t.micro_batch_size,
         eod_mask_id=eod_mask_id(config.data, vocab_size),
+        document_eod_id=document_eod_id(config.data, vocab_size),
+        pad_id=pad_id(config.data, vocab_size),
         train_samples=(t.steps + reserve) * t.global_batch_size,
         valid_samples=max(v.steps * t.global_batch_size, 1) if v.freq else 0,
         long_seq_len=v.seq_len if v.freq else 0,

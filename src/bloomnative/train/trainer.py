@@ -19,7 +19,7 @@ from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint.reading import CheckpointReader, UnsafeCheckpointError
 from bloomnative.checkpoint.run_record import ARGS_FILE, DATA_FILE, model_fields
 from bloomnative.config import Config
-from bloomnative.data import PretrainingLoader, build_gpt_datasets
+from bloomnative.data import PretrainingLoader, build_gpt_datasets, build_mtf_datasets
 from bloomnative.device import pick_device
 from bloomnative.log import get_logger
 from bloomnative.model import Bloom
@@ -44,12 +44,13 @@ from bloomnative.train.faults import StopRequest
 from bloomnative.train.hang import HangRecorder, enable_flight_recorder
 from bloomnative.train.loss import (
     LossFn,
-    counted_tokens,
     cross_entropy_sum,
     fused_head_cross_entropy_sum,
-    global_token_count,
+    global_loss_weight,
+    loss_target,
+    loss_weight,
     sum_over_ranks,
-    token_mean,
+    weighted_mean,
 )
 from bloomnative.train.lr_schedule import LRClock, LRSchedule
 from bloomnative.train.matmul_precision import apply_tf32
@@ -262,23 +263,31 @@ class Trainer:
             self.hang.watch_pipeline(self._pipeline.stages)
         return self._pipeline
 
-    def _loss_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Token-summed cross-entropy of the last stage's output: logits, or with
-        `model.fused_loss` the final hidden states, to which the loss applies the head."""
+    def _loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Weighted token-summed cross-entropy (train/loss.py) of the last stage's output:
+        logits, or with `model.fused_loss` the final hidden states, to which the loss applies
+        the head. `target`: `loss_target` of the micro batch."""
         if self.head_part is None:
-            return self._cross_entropy_sum(output, labels)
-        return fused_head_cross_entropy_sum(output, self.head_part.lm_head.weight, labels)
+            return self._cross_entropy_sum(output, target)
+        return fused_head_cross_entropy_sum(output, self.head_part.lm_head.weight, target)
+
+    def _build_datasets(self, seq_len: int, num_samples: tuple[int, int, int]) -> tuple:
+        """(train, valid, test) of data.format at `seq_len`."""
+        data, shaping = self.config.data, self.resolved.data
+        seed = self.config.job.seed
+        if data.format == "mtf":
+            return build_mtf_datasets(
+                data.blend, data.split, seq_len, seed, num_samples,
+                cache_dir=shaping.cache_dir, pad_id=shaping.pad_id,
+            )  # fmt: skip
+        return build_gpt_datasets(
+            data.blend, data.split, seq_len, seed, num_samples, shaping.cache_dir
+        )
 
     def _build_data(self) -> None:
         data, shaping = self.config.data, self.resolved.data
-        seed = self.config.job.seed
-        train_ds, valid_ds, _ = build_gpt_datasets(
-            data.blend,
-            data.split,
-            shaping.seq_len,
-            seed,
-            (shaping.train_samples, shaping.valid_samples, 0),
-            shaping.cache_dir,
+        train_ds, valid_ds, _ = self._build_datasets(
+            shaping.seq_len, (shaping.train_samples, shaping.valid_samples, 0)
         )
         dp_rank, dp_size = self.dp_mesh.get_local_rank(), self.dims.dp
         shard = None
@@ -294,18 +303,16 @@ class Trainer:
             prefetch=data.prefetch,
             eod_mask_id=shaping.eod_mask_id,
             sequence_shard=shard,
+            pad_id=shaping.pad_id,
+            norm_target_loss=data.norm_target_loss,
+            document_eod_id=shaping.document_eod_id,
         )
         self.train_loader = loader(train_ds)
         self.make_valid_loader = (lambda: loader(valid_ds)) if valid_ds is not None else None
         self.valid_long = None
         if shaping.long_seq_len:
-            _, long_ds, _ = build_gpt_datasets(
-                data.blend,
-                data.split,
-                shaping.long_seq_len,
-                seed,
-                (1, shaping.valid_samples, 0),
-                shaping.cache_dir,
+            _, long_ds, _ = self._build_datasets(
+                shaping.long_seq_len, (1, shaping.valid_samples, 0)
             )
             self.valid_long = lambda: loader(long_ds)
 
@@ -466,8 +473,10 @@ class Trainer:
         micro batches and returns this rank's share of that mean (a 0-d tensor, no host sync;
         0 on pipeline ranks without the last stage): the shares of all ranks sum to the mean,
         as FSDP sums their gradients (over data- and context-parallel ranks)."""
-        count = global_token_count(micro_batches, self.batch_groups)
-        return self._run_micro_batches(micro_batches, token_mean(self._loss_sum, count), True)
+        total_weight = global_loss_weight(micro_batches, self.batch_groups)
+        return self._run_micro_batches(
+            micro_batches, weighted_mean(self._loss_sum, total_weight), True
+        )
 
     def _run_micro_batches(self, micro_batches, loss_fn: LossFn, train: bool) -> torch.Tensor:
         """The one micro-batch loop of training and evaluation: the sum of `loss_fn` over this
@@ -478,16 +487,17 @@ class Trainer:
             if self.dims.pp > 1 and train:
                 return self._pipeline_forward_backward(micro_batches, loss_fn)
             if self.dims.pp > 1:
+                stage_inputs = [(m.input_ids, loss_target(m), m.segments) for m in micro_batches]
                 return pipeline_forward_loss(
-                    self.pipeline_stages, micro_batches, loss_fn, self.device
+                    self.pipeline_stages, stage_inputs, loss_fn, self.device
                 )
             model = self.model_parts[0]
             total = torch.zeros((), device=self.device)
-            for index, (inputs, labels) in enumerate(micro_batches):
+            for index, micro in enumerate(micro_batches):
                 self.progress.micro_batch = index
                 # The output is not kept in a variable, so the [b, s, vocab] logits are freed
                 # as soon as the loss (and its backward) has used them.
-                loss = loss_fn(model(inputs), labels)
+                loss = loss_fn(model(micro.input_ids, segments=micro.segments), loss_target(micro))
                 if train:
                     loss.backward()
                 total += _local(loss.detach())
@@ -499,9 +509,13 @@ class Trainer:
         n = pipeline_microbatches(
             self.config.parallelism.pp_microbatches, samples, self.config.training.micro_batch_size
         )
-        inputs = torch.cat([x for x, _ in micro_batches])
-        labels = torch.cat([y for _, y in micro_batches])
-        losses = self.pipeline(n).step(inputs, labels, loss_fn)
+        inputs = torch.cat([m.input_ids for m in micro_batches])
+        target = torch.cat([loss_target(m) for m in micro_batches])
+        segments = None
+        if micro_batches[0].segments is not None:
+            starts, ends = zip(*(m.segments for m in micro_batches), strict=True)
+            segments = (torch.cat(starts), torch.cat(ends))
+        losses = self.pipeline(n).step(inputs, target, loss_fn, segments)
         if self.tied_sync is not None:
             self.tied_sync()
         total = torch.zeros((), device=self.device)
@@ -549,20 +563,21 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, make_loader) -> float:
         """Mean token loss over `validation.steps` global batches of a validation loader: their
-        summed token losses over their counted tokens."""
+        summed (weighted) token losses over their total weight (train/loss.py)."""
         loader = make_loader()
         for part in self.model_parts:
             part.eval()
         loss_sum = torch.zeros((), device=self.device)
-        count = torch.zeros((), dtype=torch.int64, device=self.device)
+        total_weight = torch.zeros((), device=self.device)
         for _ in range(self.config.validation.steps):
             batch = loader.next_batch(self.config.training.global_batch_size)
             loss_sum += self._run_micro_batches(batch, self._loss_sum, train=False)
-            count += counted_tokens(batch)
+            total_weight += loss_weight(batch)
         for part in self.model_parts:
             part.train()
-        count = sum_over_ranks(count, self.batch_groups).clamp_(min=1)
-        return self._global_loss(loss_sum / count).item()
+        total_weight = sum_over_ranks(total_weight, self.batch_groups)
+        total_weight = torch.where(total_weight > 0, total_weight, torch.ones_like(total_weight))
+        return self._global_loss(loss_sum / total_weight).item()
 
     # ------------------------------------------------------------------ the loop
 

@@ -897,7 +897,7 @@ def _philox_words(
 
 def dropout_keep_mask(
     rng_seed: torch.Tensor,
-    shape: tuple[int, int, int, int],
+    shape: tuple[int, ...],
     dropout_p: float,
     q_offset: int = 0,
     k_offset: int = 0,
@@ -1290,6 +1290,7 @@ def alibi_attention_block_reference(
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(nan=0.0)  # -inf - -inf: no key
     if dropout_p > 0:
+        assert rng_seed is not None, "dropout needs the rng_seed the kernels drew with"
         keep = dropout_keep_mask(rng_seed, tuple(scores.shape), dropout_p, q_offset, k_offset)
         probs = probs * keep / (1.0 - dropout_p)
     out = (probs @ v.to(scores.dtype)).to(q.dtype)
@@ -1325,6 +1326,7 @@ def alibi_attention_block_backward_reference(
     dprobs = dout @ v.to(compute).transpose(-1, -2)
     kept = probs
     if dropout_p > 0:
+        assert rng_seed is not None, "dropout needs the rng_seed the kernels drew with"
         keep = dropout_keep_mask(rng_seed, tuple(scores.shape), dropout_p, q_offset, k_offset)
         kept = probs * keep / (1.0 - dropout_p)
         dprobs = dprobs * keep / (1.0 - dropout_p)

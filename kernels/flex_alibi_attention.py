@@ -109,6 +109,7 @@ def flex_alibi_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     slopes = slopes.to(device=q.device, dtype=torch.float32)
     seq = q.shape[-2]
+    block_mask: BlockMask | None
     if segments is not None:
         if not causal:
             raise ValueError("flex_alibi_attention: segments are supported with causal only")

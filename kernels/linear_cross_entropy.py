@@ -267,12 +267,12 @@ def _fused_loss_and_grads(
                 _matmul_fp32_(d_hidden_chunk, grad, weight, accumulate=False)
             else:
                 torch.mm(grad, weight, out=d_hidden_chunk)
-        if need_grad_weight:
+        if d_weight_acc is not None:
             _matmul_fp32_(d_weight_acc, grad.t(), h, accumulate=True)
     if parallel and need_grad_hidden:
         dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=group)
         d_hidden = d_hidden.to(hidden.dtype)
-    d_weight = d_weight_acc.to(weight.dtype) if need_grad_weight else weight.new_empty((0,))
+    d_weight = d_weight_acc.to(weight.dtype) if d_weight_acc is not None else weight.new_empty((0,))
     return loss_sum * grad_scale, d_hidden, d_weight
 
 

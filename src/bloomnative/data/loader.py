@@ -141,7 +141,7 @@ class PretrainingLoader:
         """Never serve positions [start, end) of the order (merged with the windows so far)."""
         if not 0 <= start < end:
             raise ValueError(f"a skipped window needs 0 <= start < end, got [{start}, {end})")
-        merged = []
+        merged: list[tuple[int, int]] = []
         for s, e in sorted([*self.skipped, (int(start), int(end))]):
             if merged and s <= merged[-1][1]:
                 merged[-1] = (merged[-1][0], max(merged[-1][1], e))
@@ -196,6 +196,7 @@ class PretrainingLoader:
 
     def _micro_batch(self, samples: dict | torch.Tensor, rows: slice) -> MicroBatch:
         if isinstance(samples, dict):
+            assert self.pad_id is not None  # checked in __init__ for a packed dataset
             return packed_micro_batch(
                 samples["tokens"][rows],
                 samples["segment_ids"][rows],

@@ -63,7 +63,7 @@ class MicroBatch(tuple):
     @property
     def segments(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(segment_start, segment_end)``, what the model's attention takes, or None."""
-        if self.segment_start is None:
+        if self.segment_start is None or self.segment_end is None:
             return None
         return self.segment_start, self.segment_end
 
@@ -77,7 +77,17 @@ class MicroBatch(tuple):
 
     def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
         """A micro batch of ``fn`` applied to every tensor it holds."""
-        return MicroBatch(*(None if t is None else fn(t) for t in self.__getnewargs__()))
+
+        def optional(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return MicroBatch(
+            fn(self[0]),
+            fn(self[1]),
+            optional(self.segment_start),
+            optional(self.segment_end),
+            optional(self.loss_weights),
+        )
 
 
 def packed_micro_batch(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -124,6 +125,7 @@ class _StepLoss:
         self.current: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self.current is not None, "a schedule's loss is called only inside Pipeline.step"
         return self.current(output, target)
 
 
@@ -132,7 +134,7 @@ class Pipeline:
     """A schedule built for one micro-batch count, and the torch stages it runs."""
 
     schedule: _PipelineSchedule
-    stages: list[PipelineStage]
+    stages: Sequence[PipelineStage]
     n_microbatches: int
     placement: PipelineStages
     loss: _StepLoss
@@ -154,6 +156,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         placement = self.placement
         self.loss.current = loss_fn
+        stage_kwargs: dict[str, Any] = {} if segments is None else {"segments": segments}
         try:
             # return_outputs=False: the last stage keeps no micro batch's logits.
             self.schedule.step(
@@ -161,7 +164,7 @@ class Pipeline:
                 target=target if placement.has_last else None,
                 losses=losses if placement.has_last else None,
                 return_outputs=False,
-                **({} if segments is None else {"segments": segments}),
+                **stage_kwargs,
             )
         finally:
             self.loss.current = None
@@ -283,9 +286,9 @@ def _recv_activation(group: dist.ProcessGroup, src: int, device: torch.device) -
     return t
 
 
-def tied_weights(parts: list[Bloom]) -> list[nn.Parameter]:
+def tied_weights(parts: list[Bloom]) -> list[torch.Tensor]:
     """This rank's copies of the tied embedding / head weight (0, 1 or 2 of them)."""
-    found = []
+    found: list[torch.Tensor] = []
     for part in parts:
         if part.word_embeddings is not None:
             found.append(part.word_embeddings.weight)
@@ -324,13 +327,15 @@ class TiedWeightSync:
     def __call__(self) -> None:
         if not self.copies:
             return
-        total = _local(self.copies[0].grad).clone()
-        for p in self.copies[1:]:
-            total += _local(p.grad)
+        grads = [_local(p.grad) for p in self.copies if p.grad is not None]
+        assert len(grads) == len(self.copies), "call it after the backward"
+        total = grads[0].clone()
+        for g in grads[1:]:
+            total += g
         if self.group is not None:
             dist.all_reduce(total, group=self.group)
-        for p in self.copies:
-            _local(p.grad).copy_(total)
+        for g in grads:
+            g.copy_(total)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ planner read them here; none of this builds anything."""
 from __future__ import annotations
 
 import typing
+from collections.abc import Sequence
 
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
@@ -26,7 +27,10 @@ def is_interleaved(schedule: str) -> bool:
 
 
 def stage_layer_counts(
-    n_layer: int, num_stages: int, embedding_as_layer: bool, explicit: list[int] | None = None
+    n_layer: int,
+    num_stages: int,
+    embedding_as_layer: bool,
+    explicit: Sequence[int] | None = None,
 ) -> list[int]:
     """Blocks per stage. BLOOM balanced by counting the embedding and the head as one layer
     each (70 blocks on 12 stages: [5, 6 x 10, 5]); a remainder goes to the middle stages.

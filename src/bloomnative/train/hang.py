@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -85,7 +85,7 @@ class HangRecorder:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.progress = Progress()
 
-    def watch_pipeline(self, stages: list) -> None:
+    def watch_pipeline(self, stages: Sequence[Any]) -> None:
         """Records each computation the schedule runs on `stages` (torch PipelineStages) in
         `progress.pipeline_action`."""
         for stage in stages:

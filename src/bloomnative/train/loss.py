@@ -88,6 +88,7 @@ def loss_weight(micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
     if micro_batches[0].loss_weights is not None:
         total = torch.zeros((), dtype=torch.float32, device=device)
         for micro in micro_batches:
+            assert micro.loss_weights is not None  # all micro batches of a run alike
             total += micro.loss_weights.sum()
         return total
     count = torch.zeros((), dtype=torch.int64, device=device)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -227,9 +228,9 @@ class Trainer:
         self.model_parts = parts
         # With the fused loss, the part holding the head returns hidden states and the loss
         # applies the head.
-        self.head_part = None
+        self.head: nn.Linear | None = None  # on this rank, and applied by the loss
         if cfg.model.fused_loss:
-            self.head_part = next((p for p in parts if p.lm_head is not None), None)
+            self.head = next((p.lm_head for p in parts if p.lm_head is not None), None)
             for part in parts:
                 part.head_in_loss = True
         # Compiled, the cross-entropy reads the logits in their dtype and keeps them for a
@@ -259,6 +260,7 @@ class Trainer:
         batch, so keeping one per count would grow through the whole rampup."""
         if self._pipeline is None or self._pipeline.n_microbatches != n_microbatches:
             self._pipeline = None  # freed before the next one is allocated
+            assert self.pipeline_stages is not None  # pp > 1
             self._pipeline = build_pipeline(self.pipeline_stages, n_microbatches, self.device)
             self.hang.watch_pipeline(self._pipeline.stages)
         return self._pipeline
@@ -267,15 +269,16 @@ class Trainer:
         """Weighted token-summed cross-entropy (train/loss.py) of the last stage's output:
         logits, or with `model.fused_loss` the final hidden states, to which the loss applies
         the head. `target`: `loss_target` of the micro batch."""
-        if self.head_part is None:
+        if self.head is None:
             return self._cross_entropy_sum(output, target)
-        return fused_head_cross_entropy_sum(output, self.head_part.lm_head.weight, target)
+        return fused_head_cross_entropy_sum(output, self.head.weight, target)
 
     def _build_datasets(self, seq_len: int, num_samples: tuple[int, int, int]) -> tuple:
         """(train, valid, test) of data.format at `seq_len`."""
         data, shaping = self.config.data, self.resolved.data
         seed = self.config.job.seed
         if data.format == "mtf":
+            assert shaping.pad_id is not None  # resolved for "mtf"
             return build_mtf_datasets(
                 data.blend, data.split, seq_len, seed, num_samples,
                 cache_dir=shaping.cache_dir, pad_id=shaping.pad_id,
@@ -488,6 +491,7 @@ class Trainer:
                 return self._pipeline_forward_backward(micro_batches, loss_fn)
             if self.dims.pp > 1:
                 stage_inputs = [(m.input_ids, loss_target(m), m.segments) for m in micro_batches]
+                assert self.pipeline_stages is not None
                 return pipeline_forward_loss(
                     self.pipeline_stages, stage_inputs, loss_fn, self.device
                 )

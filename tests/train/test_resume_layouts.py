@@ -48,6 +48,7 @@ PAIRS = [  # (source, target): saved under the one, resumed under the other
     ("cp2", "single"),
 ]
 DAMAGED = "damaged"
+AFRESH = "damaged-afresh"  # the same dump folder, started over
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,13 @@ def runs(synthetic_corpus, tmp_path_factory) -> Runs:
     for source, target in PAIRS:
         if target != "single":
             resume(two, f"{source}-{target}", source, target)
-    # Rank 1's shard of the only checkpoint is truncated.
-    resume(two, DAMAGED, "fsdp2", "fsdp2")
+    # Rank 1's shard of the only checkpoint is truncated: the run stops (exit 2) on both ranks;
+    # asked to start afresh (load_step = 0), it then reproduces the reference.
+    shutil.copytree(out / "saved_fsdp2", out / DAMAGED)
+    damaged_args = args(out / DAMAGED, synthetic_corpus, STEPS, "fsdp2")
+    two.train(DAMAGED, damaged_args, expect=2)
+    two.train(AFRESH, [*damaged_args, "--checkpoint.load_step=0"])
+    by_name[DAMAGED] = by_name[AFRESH] = two
     shard = out / DAMAGED / "checkpoints" / f"step-{SAVED}" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
     two.run()
@@ -116,10 +122,17 @@ def test_resume_under_another_layout_continues_the_losses(runs, source, target):
 
 @pytest.mark.multiprocess
 def test_ranks_agree_on_a_shard_damaged_on_one_of_them(runs):
-    """Rank 1's shard of the only checkpoint is truncated: the ranks split the verification,
-    agree that it is bad, set it aside and start afresh, reproducing the reference run."""
-    reference, resumed = runs.losses("reference"), runs.losses(DAMAGED)
-    set_aside = runs.folder / DAMAGED / "checkpoints" / f"step-{SAVED}.corrupt"
-    assert (set_aside / "__1_0.distcp").stat().st_size == 100
+    """Rank 1's shard of the only checkpoint is truncated: the ranks split the verification and
+    agree that it is bad, so both stop with the same line (exit 2) and nothing is renamed;
+    with checkpoint.load_step = 0 the run starts afresh and reproduces the reference run."""
+    stopped = runs.worlds[DAMAGED].result(DAMAGED)
+    for rank in stopped.ranks:
+        assert rank.returncode == 2
+        assert "holds 1 checkpoint and none can be loaded" in rank.stderr, rank.stderr
+        assert f"step-{SAVED} is corrupt" in rank.stderr and "__1_0.distcp" in rank.stderr
+    runs.worlds[AFRESH].result(AFRESH)
+    replaced = runs.folder / DAMAGED / "checkpoints" / f"step-{SAVED}.replaced"
+    assert (replaced / "__1_0.distcp").stat().st_size == 100
+    reference, resumed = runs.losses("reference"), losses_by_step(runs.folder / DAMAGED)
     for step in range(1, STEPS + 1):
         assert abs(resumed[step] - reference[step]) / reference[step] < 1e-5, step

@@ -160,14 +160,15 @@ def _bias_gelu(dtype: torch.dtype):
     return build
 
 
-def _fused_loss():
+def _fused_loss(token_weights: bool = False):
     def build():
         hidden, head = _leaves(((24, 32), torch.bfloat16, 1.0), ((100, 32), torch.bfloat16, 0.2))
         targets = torch.randint(0, 100, (24,))
         targets[::5] = -100  # ignored rows
+        weights = torch.rand(24) + 0.1 if token_weights else None  # --norm-target-loss
 
         def loss(hidden, head):
-            return linear_cross_entropy(hidden, head, targets, chunk_size=16)
+            return linear_cross_entropy(hidden, head, targets, chunk_size=16, token_weights=weights)
 
         return loss, (hidden, head)
 
@@ -196,6 +197,7 @@ CASES = [
     Case("bias_gelu-bf16", _bias_gelu(torch.bfloat16)),
     Case("bias_gelu-fp32", _bias_gelu(torch.float32)),
     Case("linear_cross_entropy-bf16", _fused_loss()),
+    Case("linear_cross_entropy-bf16-token-weights", _fused_loss(token_weights=True)),
 ]
 
 

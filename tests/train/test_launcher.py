@@ -76,19 +76,20 @@ def test_launcher_variables_become_torchrun_arguments_and_world_sizes():
         cores=16,
     )
     assert settings.world_sizes() == [8, 12]
-    assert settings.torchrun_args() == [
+    assert settings.torchrun_args(node_wait_s=900) == [
         "--nnodes=2:3",
-        "--rdzv-backend=c10d",
+        "--rdzv-backend=bloomnative",
         "--rdzv-endpoint=node0:29500",
+        "--rdzv-conf=join_timeout=900",
         "--nproc-per-node=4",
         "--max-restarts=0",
     ]
     assert (settings.omp_threads, settings.stop_grace_s) == (4, 120)
     single = LaunchSettings.from_env({}, cores=2)
-    assert single.torchrun_args() == ["--standalone", "--nproc-per-node=1", "--max-restarts=3"]
+    assert single.torchrun_args(600) == ["--standalone", "--nproc-per-node=1", "--max-restarts=3"]
     assert single.world_sizes() == [1] and single.omp_threads == 2
     fixed = LaunchSettings.from_env({"NNODES": "2", "RDZV_ENDPOINT": "[fe80::1]:29500"})
-    assert fixed.torchrun_args()[0] == "--nnodes=2" and fixed.world_sizes() == [2]
+    assert fixed.torchrun_args(600)[0] == "--nnodes=2" and fixed.world_sizes() == [2]
 
 
 @pytest.mark.multiprocess

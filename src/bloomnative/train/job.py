@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+CPP_LOG_LEVEL_VAR = "TORCH_CPP_LOG_LEVEL"
 _DIGITS = re.compile(r"[0-9]+")
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
 
@@ -80,7 +81,10 @@ class LaunchSettings:
         """Every number of processes the job may have (one unless NNODES is a range)."""
         return [self.nproc * nodes for nodes in range(self.nnodes[0], self.nnodes[1] + 1)]
 
-    def torchrun_args(self) -> list[str]:
+    def torchrun_args(self, node_wait_s: int) -> list[str]:
+        """torchrun's arguments (for bloomnative.train.launch, which knows the rendezvous
+        backend `bloomnative`); `node_wait_s`: how long a rendezvous waits for every node
+        (job.collective_timeout_s)."""
         if self.nnodes == (1, 1):
             rendezvous = ["--standalone"]
         else:
@@ -88,8 +92,9 @@ class LaunchSettings:
             nodes = str(low) if low == high else f"{low}:{high}"
             rendezvous = [
                 f"--nnodes={nodes}",
-                "--rdzv-backend=c10d",
+                "--rdzv-backend=bloomnative",
                 f"--rdzv-endpoint={self.rdzv_endpoint}",
+                f"--rdzv-conf=join_timeout={node_wait_s}",
             ]
         return [
             *rendezvous,
@@ -120,23 +125,33 @@ def main(argv: list[str]) -> int:
     except LaunchSettingError as e:
         print(f"run_train.sh: {e}", file=sys.stderr)
         return 2
-    from bloomnative.train import launch, preflight  # torch and the rest: after the check
+    # torch and the rest: after the check. The launcher's C++ warnings (socket errors with their
+    # stack frames when a node is lost) are not words for its user: this process logs C++ errors
+    # only unless its user set a level (torch reads it at import); its workers keep torch's.
+    users_cpp_log_level = CPP_LOG_LEVEL_VAR in os.environ
+    os.environ.setdefault(CPP_LOG_LEVEL_VAR, "ERROR")
+    from bloomnative.config import parse_args
+    from bloomnative.train import launch, preflight
 
+    if not users_cpp_log_level:
+        del os.environ[CPP_LOG_LEVEL_VAR]
     code = preflight.preflight(argv, settings.world_sizes())
     if code:
         return code
+    node_wait_s = parse_args(argv).job.collective_timeout_s
     os.environ["OMP_NUM_THREADS"] = str(settings.omp_threads)
     started = time.time()
     code = launch.main(
         [
             f"--stop-grace-s={settings.stop_grace_s}",
-            *settings.torchrun_args(),
+            *settings.torchrun_args(node_wait_s),
             "-m",
             "bloomnative.train.main",
             *argv,
         ]
     )
-    if code:  # a collective that timed out: name the rank that did not arrive
+    if code and code != launch.NODE_LOST_EXIT:  # a collective that timed out: name the rank
+        # that did not arrive (after a lost node, the launcher's line has said why)
         from bloomnative.train import hang
 
         hang.report(argv, since=started)

@@ -25,6 +25,10 @@ them to this process, through the environment it gives them:
   (`report_final_error`), which stops every worker, prints the line once and exits 2 instead
   of letting torchrun restart the job `--max-restarts` times into the same error. Crashes and
   lost ranks are restarted as before.
+
+A lost node (`bloomnative.train.rendezvous`, the rendezvous backend `bloomnative`) is said in
+words: the loss of the rendezvous store, or a node that does not rejoin in time, ends this
+process with exit 3 and one line instead of torchrun's traceback.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import time
 from pathlib import Path
 
 from bloomnative.log import LogSettingError, LogSettings, get_logger, setup_logging
+from bloomnative.train import rendezvous
 
 _log = get_logger(__name__)
 
@@ -51,6 +56,9 @@ FINAL_ERRORS_VAR = "BLOOMNATIVE_FINAL_ERRORS"
 """Set for the workers: the folder where a worker leaves its final error's message."""
 FINAL_ERROR_SIGNAL = signal.SIGUSR2
 """What a worker sends the launcher once its final error's message is written."""
+NODE_LOST_EXIT = 3
+"""The exit code after a lost node ended the job on this node (one line says which and what to
+do)."""
 _WATCH_S = 0.5
 _KILL_WAIT_S = 5.0
 
@@ -233,24 +241,43 @@ class FinalErrors:
 
 
 def _run_torchrun(torchrun, argv: list[str]) -> int:
-    """torchrun with final errors taken care of: 2 after one (its lines printed), else 0."""
+    """torchrun with final errors and lost nodes taken care of: 2 after a final error (its lines
+    printed), NODE_LOST_EXIT after a lost node that ends the job here (its line printed), else
+    0."""
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
     final = FinalErrors()
     final.install()
+    rendezvous.register(before_exit=final.remove)
     try:
         torchrun(argv)
     except FinalWorkerError:
         for line in final.messages():
             print(line, file=sys.stderr, flush=True)
         return 2
+    except rendezvous.NodeLost as e:
+        print(e, file=sys.stderr, flush=True)
+        return NODE_LOST_EXIT
+    except (RendezvousConnectionError, DistNetworkError):
+        print(rendezvous.store_lost_line(_rendezvous_endpoint(argv)), file=sys.stderr, flush=True)
+        return NODE_LOST_EXIT
     finally:
         final.remove()
     return 0
 
 
+def _rendezvous_endpoint(argv: list[str]) -> str:
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser().parse_known_args(argv)[0].rdzv_endpoint
+
+
 def main(argv: list[str]) -> int:
     """Exit codes: torchrun's (0: every worker exited 0, as after a clean stop), 1 workers killed
     at the end of the grace period, 2 a bad --stop-grace-s or BLOOMNATIVE_LOG_* variable, or a
-    worker's final error (configuration, data or checkpoint)."""
+    worker's final error (configuration, data or checkpoint), 3 (NODE_LOST_EXIT) a lost node
+    that ends the job here."""
     try:
         setup_logging(tag="bloomnative launcher", all_to_stderr=True)
     except LogSettingError as e:

@@ -7,6 +7,9 @@
 # min:max; multi-node runs also set RDZV_ENDPOINT=host:port); MAX_RESTARTS (default 3) is how
 # often a crashed or lost rank restarts the job, which resumes from the newest checkpoint that
 # verifies (a configuration, data or checkpoint error is not retried: exit 2).
+# A lost node is named within seconds and may rejoin by running this again on it; the loss of the
+# rendezvous store's node, or a node not back within job.collective_timeout_s: exit 3
+# (docs/cluster.md, "Losing a node").
 # SIGTERM or SIGINT (Ctrl-C) stops the run cleanly: the workers finish their step, save and exit,
 # and so does this command, with code 0. STOP_GRACE_S (default 120) is how long they get before
 # they are killed; keep it below the scheduler's own grace period (Kubernetes'

@@ -43,7 +43,6 @@ import time
 from pathlib import Path
 
 from bloomnative.log import LogSettingError, LogSettings, get_logger, setup_logging
-from bloomnative.train import rendezvous
 
 _log = get_logger(__name__)
 
@@ -247,9 +246,13 @@ def _run_torchrun(torchrun, argv: list[str]) -> int:
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
+    from bloomnative.train import rendezvous
+
     final = FinalErrors()
     final.install()
-    rendezvous.register(before_exit=final.remove)
+    rendezvous.register(
+        workers_running=lambda: bool(children(os.getpid())), before_exit=final.remove
+    )
     try:
         torchrun(argv)
     except FinalWorkerError:
@@ -260,17 +263,24 @@ def _run_torchrun(torchrun, argv: list[str]) -> int:
         print(e, file=sys.stderr, flush=True)
         return NODE_LOST_EXIT
     except (RendezvousConnectionError, DistNetworkError):
-        print(rendezvous.store_lost_line(_rendezvous_endpoint(argv)), file=sys.stderr, flush=True)
+        endpoint = _watched_rendezvous_endpoint(argv)
+        if endpoint is None:  # a single node's store, in this process: not a lost node
+            raise
+        print(rendezvous.store_lost_line(endpoint), file=sys.stderr, flush=True)
         return NODE_LOST_EXIT
     finally:
         final.remove()
     return 0
 
 
-def _rendezvous_endpoint(argv: list[str]) -> str:
+def _watched_rendezvous_endpoint(argv: list[str]) -> str | None:
+    """RDZV_ENDPOINT when torchrun's arguments `argv` name the rendezvous backend `bloomnative`."""
     from torch.distributed.run import get_args_parser
 
-    return get_args_parser().parse_known_args(argv)[0].rdzv_endpoint
+    from bloomnative.train.rendezvous import BACKEND
+
+    args = get_args_parser().parse_known_args(argv)[0]
+    return args.rdzv_endpoint if args.rdzv_backend == BACKEND else None
 
 
 def main(argv: list[str]) -> int:

@@ -9,10 +9,11 @@ first), wrapped so that no launcher waits without saying so:
   or nodes started apart) says what it waits for and for how long (`join_timeout` in
   `--rdzv-conf`, which run_train.sh sets to job.collective_timeout_s); when that runs out the
   launcher ends with one line (`NodeLost`) instead of torchrun's traceback;
-- once a round has formed, every launcher beats a counter of its own in the round's store every
-  `BEAT_S` and watches the others'. A node whose counter has not moved for `LOST_AFTER_S` is
-  named in one line; if this node's workers have already finished (torchrun's exit barrier,
-  which would wait 300 s for it), the launcher ends at once with exit 0. Workers still running
+- once a round has formed, every launcher beats a counter of its own for that round in the
+  rendezvous store every `BEAT_S` and watches the others'. A node whose counter has not moved
+  for `LOST_AFTER_S` is named in one line; if this node's workers have already finished
+  (torchrun's exit barrier, which would wait 300 s for it), the launcher ends at once with
+  exit 0. Workers still running
   find out on their own: their collective fails or times out (job.collective_timeout_s) and
   torchrun restarts them into a new rendezvous, which waits for the lost node to come back.
 
@@ -33,7 +34,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from bloomnative.log import get_logger
 
@@ -63,25 +73,19 @@ def store_lost_line(endpoint: str) -> str:
     )
 
 
-def register(before_exit: Callable[[], None] = lambda: None) -> None:
-    """Makes `--rdzv-backend=bloomnative` known to torchrun in this process (idempotent);
-    `before_exit` runs before a launcher whose workers finished stops waiting for a lost node."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    global _before_exit
-    _before_exit = before_exit
+def register(workers_running: Callable[[], bool], before_exit: Callable[[], None]) -> None:
+    """Makes `--rdzv-backend=bloomnative` known to torchrun in this process (idempotent).
+    `workers_running`: whether this launcher has live workers; `before_exit` runs before a
+    launcher whose workers finished stops waiting for a lost node."""
+    _launcher.update(workers_running=workers_running, before_exit=before_exit)
     rendezvous_handler_registry.register(BACKEND, _create)
 
 
-_before_exit: Callable[[], None] = lambda: None
+_launcher: dict[str, Callable[[], object]] = {}
+"""What `register` was given."""
 
 
-def _create(params: Any) -> WatchedRendezvous:
-    from torch.distributed.elastic.rendezvous import (
-        RendezvousParameters,
-        rendezvous_handler_registry,
-    )
-
+def _create(params: RendezvousParameters) -> RendezvousHandler:
     c10d = RendezvousParameters(
         "c10d",
         params.endpoint,
@@ -99,16 +103,21 @@ def _create(params: Any) -> WatchedRendezvous:
         params.endpoint,
         params.min_nodes,
         params.max_nodes,
-        params.get_as_int("join_timeout", 600),
+        int(params.get("join_timeout", 600)),
     )
 
 
-class WatchedRendezvous:
-    """torchrun's c10d rendezvous handler with words (see the module docstring); everything
-    not defined here is the wrapped handler's."""
+class WatchedRendezvous(RendezvousHandler):
+    """torchrun's c10d rendezvous handler with words (see the module docstring); what is not
+    defined here is the wrapped handler's."""
 
     def __init__(
-        self, handler: Any, endpoint: str, min_nodes: int, max_nodes: int, join_timeout_s: int
+        self,
+        handler: RendezvousHandler,
+        endpoint: str,
+        min_nodes: int,
+        max_nodes: int,
+        join_timeout_s: int,
     ):
         self._handler = handler
         self._endpoint = endpoint
@@ -117,12 +126,20 @@ class WatchedRendezvous:
         self._watch: _PeerWatch | None = None
         self._last_call = time.monotonic()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._handler, name)
+    def get_run_id(self) -> str:
+        return self._handler.get_run_id()
 
-    def next_rendezvous(self) -> Any:
-        from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+    def is_closed(self) -> bool:
+        return self._handler.is_closed()
 
+    def set_closed(self) -> None:
+        self._handler.set_closed()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._handler.use_agent_store
+
+    def next_rendezvous(self) -> RendezvousInfo:
         if self._watch is not None:
             self._watch.stop()
         self._last_call = float("inf")  # not waiting on the agent while in here
@@ -143,6 +160,7 @@ class WatchedRendezvous:
             self._last_call = time.monotonic()
         # The round's workers' address (fresh each round) names the round's beats.
         bootstrap = info.bootstrap_store_info
+        assert bootstrap is not None  # c10d's handler always publishes it
         round_id = f"{bootstrap.master_addr}:{bootstrap.master_port}"
         self._watch = _PeerWatch(
             self._endpoint, round_id, info.rank, info.world_size, self._agent_idle
@@ -172,9 +190,8 @@ class WatchedRendezvous:
     def _agent_idle(self) -> bool:
         """Whether torchrun's agent has stopped polling this handler with no workers left:
         its workers finished and it waits in the exit barrier."""
-        from bloomnative.train.launch import children
-
-        return time.monotonic() - self._last_call > 2 * BEAT_S and not children(os.getpid())
+        idle_s = time.monotonic() - self._last_call
+        return idle_s > 2 * BEAT_S and not _launcher["workers_running"]()
 
 
 class _PeerWatch:
@@ -196,10 +213,7 @@ class _PeerWatch:
         self._stopped = threading.Event()
         threading.Thread(target=self._run, name="bloomnative-peer-watch", daemon=True).start()
 
-    def _connect(self) -> Any:
-        import torch.distributed as dist
-        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
+    def _connect(self) -> dist.Store:
         host, port = parse_rendezvous_endpoint(self._endpoint, default_port=29400)
         store = dist.TCPStore(
             host, port, is_master=False, timeout=datetime.timedelta(seconds=LOST_AFTER_S)
@@ -249,7 +263,7 @@ class _PeerWatch:
                     "this node's workers have finished: not waiting for the lost node in "
                     "torchrun's exit barrier"
                 )
-                _before_exit()
+                _launcher["before_exit"]()
                 sys.stderr.flush()
                 os._exit(0)
             idle_before = idle

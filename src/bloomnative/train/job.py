@@ -9,6 +9,8 @@ are parsed here as text: none of them reaches a shell, an arithmetic expansion o
     NPROC           processes on this node (default 1)
     NNODES          nodes (default 1), or an elastic range min:max
     RDZV_ENDPOINT   host:port of the rendezvous, required when NNODES is not 1
+    RDZV_LAST_CALL_S  with an elastic range: seconds the rendezvous waits for more nodes once
+                    min have joined, at the start and after a node is lost (default 30)
     MAX_RESTARTS    restarts of the job after a crashed or lost rank (default 3)
     STOP_GRACE_S    seconds the workers get to save after SIGTERM/Ctrl-C (default 120)
     OMP_NUM_THREADS CPU threads per process (default: this machine's cores / NPROC, at least 1)
@@ -51,6 +53,10 @@ class LaunchSettings:
     max_restarts: int = 3
     stop_grace_s: int = 120
     omp_threads: int = 1
+    rdzv_last_call_s: int = 30
+    """With an elastic range: how long a rendezvous that has its minimum of nodes waits for more
+    before it starts the job (torch's last_call_timeout, 30 s by default): at the start, and when
+    the survivors of a lost node gather again."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, cores: int = 1) -> LaunchSettings:
@@ -74,6 +80,9 @@ class LaunchSettings:
             omp_threads=_whole(
                 env, "OMP_NUM_THREADS", max(cores // nproc, 1), 1, "a whole number, 1 or more"
             ),
+            rdzv_last_call_s=_whole(
+                env, "RDZV_LAST_CALL_S", 30, 1, "a whole number of seconds, 1 or more"
+            ),
         )
 
     def world_sizes(self) -> list[int]:
@@ -91,6 +100,8 @@ class LaunchSettings:
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={self.rdzv_endpoint}",
             ]
+            if low != high:
+                rendezvous.append(f"--rdzv-conf=last_call_timeout={self.rdzv_last_call_s}")
         return [
             *rendezvous,
             f"--nproc-per-node={self.nproc}",
@@ -122,7 +133,7 @@ def main(argv: list[str]) -> int:
         return 2
     from bloomnative.train import launch, preflight  # torch and the rest: after the check
 
-    code = preflight.preflight(argv, settings.world_sizes())
+    code = preflight.preflight(argv, settings.world_sizes(), settings)
     if code:
         return code
     os.environ["OMP_NUM_THREADS"] = str(settings.omp_threads)

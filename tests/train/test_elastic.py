@@ -2,11 +2,14 @@
 job (NNODES=1:2, NPROC=2 each); one is killed after a checkpoint, and the survivor's torchrun
 restarts its workers as a world of 2, which resumes from the newest verified checkpoint at the
 same global batch (twice the accumulation), the same sample order and the same learning-rate
-clock: every step's loss equals the uninterrupted 4-process run's. Preflight refuses a node range
-whose smallest world cannot hold the layout, in one line, before any worker starts."""
+clock: every step's loss equals the uninterrupted 4-process run's. Each world size gets the memory
+planner's least-memory layout within the fixed tp and pp, and its own "auto" recomputation.
+Preflight refuses a node range whose smallest world cannot hold the layout, in one line, before
+any worker starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -15,8 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from bloomnative.config import model_args_from_config, parse_args
+from bloomnative.planner import estimate, workload_from_config
 from bloomnative.train.job import LaunchSettings
 from bloomnative.train.preflight import preflight
+from bloomnative.train.run import resolve_run
 from launching import REPO, start, train_env, wait_for
 from slurm_cluster import free_port
 from training_helpers import TINY_RUN, metric_rows, run_training
@@ -159,3 +165,37 @@ def test_preflight_names_the_node_count_whose_world_cannot_hold_the_layout(
     # One node more or less: every world size of the range holds it.
     fits = LaunchSettings.from_env({"NPROC": "2", "NNODES": "1:2", "RDZV_ENDPOINT": "n0:29500"})
     assert preflight(argv, fits.world_sizes(), fits) == 0
+
+
+def test_each_world_of_the_range_gets_the_planners_least_memory_layout_and_recompute():
+    """BLOOM-1b7 on 1, 2 or 4 nodes of 8 GPUs (tp = pp = 2 fixed): at each world size the
+    layout resolved (dp_shard takes what tp x pp leave) needs no more memory per device, by the
+    planner, than any other split of its data-parallel ranks into replicas and shards, and
+    "auto" recomputation is planned for that size: the smallest world recomputes more."""
+    config = parse_args(
+        [
+            f"--config={REPO / 'configs' / 'bloom-1b7.toml'}",
+            "--parallelism.tp=2",
+            "--parallelism.pp=2",
+            "--activation_checkpoint.memory_budget_gib=20",
+        ]
+    )
+    args = model_args_from_config(config.model)
+    recomputed_every = {}
+    for world_size in (8, 16, 32):
+        run = resolve_run(config, world_size, "cpu")
+        assert (run.dims.tp, run.dims.pp, run.dims.dp) == (2, 2, world_size // 4)
+        chosen = run.planner_layout()
+        need = lambda layout: (
+            estimate(args, layout, workload_from_config(config, layout, "cpu")).worst.device_bytes
+        )
+        dp = run.dims.dp
+        others = [
+            dataclasses.replace(chosen, dp_replicate=r, dp_shard=dp // r)
+            for r in range(2, dp + 1)
+            if dp % r == 0
+        ]
+        assert others and all(need(chosen) < need(other) for other in others), world_size
+        assert run.recompute is not None and run.recompute.mode != "none"
+        recomputed_every[world_size] = run.recompute.every  # full: every block (1)
+    assert recomputed_every[8] < recomputed_every[32], recomputed_every

@@ -10,25 +10,28 @@ any worker starts."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
 import subprocess
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
 from bloomnative.config import model_args_from_config, parse_args
 from bloomnative.planner import estimate, workload_from_config
-from bloomnative.train.job import LaunchSettings
+from bloomnative.train.job import RENDEZVOUS_VAR, LaunchSettings
 from bloomnative.train.preflight import preflight
 from bloomnative.train.run import resolve_run
+from bloomnative.train.run_lock import DumpFolderInUseError, RunLock, this_process
 from launching import REPO, start, train_env, wait_for
 from slurm_cluster import free_port
 from training_helpers import TINY_RUN, metric_rows, run_training
 
 RUN_TRAIN = str(REPO / "run_train.sh")
-STEPS = 30  # long enough that the kill lands mid-run
+STEPS = 12  # the kill lands after the first checkpoint (step 2), well before the end
 SAVE_EVERY = 2  # the steps replayed after the kill: those since the newest checkpoint
 LAST_CALL_S = 5  # how long the rendezvous waits for more nodes once one has joined
 STARTED = re.compile(r"\(world (\d+)\), device \S+, dtype \S+, starting at step (\d+)")
@@ -149,14 +152,14 @@ def test_preflight_names_the_node_count_whose_world_cannot_hold_the_layout(
     global batch of 8 over 6 data-parallel ranks."""
     launch = LaunchSettings.from_env({"NPROC": "2", "NNODES": "1:3", "RDZV_ENDPOINT": "n0:29500"})
     argv = [*TINY_RUN, f"--data.blend={synthetic_corpus}", f"--job.dump_folder={tmp_path}"]
-    assert preflight([*argv, "--parallelism.tp=4"], launch.world_sizes(), launch) == 2
+    assert preflight([*argv, "--parallelism.tp=4"], launch.world_sizes(), launch.nnodes) == 2
     assert capsys.readouterr().err.splitlines() == [
         "config error: NNODES=1:3: an elastic job may run on 1 to 3 nodes of NPROC=2 processes, "
         "but at 1 node (world size 2): world size 2 is not divisible by dp_replicate*cp*tp*pp = "
         "1*1*4*1 = 4; change NPROC or the degrees; the layout holds at 2 nodes: set NNODES=2, "
         "or a layout that 2 processes can run"
     ]
-    assert preflight(argv, launch.world_sizes(), launch) == 2
+    assert preflight(argv, launch.world_sizes(), launch.nnodes) == 2
     line = capsys.readouterr().err.splitlines()[-1]
     assert line.startswith("config error: NNODES=1:3: ") and "at 3 nodes (world size 6): " in line
     assert "batch size 8 is not divisible by micro_batch_size * dp = 2 * 6" in line
@@ -164,7 +167,7 @@ def test_preflight_names_the_node_count_whose_world_cannot_hold_the_layout(
                          "processes can run")  # fmt: skip
     # One node more or less: every world size of the range holds it.
     fits = LaunchSettings.from_env({"NPROC": "2", "NNODES": "1:2", "RDZV_ENDPOINT": "n0:29500"})
-    assert preflight(argv, fits.world_sizes(), fits) == 0
+    assert preflight(argv, fits.world_sizes(), fits.nnodes) == 0
 
 
 def test_each_world_of_the_range_gets_the_planners_least_memory_layout_and_recompute():
@@ -199,3 +202,35 @@ def test_each_world_of_the_range_gets_the_planners_least_memory_layout_and_recom
         assert run.recompute is not None and run.recompute.mode != "none"
         recomputed_every[world_size] = run.recompute.every  # full: every block (1)
     assert recomputed_every[8] < recomputed_every[32], recomputed_every
+
+
+@pytest.mark.parametrize(
+    "ours,theirs,taken",
+    [
+        ("node0:29500", "node0:29500", True),  # rank 0 of this job's earlier world, node lost
+        ("node0:29500", "node0:29600", False),  # another job's
+        ("node0:29500", None, False),  # a single-node run's, or one from before the field
+        ("", "node0:29500", False),  # this run is not a multi-node job
+    ],
+)
+def test_a_lock_from_another_host_is_taken_over_only_from_an_earlier_world_of_this_job(
+    tmp_path, monkeypatch, ours, theirs, taken
+):
+    """The node that held rank 0 (and the dump folder's lock) is lost: the smaller world's rank
+    0, on another host, takes the lock over when it names this job's rendezvous."""
+    holder = {**this_process(), "host": "node7-lost", "pid": 4321}
+    holder.pop("rendezvous", None)
+    if theirs is not None:
+        holder["rendezvous"] = theirs
+    (tmp_path / "run.lock").write_text(json.dumps(holder) + "\n")
+    monkeypatch.setenv(RENDEZVOUS_VAR, ours)
+    lock = RunLock(tmp_path)
+    if taken:
+        lock.acquire()
+        assert json.loads((tmp_path / "run.lock").read_text()) == this_process() | {"started": ANY}
+        lock.release()
+        assert not (tmp_path / "run.lock").exists()
+    else:
+        with pytest.raises(DumpFolderInUseError, match="in use by a run on another host"):
+            lock.acquire()
+        assert json.loads((tmp_path / "run.lock").read_text()) == holder

@@ -25,6 +25,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+RENDEZVOUS_VAR = "BLOOMNATIVE_RENDEZVOUS"
+"""Set for the workers of a multi-node job: its rendezvous endpoint, which the dump folder's lock
+records (train/run_lock.py: a restarted world may take over its earlier worlds' lock from
+another host)."""
+
 _DIGITS = re.compile(r"[0-9]+")
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
 
@@ -133,10 +138,12 @@ def main(argv: list[str]) -> int:
         return 2
     from bloomnative.train import launch, preflight  # torch and the rest: after the check
 
-    code = preflight.preflight(argv, settings.world_sizes(), settings)
+    code = preflight.preflight(argv, settings.world_sizes(), settings.nnodes)
     if code:
         return code
     os.environ["OMP_NUM_THREADS"] = str(settings.omp_threads)
+    if settings.nnodes != (1, 1):
+        os.environ[RENDEZVOUS_VAR] = settings.rdzv_endpoint
     started = time.time()
     code = launch.main(
         [

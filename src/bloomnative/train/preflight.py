@@ -17,7 +17,6 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,9 +29,6 @@ from bloomnative.parallel import LayoutError
 from bloomnative.planner import PlanError
 from bloomnative.train.run import ResolvedRun, resolve_run
 from bloomnative.train.tracking import check_wandb_installed
-
-if TYPE_CHECKING:
-    from bloomnative.train.job import LaunchSettings
 
 _log = get_logger(__name__)
 
@@ -217,14 +213,15 @@ def check_runs(
     config: Config,
     world_sizes: Sequence[int],
     device: torch.device | str,
-    launch: LaunchSettings | None = None,
+    nodes: tuple[int, int] = (1, 1),
 ) -> list[ResolvedRun]:
-    """`check_run` for each of `world_sizes`. With an elastic node range (`launch.nnodes`
-    min:max), a world size whose layout does not hold (a fixed tp x pp x cp that does not divide
-    it, a global batch that does not split over its data-parallel ranks, nothing that fits its
-    memory) is named by its number of nodes, with the node counts of the range that do hold the
-    layout: a job that shrinks to that size after losing a node would stop there instead."""
-    elastic = launch is not None and launch.nnodes[0] != launch.nnodes[1]
+    """`check_run` for each of `world_sizes`, those of `nodes` = (min, max) nodes in order. With
+    an elastic node range (NNODES=min:max, min < max), a world size whose layout does not hold (a
+    fixed tp x pp x cp that does not divide it, a global batch that does not split over its
+    data-parallel ranks, nothing that fits its memory) is named by its number of nodes, with the
+    node counts of the range that do hold the layout: a job that shrinks to that size after
+    losing a node would stop there instead."""
+    elastic = nodes[0] != nodes[1]
     runs, failures = [], {}
     for world_size in world_sizes:
         try:
@@ -234,15 +231,14 @@ def check_runs(
                 raise
             failures[world_size] = e
     if failures:
-        assert launch is not None
-        raise LayoutError(_node_range_error(launch, failures))
+        raise LayoutError(_node_range_error(nodes, world_sizes[0] // nodes[0], failures))
     return runs
 
 
-def _node_range_error(launch: LaunchSettings, failures: dict[int, Exception]) -> str:
+def _node_range_error(nodes: tuple[int, int], nproc: int, failures: dict[int, Exception]) -> str:
     """One line: the first world size of the node range whose layout does not hold, why, and the
     node counts that hold it."""
-    (low, high), nproc = launch.nnodes, launch.nproc
+    low, high = nodes
     world_size = min(failures)
     nodes = world_size // nproc
     holding = [n for n in range(low, high + 1) if n * nproc not in failures]
@@ -267,17 +263,17 @@ def _node_range_error(launch: LaunchSettings, failures: dict[int, Exception]) ->
 
 
 def preflight(
-    argv: Sequence[str], world_sizes: Sequence[int], launch: LaunchSettings | None = None
+    argv: Sequence[str], world_sizes: Sequence[int], nodes: tuple[int, int] = (1, 1)
 ) -> int:
     """Every check above for the run `argv` (`--config FILE --section.key=value ...`) describes,
-    the layout for each of `world_sizes` (an elastic job's possible sizes, from `launch`: see
-    `check_runs`); prints the one-line error and returns 2, or logs what was checked and returns
-    0."""
+    the layout for each of `world_sizes` (an elastic job's possible sizes, on `nodes` = (min,
+    max) nodes: see `check_runs`); prints the one-line error and returns 2, or logs what was
+    checked and returns 0."""
     try:
         setup_logging(all_to_stderr=True)
         config = parse_args(list(argv))
         device = pick_device(config.job.device)
-        runs = check_runs(config, world_sizes, device, launch)
+        runs = check_runs(config, world_sizes, device, nodes)
         run = runs[-1]
         data = check_data(config, run)
         check_output_folders(config, run)

@@ -240,7 +240,7 @@ def _node_range_error(nodes: tuple[int, int], nproc: int, failures: dict[int, Ex
     node counts that hold it."""
     low, high = nodes
     world_size = min(failures)
-    nodes = world_size // nproc
+    count = world_size // nproc
     holding = [n for n in range(low, high + 1) if n * nproc not in failures]
     if not holding:
         advice = "no node count of the range holds it: change the layout or NPROC"
@@ -257,7 +257,7 @@ def _node_range_error(nodes: tuple[int, int], nproc: int, failures: dict[int, Ex
         )
     return (
         f"NNODES={low}:{high}: an elastic job may run on {low} to {high} nodes of NPROC={nproc} "
-        f"processes, but at {nodes} node{'s' if nodes > 1 else ''} (world size {world_size}): "
+        f"processes, but at {count} node{'s' if count > 1 else ''} (world size {world_size}): "
         f"{failures[world_size]}; {advice}"
     )
 

@@ -4,9 +4,11 @@
 #   NPROC=8 ./run_train.sh --parallelism.tp=2 --parallelism.pp=2 --training.micro_batch_size=1
 # Relative paths (--config, data, dump folder) are relative to the directory you run it from.
 # NPROC (default 1) is the number of processes on this node (NNODES nodes, or an elastic range
-# min:max; multi-node runs also set RDZV_ENDPOINT=host:port); MAX_RESTARTS (default 3) is how
-# often a crashed or lost rank restarts the job, which resumes from the newest checkpoint that
-# verifies (a configuration, data or checkpoint error is not retried: exit 2).
+# min:max that goes on with fewer nodes when it loses one; multi-node runs also set
+# RDZV_ENDPOINT=host:port; RDZV_LAST_CALL_S, default 30, is how long an elastic rendezvous waits
+# for more nodes once min have joined); MAX_RESTARTS (default 3) is how often a crashed or lost
+# rank restarts the job, which resumes from the newest checkpoint that verifies (a
+# configuration, data or checkpoint error is not retried: exit 2).
 # A lost node is named within seconds and may rejoin by running this again on it; the loss of the
 # rendezvous store's node, or a node not back within job.collective_timeout_s: exit 3
 # (docs/cluster.md, "Losing a node").

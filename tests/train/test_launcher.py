@@ -62,6 +62,8 @@ def test_a_launcher_variable_is_parsed_never_run_by_the_shell(tmp_path, name):
         ({"NNODES": "1:2:3"}, "NNODES='1:2:3'"),
         ({"NNODES": "2"}, "RDZV_ENDPOINT=''"),
         ({"NNODES": "2", "RDZV_ENDPOINT": "node0;reboot:29500"}, "RDZV_ENDPOINT='node0;reboot"),
+        ({"RDZV_LAST_CALL_S": "0"}, "RDZV_LAST_CALL_S='0'"),
+        ({"RDZV_LAST_CALL_S": "$(reboot)"}, "RDZV_LAST_CALL_S='$(reboot)'"),
     ],
 )
 def test_a_malformed_launcher_variable_is_named(env, named):
@@ -80,16 +82,21 @@ def test_launcher_variables_become_torchrun_arguments_and_world_sizes():
         "--nnodes=2:3",
         "--rdzv-backend=bloomnative",
         "--rdzv-endpoint=node0:29500",
-        "--rdzv-conf=join_timeout=900",
+        "--rdzv-conf=join_timeout=900,last_call_timeout=30",
         "--nproc-per-node=4",
         "--max-restarts=0",
     ]
+    quick = LaunchSettings.from_env(
+        {"NNODES": "1:2", "RDZV_ENDPOINT": "node0:29500", "RDZV_LAST_CALL_S": "5"}
+    )
+    assert "--rdzv-conf=join_timeout=600,last_call_timeout=5" in quick.torchrun_args(600)
     assert (settings.omp_threads, settings.stop_grace_s) == (4, 120)
     single = LaunchSettings.from_env({}, cores=2)
     assert single.torchrun_args(600) == ["--standalone", "--nproc-per-node=1", "--max-restarts=3"]
     assert single.world_sizes() == [1] and single.omp_threads == 2
     fixed = LaunchSettings.from_env({"NNODES": "2", "RDZV_ENDPOINT": "[fe80::1]:29500"})
     assert fixed.torchrun_args(600)[0] == "--nnodes=2" and fixed.world_sizes() == [2]
+    assert "--rdzv-conf=join_timeout=600" in fixed.torchrun_args(600)  # no last call
 
 
 @pytest.mark.multiprocess

@@ -9,6 +9,8 @@ are parsed here as text: none of them reaches a shell, an arithmetic expansion o
     NPROC           processes on this node (default 1)
     NNODES          nodes (default 1), or an elastic range min:max
     RDZV_ENDPOINT   host:port of the rendezvous, required when NNODES is not 1
+    RDZV_LAST_CALL_S  with an elastic range: seconds the rendezvous waits for more nodes once
+                    min have joined, at the start and after a node is lost (default 30)
     MAX_RESTARTS    restarts of the job after a crashed or lost rank (default 3)
     STOP_GRACE_S    seconds the workers get to save after SIGTERM/Ctrl-C (default 120)
     OMP_NUM_THREADS CPU threads per process (default: this machine's cores / NPROC, at least 1)
@@ -23,7 +25,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+RENDEZVOUS_VAR = "BLOOMNATIVE_RENDEZVOUS"
+"""Set for the workers of a multi-node job: its rendezvous endpoint, which the dump folder's lock
+records (train/run_lock.py: a restarted world may take over its earlier worlds' lock from
+another host)."""
 CPP_LOG_LEVEL_VAR = "TORCH_CPP_LOG_LEVEL"
+
 _DIGITS = re.compile(r"[0-9]+")
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
 
@@ -52,6 +59,10 @@ class LaunchSettings:
     max_restarts: int = 3
     stop_grace_s: int = 120
     omp_threads: int = 1
+    rdzv_last_call_s: int = 30
+    """With an elastic range: how long a rendezvous that has its minimum of nodes waits for more
+    before it starts the job (torch's last_call_timeout, 30 s by default): at the start, and when
+    the survivors of a lost node gather again."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, cores: int = 1) -> LaunchSettings:
@@ -75,6 +86,9 @@ class LaunchSettings:
             omp_threads=_whole(
                 env, "OMP_NUM_THREADS", max(cores // nproc, 1), 1, "a whole number, 1 or more"
             ),
+            rdzv_last_call_s=_whole(
+                env, "RDZV_LAST_CALL_S", 30, 1, "a whole number of seconds, 1 or more"
+            ),
         )
 
     def world_sizes(self) -> list[int]:
@@ -94,8 +108,11 @@ class LaunchSettings:
                 f"--nnodes={nodes}",
                 "--rdzv-backend=bloomnative",
                 f"--rdzv-endpoint={self.rdzv_endpoint}",
-                f"--rdzv-conf=join_timeout={node_wait_s}",
             ]
+            conf = f"join_timeout={node_wait_s}"  # one --rdzv-conf: torchrun keeps the last
+            if low != high:
+                conf += f",last_call_timeout={self.rdzv_last_call_s}"
+            rendezvous.append(f"--rdzv-conf={conf}")
         return [
             *rendezvous,
             f"--nproc-per-node={self.nproc}",
@@ -135,11 +152,13 @@ def main(argv: list[str]) -> int:
 
     if not users_cpp_log_level:
         del os.environ[CPP_LOG_LEVEL_VAR]
-    code = preflight.preflight(argv, settings.world_sizes())
+    code = preflight.preflight(argv, settings.world_sizes(), settings.nnodes)
     if code:
         return code
     node_wait_s = parse_args(argv).job.collective_timeout_s
     os.environ["OMP_NUM_THREADS"] = str(settings.omp_threads)
+    if settings.nnodes != (1, 1):
+        os.environ[RENDEZVOUS_VAR] = settings.rdzv_endpoint
     started = time.time()
     code = launch.main(
         [

@@ -209,15 +209,71 @@ def check_run(config: Config, world_size: int, device: torch.device | str = "cpu
     return run
 
 
-def preflight(argv: Sequence[str], world_sizes: Sequence[int]) -> int:
+def check_runs(
+    config: Config,
+    world_sizes: Sequence[int],
+    device: torch.device | str,
+    nodes: tuple[int, int] = (1, 1),
+) -> list[ResolvedRun]:
+    """`check_run` for each of `world_sizes`, those of `nodes` = (min, max) nodes in order. With
+    an elastic node range (NNODES=min:max, min < max), a world size whose layout does not hold (a
+    fixed tp x pp x cp that does not divide it, a global batch that does not split over its
+    data-parallel ranks, nothing that fits its memory) is named by its number of nodes, with the
+    node counts of the range that do hold the layout: a job that shrinks to that size after
+    losing a node would stop there instead."""
+    elastic = nodes[0] != nodes[1]
+    runs, failures = [], {}
+    for world_size in world_sizes:
+        try:
+            runs.append(check_run(config, world_size, device))
+        except (LayoutError, PlanError) as e:
+            if not elastic:
+                raise
+            failures[world_size] = e
+    if failures:
+        raise LayoutError(_node_range_error(nodes, world_sizes[0] // nodes[0], failures))
+    return runs
+
+
+def _node_range_error(nodes: tuple[int, int], nproc: int, failures: dict[int, Exception]) -> str:
+    """One line: the first world size of the node range whose layout does not hold, why, and the
+    node counts that hold it."""
+    low, high = nodes
+    world_size = min(failures)
+    count = world_size // nproc
+    holding = [n for n in range(low, high + 1) if n * nproc not in failures]
+    if not holding:
+        advice = "no node count of the range holds it: change the layout or NPROC"
+    else:
+        # The longest run of holding node counts that ends at the largest one.
+        first = holding[-1]
+        while first - 1 in holding:
+            first -= 1
+        counts = ", ".join(map(str, holding))
+        valid = str(first) if first == holding[-1] else f"{first}:{holding[-1]}"
+        advice = (
+            f"the layout holds at {counts} node{'s' if holding != [1] else ''}: set "
+            f"NNODES={valid}, or a layout that {world_size} processes can run"
+        )
+    return (
+        f"NNODES={low}:{high}: an elastic job may run on {low} to {high} nodes of NPROC={nproc} "
+        f"processes, but at {count} node{'s' if count > 1 else ''} (world size {world_size}): "
+        f"{failures[world_size]}; {advice}"
+    )
+
+
+def preflight(
+    argv: Sequence[str], world_sizes: Sequence[int], nodes: tuple[int, int] = (1, 1)
+) -> int:
     """Every check above for the run `argv` (`--config FILE --section.key=value ...`) describes,
-    the layout for each of `world_sizes` (an elastic job's possible sizes); prints the one-line
-    error and returns 2, or logs what was checked and returns 0."""
+    the layout for each of `world_sizes` (an elastic job's possible sizes, on `nodes` = (min,
+    max) nodes: see `check_runs`); prints the one-line error and returns 2, or logs what was
+    checked and returns 0."""
     try:
         setup_logging(all_to_stderr=True)
         config = parse_args(list(argv))
         device = pick_device(config.job.device)
-        runs = [check_run(config, world_size, device) for world_size in world_sizes]
+        runs = check_runs(config, world_sizes, device, nodes)
         run = runs[-1]
         data = check_data(config, run)
         check_output_folders(config, run)

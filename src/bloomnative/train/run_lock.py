@@ -10,10 +10,13 @@ A lock left by a run that died without removing it (SIGKILL, a crashed node, tor
 after a failure) is stale and is taken over, with a line saying so: on the same host when its
 pid is gone, or belongs to a process that started at another time, or the host has rebooted
 since. A lock held from another host cannot be checked from here (its pid means nothing on
-this one) and is never taken over: the message says to delete it once that run is known to be
-gone. Checking and taking the lock happen under an exclusive `flock` of the lock file, so two
-runs starting together cannot both take it (where the file system supports flock; NFS maps it
-to its own locks).
+this one) and is not taken over, the message saying to delete it once that run is known to be
+gone, unless it was taken by rank 0 of an earlier world of this same multi-node job (the lock
+records the job's rendezvous endpoint, which the launcher passes on): torchrun stops a world's
+workers before it gathers the next one, so that holder is gone, or cut off with a lost node, and
+the job, shrunk to the nodes it has left, goes on. Checking and taking the lock happen under an
+exclusive `flock` of the lock file, so two runs starting together cannot both take it (where the
+file system supports flock; NFS maps it to its own locks).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from bloomnative.log import get_logger
+from bloomnative.train.job import RENDEZVOUS_VAR
 
 _log = get_logger(__name__)
 
@@ -60,14 +64,17 @@ def _start_ticks(pid: int) -> int | None:
 
 
 def this_process() -> dict:
-    """The lock's content for this process."""
-    return {
+    """The lock's content for this process (and, in a multi-node job, its rendezvous)."""
+    holder = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "start_ticks": _start_ticks(os.getpid()),
         "boot_id": _boot_id(),
     }
+    if rendezvous := os.environ.get(RENDEZVOUS_VAR, ""):
+        holder["rendezvous"] = rendezvous
+    return holder
 
 
 def is_stale(holder: dict) -> bool:
@@ -79,6 +86,17 @@ def is_stale(holder: dict) -> bool:
         return True
     ticks = _start_ticks(int(holder.get("pid", -1)))
     return ticks is None or ticks != holder.get("start_ticks")
+
+
+def is_earlier_world_of_this_job(holder: dict) -> bool:
+    """Whether a lock from another host was taken by rank 0 of an earlier world of this
+    multi-node job: the same rendezvous endpoint, which only one job can hold at a time."""
+    rendezvous = os.environ.get(RENDEZVOUS_VAR, "")
+    return (
+        bool(rendezvous)
+        and holder.get("rendezvous") == rendezvous
+        and holder.get("host") != socket.gethostname()
+    )
 
 
 def describe(holder: dict) -> str:
@@ -102,9 +120,18 @@ class RunLock:
         with self._exclusive() as f:
             holder = _read(f)
             if holder and holder.get("pid") != os.getpid():
-                if not is_stale(holder):
+                if is_stale(holder):
+                    _log.info(
+                        f"{self.path}: taking over the lock of {describe(holder)}, which is gone"
+                    )
+                elif is_earlier_world_of_this_job(holder):
+                    _log.info(
+                        f"{self.path}: taking over the lock of {describe(holder)}, rank 0 of an "
+                        f"earlier world of this job (rendezvous {holder['rendezvous']}), which "
+                        "torchrun has stopped or lost"
+                    )
+                else:
                     raise DumpFolderInUseError(self._in_use(holder))
-                _log.info(f"{self.path}: taking over the lock of {describe(holder)}, which is gone")
             f.seek(0)
             f.truncate()
             f.write(json.dumps(this_process()) + "\n")

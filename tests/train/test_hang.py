@@ -140,7 +140,7 @@ def test_run_train_shs_launcher_prints_the_summary_of_its_failed_jobs_hang(
             write_record(dump / "hang", rank, seq, at=time.time())
         return 1
 
-    monkeypatch.setattr(preflight, "preflight", lambda argv, world_sizes: 0)
+    monkeypatch.setattr(preflight, "preflight", lambda argv, world_sizes, nnodes: 0)
     monkeypatch.setattr(launch, "main", job_that_hangs)
     monkeypatch.setenv("NPROC", "1")
     assert job.main(["--config=configs/debug.toml", f"--job.dump_folder={dump}"]) == 1

@@ -20,6 +20,10 @@ from launching import run
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 PROGRAMS = ["slurmctld", "slurmd", "munged", "sbatch", "scontrol", "scancel", "sinfo"]
+CREDENTIAL_LIFETIME_S = 10
+"""Slurm's cred_expire here: also about how long a requeued job is held (see `_config`)."""
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
+"""The states of a job that has ended (a requeued one passes through none of them)."""
 
 
 class SlurmUnavailable(Exception):
@@ -65,6 +69,16 @@ class SlurmCluster:
         text = self.command("scontrol", "show", "job", job_id)
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
+    def report(self, job_id: str, output: Path) -> str:
+        """What a failed test needs to tell why: `scontrol show job`, the end of the job's
+        output file and of slurmctld's and slurmd's logs."""
+        job = run(["scontrol", "show", "job", job_id], env=self.env, timeout=60, check=False)
+        parts = [f"scontrol show job {job_id}:\n{job.stdout}{job.stderr}"]
+        for path in (output, self.folder / "slurmctld.log", self.folder / "slurmd.log"):
+            text = path.read_text(errors="replace") if path.is_file() else "(missing)\n"
+            parts.append(f"--- the end of {path}:\n{text[-6000:]}")
+        return "\n".join(parts)
+
     def wait_for_job(self, job_id: str, done, timeout: float, what: str) -> dict[str, str]:
         """Polls the job until `done(fields)`; fails with its state on a timeout."""
         deadline = time.monotonic() + timeout
@@ -88,7 +102,12 @@ def _config(folder: Path, host: str, ports: tuple[int, int]) -> str:
             f"SlurmdPort={ports[1]}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={folder / 'munge.sock'}",
+            # cred_expire (default 120 s, at least 5) also sets how long Slurm holds a requeued
+            # job (Reason BeginTime) before it may start again: slurmd refuses a launch whose
+            # credential is not newer, in whole seconds, than the revocation of the job's
+            # previous run ("Job credential revoked": the job ends FAILED). A shorter hold here,
+            # which the test lets run out as a user's requeued job does.
+            f"AuthInfo=socket={folder / 'munge.sock'},cred_expire={CREDENTIAL_LIFETIME_S}",
             f"StateSaveLocation={folder / 'state'}",
             f"SlurmdSpoolDir={folder / 'spool'}",
             f"SlurmctldPidFile={folder / 'slurmctld.pid'}",
@@ -100,6 +119,9 @@ def _config(folder: Path, host: str, ports: tuple[int, int]) -> str:
             "TaskPlugin=task/none",
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
+            # Look at pending jobs every second (default: every 30 s for the backfill pass, 60 s
+            # for the main one), so a requeued job starts as its hold ends.
+            "SchedulerParameters=sched_interval=1,bf_interval=1",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "MpiDefault=none",

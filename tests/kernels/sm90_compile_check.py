@@ -1,7 +1,7 @@
 """Compile every Triton kernel for an H100 (sm_90) on a machine without a GPU, and report what the
 compiled code holds: registers, spills, shared memory, warpgroup MMAs, TMA copies, MMAs per loop.
 
-    python tests/kernels/sm90_compile_check.py [--all-configs] [--json]
+    python tests/kernels/sm90_compile_check.py [--all-configs] [--json] [--jobs N]
 
 The interpreter runs the kernels' Python but not Triton's compiler, so a kernel can pass every
 interpreter test and still fail to compile (a non-constexpr global, an unsupported construct),
@@ -25,6 +25,7 @@ Must run without ``TRITON_INTERPRET``.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import itertools
 import json
@@ -33,6 +34,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -114,24 +116,8 @@ def _record(kernel, fn_name: str, kwargs: dict) -> dict:
     }
 
 
-def compile_all(all_configs: bool) -> list[dict]:
-    """Run every public op fwd+bwd on CPU with launches replaced by sm_90 compilation."""
-    compiled: list[dict] = []
-    original_run = JITFunction.run
-
-    def compile_only_run(self, *args, grid, warmup, **kwargs):
-        kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append(_record(kernel, self.fn.__name__, kwargs))
-        return kernel
-
-    def compile_configs_run(self, *args, **kwargs):
-        for config in self.configs if all_configs else self.configs[:1]:
-            self.fn.run(*args, **kwargs, **config.all_kwargs())
-
-    driver.set_active(Sm90CompileOnlyDriver())
-    JITFunction.run = compile_only_run
-    Autotuner.run = compile_configs_run
-
+def _workloads() -> list[Callable[[], None]]:
+    """The public ops' forward and backward calls that launch every kernel, one per variant."""
     dispatch = importlib.import_module("bloomnative.kernels._dispatch")
     dispatch.INTERPRET = True  # route CPU tensors to the (compile-only) Triton path
     attention = importlib.import_module("bloomnative.kernels.flash_alibi_attention")
@@ -150,17 +136,17 @@ def compile_all(all_configs: bool) -> list[dict]:
     dtype = torch.bfloat16
     seed = torch.zeros((), dtype=torch.int64)
     packed = segment_bounds(torch.arange(4).repeat_interleave(64)[None])  # 4 segments of 64
-    for head_dim in ATTENTION_HEAD_DIMS:
-        # Dropout: Philox in both kernels, other search spaces. Segments: three loops each.
-        for dropout_p, segments in itertools.product((0.0, 0.1), (None, packed)):
-            q, k, v = (
-                torch.zeros(1, 2, 256, head_dim, dtype=dtype, requires_grad=True) for _ in range(3)
-            )
-            out = flash_alibi_attention(
-                q, k, v, torch.ones(2), dropout_p=dropout_p, rng_seed=seed, segments=segments
-            )
-            backward(out, q, k, v)
-    for hidden in LAYER_NORM_SIZES:
+
+    def run_attention(head_dim: int, dropout_p: float, segments) -> None:
+        q, k, v = (
+            torch.zeros(1, 2, 256, head_dim, dtype=dtype, requires_grad=True) for _ in range(3)
+        )
+        out = flash_alibi_attention(
+            q, k, v, torch.ones(2), dropout_p=dropout_p, rng_seed=seed, segments=segments
+        )
+        backward(out, q, k, v)
+
+    def run_norm_and_gelu(hidden: int) -> None:
         x = torch.zeros(8, hidden, dtype=dtype, requires_grad=True)
         w = torch.ones(hidden, dtype=dtype, requires_grad=True)
         b = torch.zeros(hidden, dtype=dtype, requires_grad=True)
@@ -168,11 +154,66 @@ def compile_all(all_configs: bool) -> list[dict]:
         backward(out, x, w, b)
         out = bias_gelu(x, b)
         backward(out, x, b)
-    hidden = torch.zeros(64, 128, dtype=dtype, requires_grad=True)
-    head = torch.zeros(1000, 128, dtype=dtype, requires_grad=True)
-    loss = linear_cross_entropy(hidden, head, torch.zeros(64, dtype=torch.long))
-    backward(loss, hidden, head)
+
+    def run_loss() -> None:
+        hidden = torch.zeros(64, 128, dtype=dtype, requires_grad=True)
+        head = torch.zeros(1000, 128, dtype=dtype, requires_grad=True)
+        loss = linear_cross_entropy(hidden, head, torch.zeros(64, dtype=torch.long))
+        backward(loss, hidden, head)
+
+    return [
+        # Dropout: Philox in both kernels, other search spaces. Segments: three loops each.
+        *(
+            functools.partial(run_attention, head_dim, dropout_p, segments)
+            for head_dim in ATTENTION_HEAD_DIMS
+            for dropout_p, segments in itertools.product((0.0, 0.1), (None, packed))
+        ),
+        *(functools.partial(run_norm_and_gelu, hidden) for hidden in LAYER_NORM_SIZES),
+        run_loss,
+    ]
+
+
+def compile_all(all_configs: bool, part: int = 0, parts: int = 1) -> list[dict]:
+    """Run every public op fwd+bwd on CPU with launches replaced by sm_90 compilation; with
+    `parts` > 1 only the workloads whose index is `part` modulo `parts`. Each record names its
+    workload, so the parts' records merge back into one run's order."""
+    compiled: list[dict] = []
+    workload = 0
+    original_run = JITFunction.run
+
+    def compile_only_run(self, *args, grid, warmup, **kwargs):
+        kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append({**_record(kernel, self.fn.__name__, kwargs), "workload": workload})
+        return kernel
+
+    def compile_configs_run(self, *args, **kwargs):
+        for config in self.configs if all_configs else self.configs[:1]:
+            self.fn.run(*args, **kwargs, **config.all_kwargs())
+
+    driver.set_active(Sm90CompileOnlyDriver())
+    JITFunction.run = compile_only_run
+    Autotuner.run = compile_configs_run
+    for workload, run in enumerate(_workloads()):
+        if workload % parts == part:
+            run()
     return compiled
+
+
+def compile_in_parallel(all_configs: bool, jobs: int) -> list[dict]:
+    """compile_all in `jobs` processes of this script, each a share of the workloads (Triton's
+    compiler and ptxas use one core each), merged in the order of one process's run."""
+    command = [sys.executable, __file__, "--json", *(["--all-configs"] if all_configs else [])]
+    workers = [
+        subprocess.Popen([*command, f"--part={i}/{jobs}"], stdout=subprocess.PIPE, text=True)
+        for i in range(jobs)
+    ]
+    results = []
+    for worker in workers:
+        out, _ = worker.communicate()
+        if worker.returncode:
+            raise RuntimeError(f"sm90_compile_check: a part exited {worker.returncode}")
+        results += json.loads(out.strip().splitlines()[-1])
+    return sorted(results, key=lambda r: r["workload"])  # stable: each part keeps its order
 
 
 def format_row(r: dict) -> str:
@@ -195,8 +236,18 @@ def main() -> int:
     parser.add_argument(
         "--markdown", action="store_true", help="print docs/kernels.md's tables (sm90_tables)"
     )
+    parser.add_argument(
+        "--jobs", type=int, default=min(os.cpu_count() or 1, 4), help="processes that compile"
+    )
+    parser.add_argument("--part", help="I/N: compile only the I-th of N shares (what --jobs runs)")
     args = parser.parse_args()
-    results = compile_all(args.all_configs)
+    if args.part:
+        part, parts = map(int, args.part.split("/"))
+        results = compile_all(args.all_configs, part, parts)
+    elif args.jobs > 1:
+        results = compile_in_parallel(args.all_configs, args.jobs)
+    else:
+        results = compile_all(args.all_configs)
     if args.json:
         print(json.dumps(results))
     elif args.markdown:

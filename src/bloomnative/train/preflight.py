@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -235,7 +235,9 @@ def check_runs(
     return runs
 
 
-def _node_range_error(nodes: tuple[int, int], nproc: int, failures: dict[int, Exception]) -> str:
+def _node_range_error(
+    nodes: tuple[int, int], nproc: int, failures: Mapping[int, Exception]
+) -> str:
     """One line: the first world size of the node range whose layout does not hold, why, and the
     node counts that hold it."""
     low, high = nodes

@@ -235,9 +235,7 @@ def check_runs(
     return runs
 
 
-def _node_range_error(
-    nodes: tuple[int, int], nproc: int, failures: Mapping[int, Exception]
-) -> str:
+def _node_range_error(nodes: tuple[int, int], nproc: int, failures: Mapping[int, Exception]) -> str:
     """One line: the first world size of the node range whose layout does not hold, why, and the
     node counts that hold it."""
     low, high = nodes

@@ -22,10 +22,10 @@ import pytest
 
 from bloomnative.config import model_args_from_config, parse_args
 from bloomnative.planner import estimate, workload_from_config
-from bloomnative.train.job import RENDEZVOUS_VAR, LaunchSettings
+from bloomnative.train.job import LaunchSettings
 from bloomnative.train.preflight import preflight
 from bloomnative.train.run import resolve_run
-from bloomnative.train.run_lock import DumpFolderInUseError, RunLock, this_process
+from bloomnative.train.run_lock import JOB_VAR, DumpFolderInUseError, RunLock, this_process
 from launching import REPO, start, train_env, wait_for
 from slurm_cluster import free_port
 from training_helpers import TINY_RUN, metric_rows, run_training
@@ -207,23 +207,25 @@ def test_each_world_of_the_range_gets_the_planners_least_memory_layout_and_recom
 @pytest.mark.parametrize(
     "ours,theirs,taken",
     [
-        ("node0:29500", "node0:29500", True),  # rank 0 of this job's earlier world, node lost
-        ("node0:29500", "node0:29600", False),  # another job's
-        ("node0:29500", None, False),  # a single-node run's, or one from before the field
-        ("", "node0:29500", False),  # this run is not a multi-node job
+        ("17@node0:29500", "17@node0:29500", True),  # rank 0 of this job's earlier world, lost
+        ("17@node0:29500", "17@node0:29600", False),  # another job's
+        ("17@node0:29500", "16@node0:29500", False),  # another job's, on the same endpoint
+        ("17@node0:29500", None, False),  # a single-node run's, or one from before the field
+        ("", "17@node0:29500", False),  # this run is not a multi-node job
     ],
 )
 def test_a_lock_from_another_host_is_taken_over_only_from_an_earlier_world_of_this_job(
     tmp_path, monkeypatch, ours, theirs, taken
 ):
     """The node that held rank 0 (and the dump folder's lock) is lost: the smaller world's rank
-    0, on another host, takes the lock over when it names this job's rendezvous."""
+    0, on another host, takes the lock over when it names this job (rendezvous id and
+    endpoint)."""
     holder = {**this_process(), "host": "node7-lost", "pid": 4321}
-    holder.pop("rendezvous", None)
+    holder.pop("job", None)
     if theirs is not None:
-        holder["rendezvous"] = theirs
+        holder["job"] = theirs
     (tmp_path / "run.lock").write_text(json.dumps(holder) + "\n")
-    monkeypatch.setenv(RENDEZVOUS_VAR, ours)
+    monkeypatch.setenv(JOB_VAR, ours)
     lock = RunLock(tmp_path)
     if taken:
         lock.acquire()

@@ -64,6 +64,9 @@ def test_a_launcher_variable_is_parsed_never_run_by_the_shell(tmp_path, name):
         ({"NNODES": "2", "RDZV_ENDPOINT": "node0;reboot:29500"}, "RDZV_ENDPOINT='node0;reboot"),
         ({"RDZV_LAST_CALL_S": "0"}, "RDZV_LAST_CALL_S='0'"),
         ({"RDZV_LAST_CALL_S": "$(reboot)"}, "RDZV_LAST_CALL_S='$(reboot)'"),
+        ({"RDZV_ID": "job 7"}, "RDZV_ID='job 7'"),
+        ({"RDZV_ID": "x" * 129}, "RDZV_ID='xxx"),
+        ({"SLURM_JOB_ID": "4;2"}, "SLURM_JOB_ID='4;2'"),
     ],
 )
 def test_a_malformed_launcher_variable_is_named(env, named):
@@ -82,6 +85,7 @@ def test_launcher_variables_become_torchrun_arguments_and_world_sizes():
         "--nnodes=2:3",
         "--rdzv-backend=bloomnative",
         "--rdzv-endpoint=node0:29500",
+        "--rdzv-id=none",
         "--rdzv-conf=join_timeout=900,last_call_timeout=30",
         "--nproc-per-node=4",
         "--max-restarts=0",
@@ -97,6 +101,12 @@ def test_launcher_variables_become_torchrun_arguments_and_world_sizes():
     fixed = LaunchSettings.from_env({"NNODES": "2", "RDZV_ENDPOINT": "[fe80::1]:29500"})
     assert fixed.torchrun_args(600)[0] == "--nnodes=2" and fixed.world_sizes() == [2]
     assert "--rdzv-conf=join_timeout=600" in fixed.torchrun_args(600)  # no last call
+    # The job's id: RDZV_ID, else Slurm's job id, else torchrun's default.
+    assert fixed.job == "none@[fe80::1]:29500"
+    slurm = {"NNODES": "2", "RDZV_ENDPOINT": "n0:29500", "SLURM_JOB_ID": "4242"}
+    assert "--rdzv-id=4242" in LaunchSettings.from_env(slurm).torchrun_args(600)
+    named = LaunchSettings.from_env(slurm | {"RDZV_ID": "bloom-7b1.run-2"})
+    assert named.job == "bloom-7b1.run-2@n0:29500"
 
 
 @pytest.mark.multiprocess

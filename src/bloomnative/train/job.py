@@ -9,6 +9,8 @@ are parsed here as text: none of them reaches a shell, an arithmetic expansion o
     NPROC           processes on this node (default 1)
     NNODES          nodes (default 1), or an elastic range min:max
     RDZV_ENDPOINT   host:port of the rendezvous, required when NNODES is not 1
+    RDZV_ID         when NNODES is not 1: the job's id, the same on every node and unique among
+                    the jobs that share an endpoint (default: SLURM_JOB_ID, else none)
     RDZV_LAST_CALL_S  with an elastic range: seconds the rendezvous waits for more nodes once
                     min have joined, at the start and after a node is lost (default 30)
     MAX_RESTARTS    restarts of the job after a crashed or lost rank (default 3)
@@ -18,20 +20,16 @@ are parsed here as text: none of them reaches a shell, an arithmetic expansion o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-RENDEZVOUS_VAR = "BLOOMNATIVE_RENDEZVOUS"
-"""Set for the workers of a multi-node job: its rendezvous endpoint, which the dump folder's lock
-records (train/run_lock.py: a restarted world may take over its earlier worlds' lock from
-another host)."""
-CPP_LOG_LEVEL_VAR = "TORCH_CPP_LOG_LEVEL"
-
 _DIGITS = re.compile(r"[0-9]+")
+_JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
 
 
@@ -56,6 +54,9 @@ class LaunchSettings:
     nnodes: tuple[int, int] = (1, 1)
     """(min, max) nodes; equal for a fixed number of nodes."""
     rdzv_endpoint: str = ""
+    rdzv_id: str = "none"
+    """torchrun's --rdzv-id: the rendezvous keeps each job's state under it, and a restarted world
+    recognises its own earlier lock by it (train/run_lock.py)."""
     max_restarts: int = 3
     stop_grace_s: int = 120
     omp_threads: int = 1
@@ -79,6 +80,7 @@ class LaunchSettings:
             nproc=nproc,
             nnodes=nnodes,
             rdzv_endpoint=endpoint,
+            rdzv_id=_job_id(env),
             max_restarts=_whole(env, "MAX_RESTARTS", 3, 0, "a whole number of restarts, 0 or more"),
             stop_grace_s=_whole(
                 env, "STOP_GRACE_S", 120, 1, "a whole number of seconds, 1 or more"
@@ -90,6 +92,12 @@ class LaunchSettings:
                 env, "RDZV_LAST_CALL_S", 30, 1, "a whole number of seconds, 1 or more"
             ),
         )
+
+    @property
+    def job(self) -> str:
+        """This multi-node job, as its workers record it in the dump folder's lock: the id and
+        the endpoint of its rendezvous."""
+        return f"{self.rdzv_id}@{self.rdzv_endpoint}"
 
     def world_sizes(self) -> list[int]:
         """Every number of processes the job may have (one unless NNODES is a range)."""
@@ -108,6 +116,7 @@ class LaunchSettings:
                 f"--nnodes={nodes}",
                 "--rdzv-backend=bloomnative",
                 f"--rdzv-endpoint={self.rdzv_endpoint}",
+                f"--rdzv-id={self.rdzv_id}",
             ]
             conf = f"join_timeout={node_wait_s}"  # one --rdzv-conf: torchrun keeps the last
             if low != high:
@@ -118,6 +127,17 @@ class LaunchSettings:
             f"--nproc-per-node={self.nproc}",
             f"--max-restarts={self.max_restarts}",
         ]
+
+
+def _job_id(env: Mapping[str, str]) -> str:
+    name = "RDZV_ID" if env.get("RDZV_ID") else "SLURM_JOB_ID"
+    text = env.get(name, "") or "none"
+    if not _JOB_ID.fullmatch(text):
+        raise LaunchSettingError(
+            f"{name}={text!r}: expected a job id of letters, digits, '.', '_' or '-' (at most "
+            "128), the same on every node"
+        )
+    return text
 
 
 def _node_range(text: str) -> tuple[int, int]:
@@ -134,6 +154,22 @@ def _node_range(text: str) -> tuple[int, int]:
     )
 
 
+@contextlib.contextmanager
+def _launcher_cpp_log_level() -> Iterator[None]:
+    """For the imports of torch in the launcher: its C++ warnings (socket errors with their stack
+    frames when a node is lost) are not words for its user, so unless the user set
+    TORCH_CPP_LOG_LEVEL it logs C++ errors only. torch reads the variable once, when it loads;
+    the environment the workers inherit is left as it was, so they keep torch's default."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        yield
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def main(argv: list[str]) -> int:
     """Exit codes: those of bloomnative.train.launch; 2 also for a malformed variable or a
     preflight failure (before any worker starts)."""
@@ -142,28 +178,22 @@ def main(argv: list[str]) -> int:
     except LaunchSettingError as e:
         print(f"run_train.sh: {e}", file=sys.stderr)
         return 2
-    # torch and the rest: after the check. The launcher's C++ warnings (socket errors with their
-    # stack frames when a node is lost) are not words for its user: this process logs C++ errors
-    # only unless its user set a level (torch reads it at import); its workers keep torch's.
-    users_cpp_log_level = CPP_LOG_LEVEL_VAR in os.environ
-    os.environ.setdefault(CPP_LOG_LEVEL_VAR, "ERROR")
-    from bloomnative.config import parse_args
-    from bloomnative.train import launch, preflight
-
-    if not users_cpp_log_level:
-        del os.environ[CPP_LOG_LEVEL_VAR]
-    code = preflight.preflight(argv, settings.world_sizes(), settings.nnodes)
-    if code:
-        return code
-    node_wait_s = parse_args(argv).job.collective_timeout_s
+    with _launcher_cpp_log_level():  # torch and the rest: after the check
+        from bloomnative.train import launch, preflight
+        from bloomnative.train.run_lock import JOB_VAR
+    try:
+        config = preflight.checked_config(argv, settings.world_sizes(), settings.nnodes)
+    except preflight.PreflightError as e:
+        print(e, file=sys.stderr)
+        return 2
     os.environ["OMP_NUM_THREADS"] = str(settings.omp_threads)
     if settings.nnodes != (1, 1):
-        os.environ[RENDEZVOUS_VAR] = settings.rdzv_endpoint
+        os.environ[JOB_VAR] = settings.job
     started = time.time()
     code = launch.main(
         [
             f"--stop-grace-s={settings.stop_grace_s}",
-            *settings.torchrun_args(node_wait_s),
+            *settings.torchrun_args(config.job.collective_timeout_s),
             "-m",
             "bloomnative.train.main",
             *argv,

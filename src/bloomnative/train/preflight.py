@@ -262,13 +262,17 @@ def _node_range_error(nodes: tuple[int, int], nproc: int, failures: Mapping[int,
     )
 
 
-def preflight(
+class PreflightError(Exception):
+    """A failed check: its message is the one line the run ends with (exit 2)."""
+
+
+def checked_config(
     argv: Sequence[str], world_sizes: Sequence[int], nodes: tuple[int, int] = (1, 1)
-) -> int:
+) -> Config:
     """Every check above for the run `argv` (`--config FILE --section.key=value ...`) describes,
     the layout for each of `world_sizes` (an elastic job's possible sizes, on `nodes` = (min,
-    max) nodes: see `check_runs`); prints the one-line error and returns 2, or logs what was
-    checked and returns 0."""
+    max) nodes: see `check_runs`); logs what was checked and returns the parsed config, or raises
+    PreflightError with the one line to print."""
     try:
         setup_logging(all_to_stderr=True)
         config = parse_args(list(argv))
@@ -281,11 +285,9 @@ def preflight(
         if _starts_from_initial_hf(config):
             check_initial_hf(config.checkpoint.initial_hf, run.model_args)
     except IndexedDatasetError as e:
-        print(f"data error: {e}", file=sys.stderr)
-        return 2
+        raise PreflightError(f"data error: {e}") from e
     except (ConfigError, LayoutError, PlanError, ValueError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        raise PreflightError(f"config error: {e}") from e
     params = run.model_args.num_params()
     layouts = ", ".join(r.dims.summary for r in runs)
     _log.info(
@@ -294,6 +296,18 @@ def preflight(
     )
     if run.recompute:
         _log.info(f"preflight: {run.recompute.describe()}")
+    return config
+
+
+def preflight(
+    argv: Sequence[str], world_sizes: Sequence[int], nodes: tuple[int, int] = (1, 1)
+) -> int:
+    """`checked_config` as an exit code: prints the one-line error and returns 2, or returns 0."""
+    try:
+        checked_config(argv, world_sizes, nodes)
+    except PreflightError as e:
+        print(e, file=sys.stderr)
+        return 2
     return 0
 
 

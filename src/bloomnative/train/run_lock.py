@@ -12,11 +12,11 @@ pid is gone, or belongs to a process that started at another time, or the host h
 since. A lock held from another host cannot be checked from here (its pid means nothing on
 this one) and is not taken over, the message saying to delete it once that run is known to be
 gone, unless it was taken by rank 0 of an earlier world of this same multi-node job (the lock
-records the job's rendezvous endpoint, which the launcher passes on): torchrun stops a world's
-workers before it gathers the next one, so that holder is gone, or cut off with a lost node, and
-the job, shrunk to the nodes it has left, goes on. Checking and taking the lock happen under an
-exclusive `flock` of the lock file, so two runs starting together cannot both take it (where the
-file system supports flock; NFS maps it to its own locks).
+records the job's rendezvous id and endpoint, which the launcher passes on): torchrun stops a
+world's workers before it gathers the next one, so that holder is gone, or cut off with a lost
+node, and the job, shrunk to the nodes it has left, goes on. Checking and taking the lock happen
+under an exclusive `flock` of the lock file, so two runs starting together cannot both take it
+(where the file system supports flock; NFS maps it to its own locks).
 """
 
 from __future__ import annotations
@@ -33,11 +33,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from bloomnative.log import get_logger
-from bloomnative.train.job import RENDEZVOUS_VAR
 
 _log = get_logger(__name__)
 
 LOCK_FILE = "run.lock"
+JOB_VAR = "BLOOMNATIVE_JOB"
+"""Set by the launcher (train/job.py) for the workers of a multi-node job: `<rdzv id>@<rdzv
+endpoint>`, which names the job among those that ever used the dump folder as long as its id
+is unique (RDZV_ID, Slurm's job id by default)."""
 
 
 class DumpFolderInUseError(RuntimeError):
@@ -64,7 +67,7 @@ def _start_ticks(pid: int) -> int | None:
 
 
 def this_process() -> dict:
-    """The lock's content for this process (and, in a multi-node job, its rendezvous)."""
+    """The lock's content for this process (and, in a multi-node job, the job)."""
     holder = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -72,8 +75,8 @@ def this_process() -> dict:
         "start_ticks": _start_ticks(os.getpid()),
         "boot_id": _boot_id(),
     }
-    if rendezvous := os.environ.get(RENDEZVOUS_VAR, ""):
-        holder["rendezvous"] = rendezvous
+    if job := os.environ.get(JOB_VAR, ""):
+        holder["job"] = job
     return holder
 
 
@@ -90,13 +93,9 @@ def is_stale(holder: dict) -> bool:
 
 def is_earlier_world_of_this_job(holder: dict) -> bool:
     """Whether a lock from another host was taken by rank 0 of an earlier world of this
-    multi-node job: the same rendezvous endpoint, which only one job can hold at a time."""
-    rendezvous = os.environ.get(RENDEZVOUS_VAR, "")
-    return (
-        bool(rendezvous)
-        and holder.get("rendezvous") == rendezvous
-        and holder.get("host") != socket.gethostname()
-    )
+    multi-node job: the same rendezvous id and endpoint."""
+    job = os.environ.get(JOB_VAR, "")
+    return bool(job) and holder.get("job") == job and holder.get("host") != socket.gethostname()
 
 
 def describe(holder: dict) -> str:
@@ -127,7 +126,7 @@ class RunLock:
                 elif is_earlier_world_of_this_job(holder):
                     _log.info(
                         f"{self.path}: taking over the lock of {describe(holder)}, rank 0 of an "
-                        f"earlier world of this job (rendezvous {holder['rendezvous']}), which "
+                        f"earlier world of this job ({holder['job']}), which "
                         "torchrun has stopped or lost"
                     )
                 else:

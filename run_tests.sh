@@ -29,4 +29,12 @@ def installed(name: str) -> str:
 stack = ", ".join(installed(name) for name in ("torch", "triton", "transformers", "numpy"))
 print(f"[tests] Python {platform.python_version()}: {stack}")
 PY
-"$BLOOMNATIVE_PYTHON" -m pytest -q "$@"
+# The test modules run in BLOOMNATIVE_TEST_WORKERS processes (pytest-xdist, a dev extra; default:
+# one per core, 0: all in this process, as --pdb needs), each module's tests in one of them, where
+# its shared runs (module fixtures, tests/shared_world.py) are made once.
+workers=(-n "${BLOOMNATIVE_TEST_WORKERS:-auto}" --dist loadscope)
+if ! "$BLOOMNATIVE_PYTHON" -c "import xdist" 2>/dev/null; then  # a GPU machine's own Python
+  echo "[tests] no pytest-xdist in $BLOOMNATIVE_PYTHON: the tests run in one process" >&2
+  workers=()
+fi
+"$BLOOMNATIVE_PYTHON" -m pytest -q "${workers[@]}" "$@"

@@ -127,6 +127,14 @@ class OptimizerConfig:
     implementation: Literal[OptimizerImpl, "auto"] = "auto"
     """AdamW kernel: "auto" (fused on CUDA, foreach elsewhere), "fused", "foreach" or "for-loop"."""
 
+    def kernel(self, device_type: str) -> OptimizerImpl:
+        """The AdamW kernel `implementation` stands for on `device_type`: "auto" is the fused
+        one on CUDA (no temporaries, and it skips a non-finite step on the device:
+        train/nonfinite.py) and the foreach one elsewhere."""
+        if self.implementation != "auto":
+            return self.implementation
+        return "fused" if device_type == "cuda" else "foreach"
+
 
 @dataclass
 class LRSchedulerConfig:

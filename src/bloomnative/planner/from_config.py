@@ -67,9 +67,6 @@ def workload_from_config(
     samples = local_batch_size(config, layout)
     pp_microbatches = par.pp_microbatches if layout.pp > 1 else 0
     microbatches = pipeline_microbatches(pp_microbatches, samples, t.micro_batch_size)
-    optimizer = config.optimizer.implementation
-    if optimizer == "auto":
-        optimizer = "fused" if device_type == "cuda" else "foreach"
     recompute = config.activation_checkpoint.mode
     return Workload(
         micro_batch=samples // microbatches,
@@ -84,7 +81,7 @@ def workload_from_config(
         fused_loss=config.model.fused_loss,
         compiled_loss=compiles_the_loss(config, layout.tp),
         dropout=dropout or config.model.hidden_dropout > 0 or config.model.attention_dropout > 0,
-        optimizer=optimizer,
+        optimizer=config.optimizer.kernel(device_type),
     )
 
 

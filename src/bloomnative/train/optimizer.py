@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import cast
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from bloomnative.config import OptimizerConfig, OptimizerImpl
+from bloomnative.config import OptimizerConfig
 
 
 def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
@@ -35,18 +34,9 @@ def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
     ]
 
 
-def adamw_implementation(requested: str, device_type: str) -> OptimizerImpl:
-    """The AdamW kernel optimizer.implementation stands for: "auto" is the fused kernel on CUDA
-    (no temporaries, and it skips a non-finite step on the device: train/nonfinite.py) and the
-    foreach one elsewhere."""
-    if requested != "auto":
-        return cast(OptimizerImpl, requested)
-    return "fused" if device_type == "cuda" else "foreach"
-
-
 def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.AdamW:
     """torch.optim.AdamW with the kernel `cfg.implementation` names, which must be resolved
-    (`adamw_implementation`; train/run.py resolves it for the trainer)."""
+    (`OptimizerConfig.kernel`; train/run.py resolves it for the trainer)."""
     impl = cfg.implementation
     if impl == "auto":
         raise ValueError('optimizer.implementation = "auto" must be resolved before building')

@@ -29,7 +29,6 @@ from bloomnative.parallel.dims import ParallelDims
 from bloomnative.parallel.layout_check import check_layout
 from bloomnative.planner import Layout, RecomputeChoice, auto_recompute
 from bloomnative.train.attention_choice import AttentionShape, context_parallel_attention
-from bloomnative.train.optimizer import adamw_implementation
 from bloomnative.train.spikes import data_reserve
 
 AttentionChooser = Callable[[AttentionShape], AttentionBackend]
@@ -128,7 +127,7 @@ def resolve_run(
         )
     optimizer = dataclasses.replace(
         config.optimizer,
-        implementation=adamw_implementation(config.optimizer.implementation, device_type),
+        implementation=config.optimizer.kernel(device_type),
     )
     resolved = dataclasses.replace(
         copy.deepcopy(config),  # shares nothing with `config`

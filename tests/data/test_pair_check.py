@@ -90,6 +90,20 @@ def test_preflight_passes_pairs_and_names_a_broken_pair_in_one_line(pair_prefix,
     assert "xp3_targets_document.bin does not exist" in err
 
 
+def test_preflight_names_the_pairs_of_which_none_fits_a_sample(tmp_path, capsys):
+    """Packing would fail in every rank; preflight names the prefix, the split and the key."""
+    prefix = write_pairs(tmp_path / "long", *labelled_pairs([(40, 30)] * 8 + [(3, 2)] * 2))
+    assert _preflight(prefix, "--data.split=8,2,0", "--training.seq_len=128") == 0
+    capsys.readouterr()
+    assert _preflight(prefix, "--data.split=8,2,0", "--training.seq_len=64") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"config error: none of the 8 pairs of '{prefix}' [0, 8) (the train split) fits a "
+        "sample of 65 tokens (the longest has 70, the shortest 70): nothing to pack; use a "
+        "longer training.seq_len or shorter pairs"
+    )
+
+
 def test_norm_target_loss_and_pad_token_need_packed_pairs():
     config = parse_args(["--data.format=mtf", "--data.norm_target_loss=true"])
     assert config.data.norm_target_loss and config.data.pad_token == ""

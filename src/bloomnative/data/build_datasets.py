@@ -12,6 +12,7 @@ from bloomnative.data.blended_dataset import BlendedDataset
 from bloomnative.data.gpt_dataset import GPTDataset
 from bloomnative.data.indexed_dataset import IndexedDataset
 from bloomnative.data.mtf_dataset import MTFDataset
+from bloomnative.data.packing import require_a_fitting_pair
 from bloomnative.data.pair_dataset import PairDataset
 from bloomnative.data.splits import SPLIT_NAMES, SplitError, fraction_range, split_boundaries
 
@@ -152,19 +153,30 @@ def build_mtf_datasets(
 def check_mtf_datasets(
     prefixes: str | list[str],
     split: str,
+    seq_len: int,
     num_samples: tuple[int, int, int],
     weights: Sequence[float] | None = None,
 ) -> tuple[int, int, int]:
-    """The split checks of `build_mtf_datasets` without packing (what preflight runs): the
-    split string, and that each split asked for samples has pairs in every prefix of the blend.
-    Returns the pairs of each split (train, valid, test). Raises as `build_mtf_datasets` does."""
+    """The checks of `build_mtf_datasets` without packing (what preflight runs): the split
+    string, that each split asked for samples has pairs in every prefix of the blend, and that
+    each prefix's pairs of each split it packs hold one that fits a sample of `seq_len + 1`
+    tokens. Returns the pairs of each split (train, valid, test). Raises as
+    `build_mtf_datasets` does."""
     _require_three(num_samples)
     entries = parse_blend(prefixes, weights)
-    counts = {entry.prefix: len(PairDataset(entry.prefix)) for entry in entries}
+    datasets = {entry.prefix: PairDataset(entry.prefix) for entry in entries}
+    counts = {prefix: len(dataset) for prefix, dataset in datasets.items()}
     pairs = []
-    for i in range(3):
+    for i, name in enumerate(SPLIT_NAMES):
         ranges = _split_ranges(entries, counts, split, i, num_samples[i])
-        pairs.append(sum(stop - first for first, stop in ranges or []))
+        if ranges is None:  # no pairs, none asked for
+            pairs.append(0)
+            continue
+        for entry, (first, stop) in zip(entries, ranges, strict=True):
+            lengths = datasets[entry.prefix].pair_lengths(first, stop)
+            which = f" of {entry.prefix!r} [{first}, {stop}) (the {name} split)"
+            require_a_fitting_pair(lengths, seq_len + 1, which)
+        pairs.append(sum(stop - first for first, stop in ranges))
     return pairs[0], pairs[1], pairs[2]
 
 

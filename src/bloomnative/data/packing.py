@@ -45,6 +45,20 @@ class PackingIndex:
         return {"pair_order": self.pair_order, "sample_bounds": self.sample_bounds}
 
 
+def require_a_fitting_pair(pair_lengths: np.ndarray, capacity: int, which: str = "") -> None:
+    """Raises ValueError unless a pair of `pair_lengths` fits a sample of `capacity` tokens:
+    with none, no sample can be made. `which`: the pairs, for the message (" of ...")."""
+    lengths = np.asarray(pair_lengths, dtype=np.int64)
+    if np.any((lengths >= 1) & (lengths <= capacity)):
+        return
+    longest, shortest = (int(lengths.max()), int(lengths.min())) if len(lengths) else (0, 0)
+    raise ValueError(
+        f"none of the {len(lengths)} pairs{which} fits a sample of {capacity} tokens (the "
+        f"longest has {longest}, the shortest {shortest}): nothing to pack; use a longer "
+        "training.seq_len or shorter pairs"
+    )
+
+
 def build_packing_index(
     pair_lengths: np.ndarray, capacity: int, num_samples: int, seed: int
 ) -> PackingIndex:
@@ -64,13 +78,7 @@ def build_packing_index(
         raise ValueError(f"capacity must be at least 1 token, got {capacity}")
     if num_samples < 0:
         raise ValueError(f"num_samples must be non-negative, got {num_samples}")
-    if not np.any((lengths >= 1) & (lengths <= capacity)):
-        longest = int(lengths.max(initial=0))
-        raise ValueError(
-            f"none of the {len(lengths)} pairs fits a sample of {capacity} tokens (the longest "
-            f"has {longest}, the shortest {int(lengths.min(initial=0))}): nothing to pack; "
-            "use a longer training.seq_len or shorter pairs"
-        )
+    require_a_fitting_pair(lengths, capacity)
     orders: list[np.ndarray] = []
     bounds: list[np.ndarray] = []
     closed = 0

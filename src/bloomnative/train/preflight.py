@@ -93,7 +93,9 @@ def check_data(config: Config, run: ResolvedRun) -> str:
     try:
         if config.data.format == "mtf":
             tokens = check_pair_datasets(config.data.blend, args.vocab_size)
-            splits = check_mtf_datasets(config.data.blend, config.data.split, asked)
+            splits = check_mtf_datasets(
+                config.data.blend, config.data.split, config.training.seq_len, asked
+            )
             unit = "pairs"
         else:
             tokens = sum(

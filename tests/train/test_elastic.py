@@ -152,14 +152,14 @@ def test_preflight_names_the_node_count_whose_world_cannot_hold_the_layout(
     global batch of 8 over 6 data-parallel ranks."""
     launch = LaunchSettings.from_env({"NPROC": "2", "NNODES": "1:3", "RDZV_ENDPOINT": "n0:29500"})
     argv = [*TINY_RUN, f"--data.blend={synthetic_corpus}", f"--job.dump_folder={tmp_path}"]
-    assert preflight([*argv, "--parallelism.tp=4"], launch.world_sizes(), launch.nnodes) == 2
+    assert preflight([*argv, "--parallelism.tp=4"], launch.world_sizes(), launch.nnodes) is None
     assert capsys.readouterr().err.splitlines() == [
         "config error: NNODES=1:3: an elastic job may run on 1 to 3 nodes of NPROC=2 processes, "
         "but at 1 node (world size 2): world size 2 is not divisible by dp_replicate*cp*tp*pp = "
         "1*1*4*1 = 4; change NPROC or the degrees; the layout holds at 2 nodes: set NNODES=2, "
         "or a layout that 2 processes can run"
     ]
-    assert preflight(argv, launch.world_sizes(), launch.nnodes) == 2
+    assert preflight(argv, launch.world_sizes(), launch.nnodes) is None
     line = capsys.readouterr().err.splitlines()[-1]
     assert line.startswith("config error: NNODES=1:3: ") and "at 3 nodes (world size 6): " in line
     assert "batch size 8 is not divisible by micro_batch_size * dp = 2 * 6" in line
@@ -167,7 +167,7 @@ def test_preflight_names_the_node_count_whose_world_cannot_hold_the_layout(
                          "processes can run")  # fmt: skip
     # One node more or less: every world size of the range holds it.
     fits = LaunchSettings.from_env({"NPROC": "2", "NNODES": "1:2", "RDZV_ENDPOINT": "n0:29500"})
-    assert preflight(argv, fits.world_sizes(), fits.nnodes) == 0
+    assert preflight(argv, fits.world_sizes(), fits.nnodes) is not None
 
 
 def test_each_world_of_the_range_gets_the_planners_least_memory_layout_and_recompute():

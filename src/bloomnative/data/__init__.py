@@ -32,6 +32,7 @@ from bloomnative.data.blend_order import build_blending_indices
 from bloomnative.data.blend_spec import BlendEntry, parse_blend
 from bloomnative.data.blended_dataset import BlendedDataset
 from bloomnative.data.build_datasets import (
+    BlendCheck,
     build_gpt_datasets,
     build_mtf_datasets,
     check_gpt_datasets,
@@ -74,6 +75,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "BlendCheck",
     "BlendEntry",
     "BlendedDataset",
     "GPTDataset",

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from bloomnative.data.blend_spec import BlendEntry, parse_blend
 from bloomnative.data.blended_dataset import BlendedDataset
 from bloomnative.data.gpt_dataset import GPTDataset
-from bloomnative.data.indexed_dataset import IndexedDataset
+from bloomnative.data.indexed_dataset import IndexedDataset, check_tokens
 from bloomnative.data.mtf_dataset import MTFDataset
 from bloomnative.data.packing import require_a_fitting_pair
 from bloomnative.data.pair_dataset import PairDataset
@@ -72,22 +73,37 @@ def build_gpt_datasets(
     return _build_splits(entries, counts, split, num_samples, make, cache_dir)
 
 
+@dataclass(frozen=True)
+class BlendCheck:
+    """What `check_gpt_datasets` or `check_mtf_datasets` checked, for preflight's log."""
+
+    tokens: int
+    """Tokens of the blend's datasets, each counted once."""
+    splits: tuple[int, int, int]
+    """Per split (train, valid, test): its tokens, or its pairs for packed pairs (`unit`)."""
+    unit: str
+    """What `splits` counts: "tokens" or "pairs"."""
+
+
 def check_gpt_datasets(
     blend: str | list[str],
     split: str,
     num_samples: tuple[int, int, int],
     weights: Sequence[float] | None = None,
-) -> tuple[int, int, int]:
+    vocab_size: int | None = None,
+) -> BlendCheck:
     """Every check of `build_gpt_datasets` that does not build an index (what preflight runs):
-    the blend's files, the split string, and that each split asked for samples has documents
-    holding tokens in every dataset of the blend. Returns the tokens of each split (train,
-    valid, test). Raises as `build_gpt_datasets` does."""
+    the blend's files, with `vocab_size` every token id of each (`check_tokens`), the split
+    string, and that each split asked for samples has documents holding tokens in every dataset
+    of the blend. Raises as `build_gpt_datasets` does, and IndexedDatasetError for a token id
+    outside the vocabulary."""
     entries, indexed = _open_blend(blend, num_samples, weights)
+    tokens = sum(check_tokens(dataset, vocab_size).num_tokens for dataset in indexed.values())
     counts = {prefix: len(dataset) for prefix, dataset in indexed.items()}
-    tokens = []
+    splits = []
     for i, name in enumerate(SPLIT_NAMES):
         ranges = _split_ranges(entries, counts, split, i, num_samples[i])
-        tokens.append(
+        splits.append(
             0
             if ranges is None
             else sum(
@@ -95,7 +111,7 @@ def check_gpt_datasets(
                 for entry, documents in zip(entries, ranges, strict=True)
             )
         )
-    return tokens[0], tokens[1], tokens[2]
+    return BlendCheck(tokens, (splits[0], splits[1], splits[2]), "tokens")
 
 
 def build_mtf_datasets(
@@ -156,15 +172,18 @@ def check_mtf_datasets(
     seq_len: int,
     num_samples: tuple[int, int, int],
     weights: Sequence[float] | None = None,
-) -> tuple[int, int, int]:
-    """The checks of `build_mtf_datasets` without packing (what preflight runs): the split
+    vocab_size: int | None = None,
+) -> BlendCheck:
+    """The checks of `build_mtf_datasets` without packing (what preflight runs): both datasets of
+    each prefix, with `vocab_size` every token id of each (`PairDataset.check_tokens`), the split
     string, that each split asked for samples has pairs in every prefix of the blend, and that
     each prefix's pairs of each split it packs hold one that fits a sample of `seq_len + 1`
-    tokens. Returns the pairs of each split (train, valid, test). Raises as
-    `build_mtf_datasets` does."""
+    tokens. Raises as `build_mtf_datasets` does, and IndexedDatasetError for a token id outside
+    the vocabulary."""
     _require_three(num_samples)
     entries = parse_blend(prefixes, weights)
     datasets = {entry.prefix: PairDataset(entry.prefix) for entry in entries}
+    tokens = sum(dataset.check_tokens(vocab_size) for dataset in datasets.values())
     counts = {prefix: len(dataset) for prefix, dataset in datasets.items()}
     pairs = []
     for i, name in enumerate(SPLIT_NAMES):
@@ -177,7 +196,7 @@ def check_mtf_datasets(
             which = f" of {entry.prefix!r} [{first}, {stop}) (the {name} split)"
             require_a_fitting_pair(lengths, seq_len + 1, which)
         pairs.append(sum(stop - first for first, stop in ranges))
-    return pairs[0], pairs[1], pairs[2]
+    return BlendCheck(tokens, (pairs[0], pairs[1], pairs[2]), "pairs")
 
 
 def _require_three(num_samples: tuple[int, int, int]) -> None:

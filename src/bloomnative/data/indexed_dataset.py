@@ -220,19 +220,30 @@ class IndexedDataset:
 def check_indexed_dataset(
     prefix: str, vocab_size: int | None = None, chunk_tokens: int = 1 << 26
 ) -> IndexedDataset:
-    """Opens ``prefix`` and checks everything a training run will rely on; returns the dataset.
-
-    Beyond the checks of opening (header, dtype code, both file sizes against the sizes, document
-    index, sequence pointers the running sum of the sizes), this checks that the tokens are
-    integers and, with ``vocab_size``, reads the whole token stream: every token id is in
-    ``[0, vocab_size)``. The .bin is read once, ``chunk_tokens`` at a time (memory stays
-    flat); a uint8/uint16 stream whose largest value fits the vocabulary is not read at all.
+    """Opens ``prefix`` and checks everything a training run will rely on (`check_tokens`);
+    returns the dataset.
 
     Raises:
         FileNotFoundError: a file of the pair is missing.
         IndexedDatasetError: one line naming the file and what is wrong with it.
     """
-    dataset = IndexedDataset(prefix)
+    return check_tokens(IndexedDataset(prefix), vocab_size, chunk_tokens)
+
+
+def check_tokens(
+    dataset: IndexedDataset, vocab_size: int | None = None, chunk_tokens: int = 1 << 26
+) -> IndexedDataset:
+    """Checks the tokens of an opened dataset; returns it.
+
+    Beyond the checks that opening made (header, dtype code, both file sizes against the sizes,
+    document index, sequence pointers the running sum of the sizes), this checks that the tokens
+    are integers and, with ``vocab_size``, reads the whole token stream: every token id is in
+    ``[0, vocab_size)``. The .bin is read once, ``chunk_tokens`` at a time (memory stays
+    flat); a uint8/uint16 stream whose largest value fits the vocabulary is not read at all.
+
+    Raises:
+        IndexedDatasetError: one line naming the file and what is wrong with it.
+    """
     idx_file, bin_file = idx_path(dataset.prefix), bin_path(dataset.prefix)
     if dataset.dtype.kind not in "iu":
         raise IndexedDatasetError(

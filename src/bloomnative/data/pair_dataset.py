@@ -14,7 +14,7 @@ from bloomnative.data.blend_spec import parse_blend
 from bloomnative.data.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetError,
-    check_indexed_dataset,
+    check_tokens,
 )
 from bloomnative.data.indexed_format import bin_path, idx_path
 
@@ -60,6 +60,12 @@ class PairDataset:
         inputs = self.inputs.sequence_lengths[first:stop].astype(np.int64)
         return inputs + self.targets.sequence_lengths[first:stop]
 
+    def check_tokens(self, vocab_size: int | None = None) -> int:
+        """``check_tokens`` on both datasets (with ``vocab_size``, every token id is read); returns
+        the tokens of all pairs."""
+        sides = (self.inputs, self.targets)
+        return sum(check_tokens(side, vocab_size).num_tokens for side in sides)
+
     def files(self) -> list[str]:
         """The four files, inputs then targets, .bin then .idx."""
         sides = (self.inputs, self.targets)
@@ -74,18 +80,15 @@ def check_pair_datasets(
 ) -> int:
     """Checks every pair prefix of a blend as ``data.format = "mtf"`` training reads it: both
     datasets of each pair exist, open cleanly and hold the same number of sequences; with
-    ``vocab_size``, every token id of both is in ``[0, vocab_size)`` (``check_indexed_dataset``,
+    ``vocab_size``, every token id of both is in ``[0, vocab_size)`` (``PairDataset.check_tokens``,
     which reads the whole token streams). Returns the tokens of all pairs.
 
     Raises:
         IndexedDatasetError: one line naming the prefix, the file and what is wrong.
     """
-    tokens = 0
-    for entry in parse_blend(blend, weights):
-        pairs = PairDataset(entry.prefix)
-        for side in (pairs.inputs, pairs.targets):
-            tokens += check_indexed_dataset(side.prefix, vocab_size).num_tokens
-    return tokens
+    return sum(
+        PairDataset(entry.prefix).check_tokens(vocab_size) for entry in parse_blend(blend, weights)
+    )
 
 
 def _open_side(prefix: str, side: str) -> IndexedDataset:

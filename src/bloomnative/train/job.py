@@ -181,10 +181,8 @@ def main(argv: list[str]) -> int:
     with _launcher_cpp_log_level():  # torch and the rest: after the check
         from bloomnative.train import launch, preflight
         from bloomnative.train.run_lock import JOB_VAR
-    try:
-        config = preflight.checked_config(argv, settings.world_sizes(), settings.nnodes)
-    except preflight.PreflightError as e:
-        print(e, file=sys.stderr)
+    config = preflight.preflight(argv, settings.world_sizes(), settings.nnodes)
+    if config is None:
         return 2
     os.environ["OMP_NUM_THREADS"] = str(settings.omp_threads)
     if settings.nnodes != (1, 1):

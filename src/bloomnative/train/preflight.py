@@ -58,18 +58,15 @@ def check_data_files(config: Config) -> None:
 
 def check_data(config: Config, run: ResolvedRun) -> str:
     """Opens the tokenizer and every dataset of the blend as training will, reading the whole
-    index and token stream (`check_indexed_dataset`; its cost is in docs/data.md), and cuts each
-    dataset by `data.split` as the trainer will (`check_gpt_datasets`, `check_mtf_datasets`:
-    each split asked for samples holds documents with tokens, or pairs, in every dataset): a
-    corrupt or mismatched file, or a split that leaves training or validation without data, is
-    reported here, naming it, instead of failing inside a rank. Returns what was checked, for
-    the log."""
+    index and token stream (`check_tokens`; its cost is in docs/data.md), and cuts each dataset
+    by `data.split` as the trainer will (`check_gpt_datasets`, `check_mtf_datasets`: each split
+    asked for samples holds documents with tokens, or pairs, in every dataset): a corrupt or
+    mismatched file, or a split that leaves training or validation without data, is reported
+    here, naming it, instead of failing inside a rank. Returns what was checked, for the log."""
     from bloomnative.data import (
         SplitError,
         check_gpt_datasets,
-        check_indexed_dataset,
         check_mtf_datasets,
-        check_pair_datasets,
         parse_blend,
         tokenizer_vocab_size,
     )
@@ -87,28 +84,21 @@ def check_data(config: Config, run: ResolvedRun) -> str:
                 f"model's vocabulary has {args.vocab_size}; set model.vocab_size >= "
                 f"{tokenizer_ids} or use the tokenizer the data was made with"
             )
-    entries = parse_blend(config.data.blend)
-    shaping = run.data
-    asked = (shaping.train_samples, shaping.valid_samples, 0)
+    data = config.data
+    asked = (run.data.train_samples, run.data.valid_samples, 0)
     try:
-        if config.data.format == "mtf":
-            tokens = check_pair_datasets(config.data.blend, args.vocab_size)
-            splits = check_mtf_datasets(
-                config.data.blend, config.data.split, config.training.seq_len, asked
+        if data.format == "mtf":
+            checked = check_mtf_datasets(
+                data.blend, data.split, config.training.seq_len, asked, vocab_size=args.vocab_size
             )
-            unit = "pairs"
         else:
-            tokens = sum(
-                check_indexed_dataset(e.prefix, args.vocab_size).num_tokens for e in entries
-            )
-            splits = check_gpt_datasets(config.data.blend, config.data.split, asked)
-            unit = "tokens"
+            checked = check_gpt_datasets(data.blend, data.split, asked, vocab_size=args.vocab_size)
     except SplitError as e:
         raise ConfigError(f"data.split: {e}") from None
     return (
-        f"{len(entries)} dataset(s), {tokens:,} tokens checked in "
+        f"{len(parse_blend(data.blend))} dataset(s), {checked.tokens:,} tokens checked in "
         f"{time.perf_counter() - start:.2f} s (train/valid/test splits: "
-        f"{'/'.join(f'{t:,}' for t in splits)} {unit})"
+        f"{'/'.join(f'{n:,}' for n in checked.splits)} {checked.unit})"
     )
 
 
@@ -303,14 +293,14 @@ def checked_config(
 
 def preflight(
     argv: Sequence[str], world_sizes: Sequence[int], nodes: tuple[int, int] = (1, 1)
-) -> int:
-    """`checked_config` as an exit code: prints the one-line error and returns 2, or returns 0."""
+) -> Config | None:
+    """`checked_config` for a program's entry point: the config, or None once the one-line error
+    is printed (the program then exits 2)."""
     try:
-        checked_config(argv, world_sizes, nodes)
+        return checked_config(argv, world_sizes, nodes)
     except PreflightError as e:
         print(e, file=sys.stderr)
-        return 2
-    return 0
+        return None
 
 
 def main(argv: list[str]) -> int:
@@ -326,7 +316,7 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    return preflight(argv, [int(world_size)])
+    return 0 if preflight(argv, [int(world_size)]) else 2
 
 
 if __name__ == "__main__":

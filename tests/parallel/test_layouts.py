@@ -47,7 +47,7 @@ BASE = [
 ]
 FP32_TOLERANCE, BF16_TOLERANCE = 1e-4, 2e-3
 MASKED_TOLERANCE = 1e-5  # fp32, the layouts with the loss masked at EODs
-# Samples per step 4, 4, 6, 8, 8: three pipeline micro-batch counts (2, 3, 4) under pp = 2.
+# Samples per step 4, 4, 6, 6, 8: three pipeline micro-batch counts (2, 3, 4) under pp = 2.
 RAMPUP = ["--training.rampup_batch_size=4,2,16"]
 INTERLEAVED = ["--parallelism.pp_stages_per_rank=2", "--parallelism.pp_schedule=Interleaved1F1B"]
 CP2 = ["--parallelism.cp=2"]

@@ -8,7 +8,10 @@
 * a pretraining step with reset_attention_mask has the loss of its documents run separately;
 * data, tensor, pipeline (with evaluation) and context parallelism, and regional compilation
   with recomputation, train the packed samples as one process does (relative 1e-5 at every
-  step, and the same eval_loss).
+  step, and the same eval_loss); so do a batch-size rampup under context parallelism, and one
+  under pipeline parallelism in bf16 (relative 2e-3 against one process in bf16);
+* that bf16 pipeline run, stopped in the middle of its rampup and resumed from its checkpoint,
+  continues bit for bit (losses, evaluation, batch sizes).
 
 The scenarios run in two shared worlds, one of one process and one of two.
 """
@@ -55,6 +58,20 @@ MTF = [
     "--validation.steps=1",
 ]
 NORM = ["--data.norm_target_loss=true"]
+# Samples per step 4, 4, 6, 6, 8 (micro batches 2, 2, 3, 3, 4 under pp = 2).
+RAMPUP = ["--training.rampup_batch_size=4,2,16", "--training.steps=5"]
+BF16 = ["--training.dtype=bf16"]
+BF16_TOLERANCE = 2e-3  # tests/parallel/test_layouts.py says why
+# Stops after step 2, in the middle of the rampup, before the evaluation at step 3; the
+# "-resumed" scenario then continues in the same dump folder.
+STOPPED = [
+    "--training.steps=2",
+    "--checkpoint.enable=true",
+    "--checkpoint.interval=2",
+    "--checkpoint.keep_latest_k=0",
+    "--job.dump_folder={out}/mtf_norm_pp2_rampup_bf16-resumed",
+]
+PP2_RAMPUP_BF16 = [*MTF, *NORM, *RAMPUP, *BF16, "--parallelism.pp=2"]
 RESET = [
     "--data.blend={eod_corpus}",
     "--data.tokenizer={eod_corpus}_tokenizer.json",
@@ -74,6 +91,8 @@ SCENARIOS = {
             "--activation_checkpoint.mode=full",
         ],
         "gpt_reset_attention_mask": RESET,
+        "mtf_norm_rampup": [*MTF, *NORM, *RAMPUP],
+        "mtf_norm_rampup_bf16": [*MTF, *NORM, *RAMPUP, *BF16],
     },
     2: {
         "mtf_norm_dp2": [*MTF, *NORM],
@@ -89,6 +108,10 @@ SCENARIOS = {
             "--parallelism.pp_schedule=ZBVZeroBubble",
         ],
         "mtf_norm_cp2": [*MTF, *NORM, "--parallelism.cp=2"],
+        "mtf_norm_cp2_rampup": [*MTF, *NORM, *RAMPUP, "--parallelism.cp=2"],
+        "mtf_norm_pp2_rampup_bf16": PP2_RAMPUP_BF16,
+        "mtf_norm_pp2_rampup_bf16-stopped": [*PP2_RAMPUP_BF16, *STOPPED],
+        "mtf_norm_pp2_rampup_bf16-resumed": [*PP2_RAMPUP_BF16, *STOPPED[1:4]],
     },
 }
 
@@ -128,6 +151,7 @@ def runs(tmp_path_factory, hf_model) -> dict:
         "{pairs}": write_pair_corpus(out / "xp3"),
         "{tokenizer}": str(tokenizer),
         "{eod_corpus}": build_eod_heavy_corpus(str(out / "eod_text_document")),
+        "{out}": str(out),
     }
     argvs = {}
     for nproc, scenarios in SCENARIOS.items():
@@ -238,20 +262,49 @@ def eval_losses(dump: Path) -> list[float]:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "layout, reference",
+    "layout, reference, tolerance",
     [
-        ("mtf_norm_compile_ac", "mtf_norm"),
-        ("mtf_norm_dp2", "mtf_norm"),
-        ("mtf_norm_tp2", "mtf_norm"),
-        ("mtf_pp2", "mtf"),
-        ("mtf_norm_pp2", "mtf_norm"),
-        ("mtf_norm_pp2_zbv", "mtf_norm"),
-        ("mtf_norm_cp2", "mtf_norm"),
+        ("mtf_norm_compile_ac", "mtf_norm", TOLERANCE),
+        ("mtf_norm_dp2", "mtf_norm", TOLERANCE),
+        ("mtf_norm_tp2", "mtf_norm", TOLERANCE),
+        ("mtf_pp2", "mtf", TOLERANCE),
+        ("mtf_norm_pp2", "mtf_norm", TOLERANCE),
+        ("mtf_norm_pp2_zbv", "mtf_norm", TOLERANCE),
+        ("mtf_norm_cp2", "mtf_norm", TOLERANCE),
+        ("mtf_norm_cp2_rampup", "mtf_norm_rampup", TOLERANCE),
+        ("mtf_norm_pp2_rampup_bf16", "mtf_norm_rampup_bf16", BF16_TOLERANCE),
     ],
 )
-def test_layouts_train_packed_samples_like_one_process(runs, layout, reference):
+def test_layouts_train_packed_samples_like_one_process(runs, layout, reference, tolerance):
     ours, theirs = runs[layout][0], runs[reference][0]
-    assert losses_by_step(ours) == pytest.approx(losses_by_step(theirs), rel=TOLERANCE)
-    assert len(losses_by_step(ours)) == 3
-    assert eval_losses(ours) == pytest.approx(eval_losses(theirs), rel=TOLERANCE)
+    steps = parse_args(runs[layout][1]).training.steps
+    assert list(losses_by_step(ours)) == list(range(1, steps + 1))
+    assert losses_by_step(ours) == pytest.approx(losses_by_step(theirs), rel=tolerance)
     assert len(eval_losses(ours)) == 1
+    assert eval_losses(ours) == pytest.approx(eval_losses(theirs), rel=tolerance)
+    # The rampup's schedule: the same samples in every step.
+    assert batch_sizes(ours) == batch_sizes(theirs)
+
+
+def batch_sizes(dump: Path) -> list[tuple[int, int, int]]:
+    """(step, global batch size, samples consumed) of each training row."""
+    rows = [row for row in metric_rows(dump) if "loss" in row]
+    return [(row["step"], row["global_batch_size"], row["consumed_samples"]) for row in rows]
+
+
+@pytest.mark.multiprocess
+def test_packed_pairs_resumed_mid_rampup_under_pipeline_in_bf16_continue_exactly(runs):
+    """Stopped after step 2 (4 + 4 samples of the rampup's 4, 4, 6, 6, 8), resumed from its
+    checkpoint: the losses, the evaluation at step 3 and the batch sizes are those of the run
+    that never stopped, bit for bit."""
+    resumed, uninterrupted = (
+        runs["mtf_norm_pp2_rampup_bf16-resumed"][0],
+        runs["mtf_norm_pp2_rampup_bf16"][0],
+    )
+    rows = metric_rows(resumed)
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3, 4, 5]  # 2 + 3 resumed
+    assert (resumed / "checkpoints" / "step-2").is_dir()
+    assert losses_by_step(resumed) == losses_by_step(uninterrupted)
+    assert eval_losses(resumed) == eval_losses(uninterrupted)
+    assert batch_sizes(resumed) == batch_sizes(uninterrupted)
+    assert [size for _, size, _ in batch_sizes(resumed)] == [4, 4, 6, 6, 8]

@@ -21,15 +21,18 @@ count, and mtf / gpt.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-import torch.distributed as dist
-from bench_train import RecordingLoader, environment, parse_bench_args
+from bench_train import (
+    RecordingLoader,
+    end_process_group,
+    environment,
+    parse_bench_args,
+    write_report,
+)
 
 from bloomnative.config import Config, ConfigError, model_args_from_config
 from bloomnative.data import (
@@ -141,11 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"({result['step_time_s_median'] * 1e3:.1f} ms){fill}"
             )
         print(f"mtf / gpt: {ratio:.3f}")
-        if options.json_path:
-            Path(options.json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(options.json_path).write_text(json.dumps(report, indent=2) + "\n")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        write_report(report, options.json_path)
+    end_process_group()
     return 0
 
 

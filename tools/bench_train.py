@@ -631,14 +631,24 @@ def run_benchmark(
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         print(format_summary(report), flush=True)
-        if options.json_path:
-            Path(options.json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(options.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        write_report(report, options.json_path)
+    end_process_group()
+    return 0
+
+
+def write_report(report: dict, json_path: str | None) -> None:
+    """`report` as indented JSON at `json_path` (its folder made), when one is given."""
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def end_process_group() -> None:
+    """Destroys the default process group of a benchmark run under torchrun, if there is one."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

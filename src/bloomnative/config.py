@@ -192,6 +192,12 @@ class DataConfig:
     prefetch: bool = True
     """Prepare the next batch in a background thread."""
 
+    @property
+    def segmented(self) -> bool:
+        """Whether each sample's attention stays inside segments of it: packed pairs (format =
+        "mtf") or documents cut at the EOD (reset_attention_mask)."""
+        return self.format == "mtf" or self.reset_attention_mask
+
 
 @dataclass
 class ParallelismConfig:

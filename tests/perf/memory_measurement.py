@@ -133,9 +133,9 @@ def saved_activation_bytes(trainer: Trainer) -> int:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    inputs, labels = trainer.train_loader.next_batch(MICRO_BATCH * MICRO_BATCHES)[0]
+    micro = trainer.train_loader.next_batch(MICRO_BATCH * MICRO_BATCHES)[0]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        cross_entropy_sum(model(inputs), labels)
+        cross_entropy_sum(model(micro.input_ids, segments=micro.segments), micro.labels)
     return sum(saved.values())
 
 

@@ -46,7 +46,8 @@ def attention_terms(
       [b, heads, s, d]), logsumexp (fp32, b*a*s/t). The 5as^2b scores/softmax/dropout terms drop
       out: the scores are never stored.
     - sdpa_efficient: as flash, but the output is laid out [b, s, heads, d], so the projection's
-      input is a view of it (no copy); the materialised ALiBi + causal bias [a/t, s, s] is kept.
+      input is a view of it (no copy); the materialised ALiBi + causal bias [a/t, s, s] is kept,
+      [b, a/t, s, s] when samples are cut into segments (`workload.segments`).
     - materialized: q, k, v (6sbh/t: Megatron's views of the QKV output, or the copies CPU's
       math kernel makes), the softmax probabilities (2as^2b/t) and the projection input; with
       `workload.dropout` also the attention-dropout mask and output (3as^2b/t). cpu_math: the
@@ -80,6 +81,13 @@ def attention_terms(
             c,
             "added: SDPA keeps its attn_mask; one per block, independent of the batch",
         )
+        if workload.segments:
+            bias = ActivationTerm(
+                "ALiBi + causal + segment bias [b, heads, s, s]",
+                b * heads * s * s,
+                c,
+                "added: SDPA keeps its attn_mask; one per block and sample",
+            )
         return [
             qkv,
             lse,

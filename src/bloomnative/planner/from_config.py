@@ -15,13 +15,17 @@ from bloomnative.planner.inputs import GiB, Layout, Overhead, PlanError, Workloa
 from bloomnative.planner.rank_estimate import Plan, least_recompute_that_fits
 
 
-def attention_memory_kind(backend: str, device_type: str, cp: int = 1) -> str:
+def attention_memory_kind(
+    backend: str, device_type: str, cp: int = 1, segments: bool = False
+) -> str:
     """The memory behaviour of a model.attention backend on a device type. With context
-    parallelism "auto" is the Triton ring on a GPU (train.attention_choice)."""
+    parallelism "auto" is the Triton ring on a GPU (train.attention_choice). On CPU, SDPA takes
+    its math path for the [heads, s, s] bias, and its flash kernel, which keeps the bias, for the
+    [b, heads, s, s] one of samples cut into `segments`."""
     if backend in ("triton", "flex") or (backend == "auto" and cp > 1 and device_type == "cuda"):
         return "flash"
     if backend in ("sdpa", "auto"):  # "auto" may resolve to sdpa: plan for its footprint
-        return "sdpa_efficient" if device_type == "cuda" else "cpu_math"
+        return "sdpa_efficient" if device_type == "cuda" or segments else "cpu_math"
     valid = ", ".join((*ATTENTION_BACKENDS, "auto"))
     raise PlanError(f"unknown attention backend {backend!r}; valid: {valid}")
 
@@ -77,7 +81,10 @@ def workload_from_config(
         recompute="none" if recompute == "auto" else recompute,
         recompute_every=config.activation_checkpoint.every,
         attention=attention
-        or attention_memory_kind(config.model.attention, device_type, layout.cp),
+        or attention_memory_kind(
+            config.model.attention, device_type, layout.cp, config.data.segmented
+        ),
+        segments=config.data.segmented,
         fused_loss=config.model.fused_loss,
         compiled_loss=compiles_the_loss(config, layout.tp),
         dropout=dropout or config.model.hidden_dropout > 0 or config.model.attention_dropout > 0,

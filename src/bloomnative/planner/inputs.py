@@ -117,6 +117,9 @@ class Workload:
     bias: also keeps the [heads, s, s] bias), "materialized" (Megatron's fused softmax: keeps the
     [b, heads, s, s] probabilities) or "cpu_math" (CPU SDPA's math path: as materialized, in
     fp32 even for bf16 inputs)."""
+    segments: bool = False
+    """Each sample's attention stays inside segments (`DataConfig.segmented`: packed pairs, or
+    documents cut at the EOD): SDPA's additive bias is then one per sample, [b, heads, s, s]."""
     fused_loss: bool = False
     """Chunked lm head + cross-entropy (kernels.linear_cross_entropy): no [tokens, vocab] tensor."""
     compiled_loss: bool = False

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from bloomnative.checkpoint.checkpointer import CheckpointWriteError
 from bloomnative.train.hang import HangRecorder, report, summarize_hang
+from bloomnative.train.main import save_failure_label
 from launching import python_command, run
 from training_helpers import TINY_RUN
 
@@ -145,3 +147,26 @@ def test_run_train_shs_launcher_prints_the_summary_of_its_failed_jobs_hang(
     monkeypatch.setenv("NPROC", "1")
     assert job.main(["--config=configs/debug.toml", f"--job.dump_folder={dump}"]) == 1
     assert "hang: rank 2 did not arrive at gloo:all_reduce #12" in capsys.readouterr().err
+
+
+# What gloo raised on rank 0 when its peer's process ended during an all_reduce (torch 2.13).
+LOST_PEER = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+    "peer [127.0.0.1]:57484. This is typically caused by a remote worker crashing."
+)
+
+
+@pytest.mark.parametrize(
+    "cause, label",
+    [
+        (RuntimeError(LOST_PEER), "lost a peer while saving"),
+        (OSError(28, "No space left on device"), "checkpoint error"),
+        (None, "checkpoint error"),
+    ],
+)
+def test_a_save_that_lost_a_peer_is_not_reported_as_a_checkpoint_error(cause, label):
+    """A checkpoint the ranks write together fails on every rank when one of them dies: the
+    survivors say a peer was lost, not that the checkpoint or its disk failed."""
+    failure = CheckpointWriteError("writing checkpoint step-4 into step-4.partial failed")
+    failure.__cause__ = cause
+    assert save_failure_label(failure) == label

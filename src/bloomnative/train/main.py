@@ -13,6 +13,7 @@ from bloomnative.parallel import LayoutError
 from bloomnative.planner import PlanError
 from bloomnative.train.distributed import exit_process
 from bloomnative.train.faults import catch_stop_signals
+from bloomnative.train.hang import is_collective_failure
 from bloomnative.train.launch import exit_with_launcher, launcher_gone, report_final_error
 
 _log = get_logger(__name__)
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     except DumpFolderInUseError as e:
         return final_error(f"error: {e}")
     except CheckpointError as e:  # a save that failed: the message says where and why
-        print(f"checkpoint error: {e}", file=sys.stderr)
+        print(f"{save_failure_label(e)}: {e}", file=sys.stderr)
         return 1
     except Exception:
         if launcher_gone():  # a peer stopped with it; the watchdog says so and ends this one
@@ -68,6 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+def save_failure_label(error: Exception) -> str:
+    """How a save that raised `error` is reported: a peer lost while the ranks wrote together (a
+    collective's failure, train/hang.py) is not a failure of the checkpoint or its disk."""
+    cause = error.__cause__
+    lost = cause is not None and is_collective_failure(cause)
+    return "lost a peer while saving" if lost else "checkpoint error"
 
 
 def final_error(line: str) -> int:

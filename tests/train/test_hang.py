@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bloomnative.checkpoint.checkpointer import CheckpointWriteError
+from bloomnative.config import parse_args
 from bloomnative.train.hang import HangRecorder, report, summarize_hang
 from bloomnative.train.main import save_failure_label
 from launching import python_command, run
@@ -142,7 +143,7 @@ def test_run_train_shs_launcher_prints_the_summary_of_its_failed_jobs_hang(
             write_record(dump / "hang", rank, seq, at=time.time())
         return 1
 
-    monkeypatch.setattr(preflight, "preflight", lambda argv, world_sizes, nnodes: 0)
+    monkeypatch.setattr(preflight, "preflight", lambda argv, world_sizes, nnodes: parse_args(argv))
     monkeypatch.setattr(launch, "main", job_that_hangs)
     monkeypatch.setenv("NPROC", "1")
     assert job.main(["--config=configs/debug.toml", f"--job.dump_folder={dump}"]) == 1

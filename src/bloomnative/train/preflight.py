@@ -316,7 +316,7 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    return 0 if preflight(argv, [int(world_size)]) else 2
+    return 0 if preflight(argv, [int(world_size)]) is not None else 2
 
 
 if __name__ == "__main__":

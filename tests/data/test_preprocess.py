@@ -9,6 +9,7 @@ import json
 import os
 import pty
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,42 @@ def test_progress_on_a_terminal_shows_documents_tokens_per_second_and_eta(tmp_pa
         r"ETA 0s",
         updates[-1],
     )
+
+
+def test_a_named_pipe_is_read_as_a_file_of_its_name_with_progress_but_no_share(tmp_path):
+    """A pipe (`mkfifo`: another program decompressing, say) gives the dataset the same lines in
+    a file give; its size is unknown until it is read, so the progress line has no share or
+    ETA."""
+    file = _write_jsonl(tmp_path / "file.jsonl", [{"text": t} for t in _texts(1000)])
+    pipe = tmp_path / "pipe.jsonl"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=lambda: pipe.write_bytes(file.read_bytes()))
+    writer.start()  # it blocks until preprocess opens the pipe
+    terminal = _Terminal()
+    config = PreprocessConfig(
+        inputs=(str(pipe),), tokenizer=TOKENIZER, output_prefix=str(tmp_path / "piped"),
+        log_interval=0,
+    )  # fmt: skip
+    summary = preprocess(config, progress_stream=terminal)
+    writer.join()
+    from_file, _ = _run(tmp_path, [file], "from_file")
+    for ext in (".bin", ".idx"):
+        piped = (tmp_path / f"piped_text_document{ext}").read_bytes()
+        assert piped == Path(f"{from_file}{ext}").read_bytes()
+    updates = terminal.getvalue().split("\r")[1:]
+    assert len(updates) >= 4
+    assert re.fullmatch(
+        rf"\[preprocess\] 1,000 docs, {summary.tokens:,} tokens \| [\d,]+ tokens/s\x1b\[K\n",
+        updates[-1],
+    )
+
+
+def test_a_folder_given_as_input_is_one_line(tmp_path):
+    config = PreprocessConfig(
+        inputs=(str(tmp_path),), tokenizer=TOKENIZER, output_prefix=str(tmp_path / "out")
+    )
+    with pytest.raises(ValueError, match=r"^input '.+' is a folder; give the files in it$"):
+        preprocess(config)
 
 
 @pytest.mark.multiprocess

@@ -3,7 +3,10 @@ it and no partial output is left."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import signal
 import subprocess
 import time
@@ -30,16 +33,36 @@ def live_processes(parent: int | None = None, group: int | None = None) -> list[
     return found
 
 
+def open_for_writing(fifo: Path, proc: subprocess.Popen) -> int:
+    """The write end of `fifo`, once `proc` has opened its read end."""
+    opened: list[int] = []
+
+    def reader_is_there() -> bool:
+        try:
+            opened.append(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as e:
+            if e.errno != errno.ENXIO:  # ENXIO: no reader yet
+                raise
+        return bool(opened)
+
+    wait_for(reader_is_there, proc, 120, f"{fifo} to be opened")
+    os.set_blocking(opened[0], True)
+    return opened[0]
+
+
 @pytest.mark.multiprocess
 def test_sigterm_ends_the_worker_pool_and_writes_nothing(tmp_path):
-    # ~25 MB of JSON lines: seconds of tokenizing for two workers, so the signal lands mid-run.
+    """The input is a pipe the test writes: the signal lands while the tool waits for more
+    input, and the lines written after it are still to be encoded, however fast the machine."""
     line = json.dumps({"text": " ".join(["def class return import the quick brown fox"] * 40)})
-    (tmp_path / "in.jsonl").write_text((line + "\n") * 70_000)
+    lines = ((line + "\n") * 2_000).encode()
+    fifo = tmp_path / "in.jsonl"
+    os.mkfifo(fifo)
     command = python_command(
         [
             str(REPO / "tools" / "preprocess_data.py"),
             "--input",
-            str(tmp_path / "in.jsonl"),
+            str(fifo),
             "--tokenizer",
             TOKENIZER,
             "--output-prefix",
@@ -54,8 +77,13 @@ def test_sigterm_ends_the_worker_pool_and_writes_nothing(tmp_path):
         text=True,
         start_new_session=True,  # its own process group: what is left of it can be found
     )
-    wait_for(lambda: len(live_processes(parent=proc.pid)) >= 2, proc, 120, "the worker pool")
-    proc.send_signal(signal.SIGTERM)
+    with os.fdopen(open_for_writing(fifo, proc), "wb") as pipe:
+        pipe.write(lines)
+        pipe.flush()
+        wait_for(lambda: len(live_processes(parent=proc.pid)) >= 2, proc, 120, "the worker pool")
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(BrokenPipeError):  # the tool may stop before reading them
+            pipe.write(lines)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert err.strip() == "preprocess_data: stopped by SIGTERM; nothing was written"

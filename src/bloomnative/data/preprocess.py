@@ -145,7 +145,9 @@ def preprocess(
     if not config.json_keys:
         raise ValueError("json_keys is empty; give at least one key, e.g. text")
     for path in config.inputs:
-        if not os.path.isfile(path):
+        if os.path.isdir(path):
+            raise ValueError(f"input {path!r} is a folder; give the files in it")
+        if not os.path.exists(path):
             raise FileNotFoundError(f"input file {path!r} does not exist")
     pairs = writes_pairs(config.json_keys)
     if pairs:
@@ -155,7 +157,9 @@ def preprocess(
                 f"{plain[0]} is read as plain text (one document), but pairs (--json-keys "
                 "inputs targets) come from JSON lines: .jsonl / .json / .ndjson (optionally .gz)"
             )
-    total_bytes = sum(os.path.getsize(path) for path in config.inputs)
+    # A named pipe's size is known only once it is read: then the progress shows no share.
+    sizes = [os.path.getsize(path) for path in config.inputs if os.path.isfile(path)]
+    total_bytes = sum(sizes) if len(sizes) == len(config.inputs) else None
     progress = _Progress(progress_stream or sys.stderr, config.log_interval, total_bytes)
     log = progress.interrupting(log or _print_to_stderr)
     tokenizer = load_tokenizer(config.tokenizer, config.eod_token)  # fail early, in this process
@@ -270,15 +274,17 @@ def _read_records(paths: Iterable[str]) -> Iterator[_Record]:
     before = 0  # size of the files already read
     for index, path in enumerate(paths):
         with open(path, "rb") as raw:
-            # The position is measured on the stored file, so a .gz input has one too.
+            # The position is measured on the stored file, so a .gz input has one too (a pipe
+            # has none: its progress shows no share).
+            where = raw.tell if raw.seekable() else lambda: 0
             stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
             if not is_json_lines(path):
                 text = stream.read()
-                yield _Record(index, 1, text, is_json=False, position=before + raw.tell())
+                yield _Record(index, 1, text, is_json=False, position=before + where())
             else:
                 for line_number, line in enumerate(stream, start=1):
                     if line.strip():
-                        yield _Record(index, line_number, line, True, before + raw.tell())
+                        yield _Record(index, line_number, line, True, before + where())
         before += os.path.getsize(path)
 
 
@@ -437,7 +443,7 @@ def _result(pending: AsyncResult, stop_requested: Callable[[], bool]) -> list[_E
 class _Progress:
     """One progress line, rewritten in place, when `stream` is a terminal; nothing otherwise."""
 
-    def __init__(self, stream: TextIO, interval: float, total_bytes: int) -> None:
+    def __init__(self, stream: TextIO, interval: float, total_bytes: int | None) -> None:
         self.stream = stream
         self.enabled = stream.isatty()
         self.interval = interval
@@ -459,12 +465,15 @@ class _Progress:
 
     def describe(self, summary: PreprocessSummary, seconds: float) -> str:
         rate = summary.tokens / seconds if seconds > 0 else 0.0
+        line = (
+            f"[preprocess] {summary.documents:,} docs, {summary.tokens:,} tokens | "
+            f"{rate:,.0f} tokens/s"
+        )
+        if self.total_bytes is None:  # a pipe among the inputs
+            return line
         done = self.position / self.total_bytes if self.total_bytes else 1.0
         eta = seconds * (1 - done) / done if done > 0 else float("inf")
-        return (
-            f"[preprocess] {summary.documents:,} docs, {summary.tokens:,} tokens | "
-            f"{rate:,.0f} tokens/s | {100 * done:.1f}% | ETA {_duration(eta)}"
-        )
+        return f"{line} | {100 * done:.1f}% | ETA {_duration(eta)}"
 
     def finish(self, summary: PreprocessSummary) -> None:
         """Shows the final state and ends the line, so what follows starts on a new one."""

@@ -180,16 +180,22 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_progress_on_a_terminal_shows_documents_tokens_per_second_and_eta(tmp_path):
-    path = _write_jsonl(tmp_path / "in.jsonl.gz", [{"text": t} for t in _texts(1000)], gz=True)
+def _on_a_terminal(inputs: list[Path], output_prefix: Path) -> tuple[object, str]:
+    """`preprocess` showing its progress on every chunk on a terminal: its summary, and what the
+    terminal shows."""
     terminal = _Terminal()
     config = PreprocessConfig(
-        inputs=(str(path),), tokenizer=TOKENIZER, output_prefix=str(tmp_path / "out"),
-        log_interval=0,
+        inputs=tuple(str(p) for p in inputs), tokenizer=TOKENIZER,
+        output_prefix=str(output_prefix), log_interval=0,
     )  # fmt: skip
-    summary = preprocess(config, progress_stream=terminal)
-    updates = terminal.getvalue().split("\r")[1:]
-    assert len(updates) >= 4 and terminal.getvalue().endswith("\n")  # 1000 lines: 4 chunks
+    return preprocess(config, progress_stream=terminal), terminal.getvalue()
+
+
+def test_progress_on_a_terminal_shows_documents_tokens_per_second_and_eta(tmp_path):
+    path = _write_jsonl(tmp_path / "in.jsonl.gz", [{"text": t} for t in _texts(1000)], gz=True)
+    summary, shown = _on_a_terminal([path], tmp_path / "out")
+    updates = shown.split("\r")[1:]
+    assert len(updates) >= 4 and shown.endswith("\n")  # 1000 lines: 4 chunks
     shares = [float(re.search(r"\| ([\d.]+)% \|", u).group(1)) for u in updates]
     assert shares == sorted(shares) and shares[-1] == 100.0
     assert re.match(
@@ -208,18 +214,13 @@ def test_a_named_pipe_is_read_as_a_file_of_its_name_with_progress_but_no_share(t
     os.mkfifo(pipe)
     writer = threading.Thread(target=lambda: pipe.write_bytes(file.read_bytes()))
     writer.start()  # it blocks until preprocess opens the pipe
-    terminal = _Terminal()
-    config = PreprocessConfig(
-        inputs=(str(pipe),), tokenizer=TOKENIZER, output_prefix=str(tmp_path / "piped"),
-        log_interval=0,
-    )  # fmt: skip
-    summary = preprocess(config, progress_stream=terminal)
+    summary, shown = _on_a_terminal([pipe], tmp_path / "piped")
     writer.join()
     from_file, _ = _run(tmp_path, [file], "from_file")
     for ext in (".bin", ".idx"):
         piped = (tmp_path / f"piped_text_document{ext}").read_bytes()
         assert piped == Path(f"{from_file}{ext}").read_bytes()
-    updates = terminal.getvalue().split("\r")[1:]
+    updates = shown.split("\r")[1:]
     assert len(updates) >= 4
     assert re.fullmatch(
         rf"\[preprocess\] 1,000 docs, {summary.tokens:,} tokens \| [\d,]+ tokens/s\x1b\[K\n",

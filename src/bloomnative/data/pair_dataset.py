@@ -91,7 +91,22 @@ def check_pair_datasets(
     )
 
 
+def require_pair_files(prefix: str) -> None:
+    """Both datasets of the pair prefix have their .bin and .idx, without opening them.
+
+    Raises:
+        IndexedDatasetError: naming the missing files and the four the prefix stands for.
+    """
+    for side in PAIR_SIDES:
+        _require_side_files(prefix, side)
+
+
 def _open_side(prefix: str, side: str) -> IndexedDataset:
+    _require_side_files(prefix, side)
+    return IndexedDataset(pair_side_prefix(prefix, side))
+
+
+def _require_side_files(prefix: str, side: str) -> None:
     path = pair_side_prefix(prefix, side)
     missing = [f for f in (bin_path(path), idx_path(path)) if not os.path.isfile(f)]
     if missing:
@@ -106,4 +121,3 @@ def _open_side(prefix: str, side: str) -> IndexedDataset:
             f"{pair_side_prefix(prefix, 'targets')}.{{bin,idx}} (made by "
             f"tools/preprocess_data.py --json-keys inputs targets){hint}"
         )
-    return IndexedDataset(path)

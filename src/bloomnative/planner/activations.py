@@ -75,19 +75,16 @@ def attention_terms(
         )
         return [qkv, kept_output, lse, proj]
     if kind == "sdpa_efficient":
+        per_sample = workload.segments  # the segments' mask makes the bias one per sample
         bias = ActivationTerm(
-            "ALiBi + causal bias [heads, s, s]",
-            heads * s * s,
+            "ALiBi + causal + segment bias [b, heads, s, s]"
+            if per_sample
+            else "ALiBi + causal bias [heads, s, s]",
+            (b if per_sample else 1) * heads * s * s,
             c,
-            "added: SDPA keeps its attn_mask; one per block, independent of the batch",
+            "added: SDPA keeps its attn_mask; one per block"
+            + (" and sample" if per_sample else ", independent of the batch"),
         )
-        if workload.segments:
-            bias = ActivationTerm(
-                "ALiBi + causal + segment bias [b, heads, s, s]",
-                b * heads * s * s,
-                c,
-                "added: SDPA keeps its attn_mask; one per block and sample",
-            )
         return [
             qkv,
             lse,

@@ -40,13 +40,15 @@ def _missing(path: Path) -> str:
 
 
 def check_data_files(config: Config) -> None:
-    """Every dataset prefix of the blend has its .bin and .idx."""
-    from bloomnative.data import check_pair_datasets, parse_blend
+    """Every dataset prefix of the blend has its .bin and .idx (a pair prefix: both of its
+    datasets). Nothing is opened: `check_data` reads them."""
+    from bloomnative.data import parse_blend
+    from bloomnative.data.pair_dataset import require_pair_files
 
-    if config.data.format == "mtf":  # <prefix>_inputs_document + <prefix>_targets_document
-        check_pair_datasets(config.data.blend)
-        return
     for entry in parse_blend(config.data.blend):
+        if config.data.format == "mtf":  # <prefix>_inputs_document + <prefix>_targets_document
+            require_pair_files(entry.prefix)
+            continue
         for suffix in (".bin", ".idx"):
             path = Path(entry.prefix + suffix)
             if not path.is_file():

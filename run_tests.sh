@@ -31,7 +31,7 @@ print(f"[tests] Python {platform.python_version()}: {stack}")
 PY
 # The test modules run in BLOOMNATIVE_TEST_WORKERS processes (pytest-xdist, a dev extra; default:
 # one per core, 0: all in this process, as --pdb needs), each module's tests in one of them, where
-# its shared runs (module fixtures, tests/shared_world.py) are made once.
+# its shared runs (module fixtures, tests/harness/shared_world.py) are made once.
 workers=(-n "${BLOOMNATIVE_TEST_WORKERS:-auto}" --dist loadscope)
 if ! "$BLOOMNATIVE_PYTHON" -c "import xdist" 2>/dev/null; then  # a GPU machine's own Python
   echo "[tests] no pytest-xdist in $BLOOMNATIVE_PYTHON: the tests run in one process" >&2

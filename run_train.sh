@@ -16,8 +16,8 @@
 # and so does this command, with code 0. STOP_GRACE_S (default 120) is how long they get before
 # they are killed; keep it below the scheduler's own grace period (Kubernetes'
 # terminationGracePeriodSeconds, SLURM's KillWait).
-# The variables are checked (whole numbers; NNODES also min:max) by bloomnative.train.job, which
+# The variables are checked (whole numbers; NNODES also min:max) by bloomnative.launch.cli, which
 # runs the preflight checks and then torchrun; nothing here evaluates them.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/ensure_env.sh"
-exec "$BLOOMNATIVE_PYTHON" -m bloomnative.train.job "$@"
+exec "$BLOOMNATIVE_PYTHON" -m bloomnative.launch.cli "$@"

@@ -2,12 +2,20 @@ import os
 import sys
 from pathlib import Path
 
+# The Triton kernels run through Triton's interpreter on CPU, which must be chosen before Triton
+# is imported; this conftest is imported before any test module. With
+# BLOOMNATIVE_TEST_DEVICE=cuda the kernel tests run compiled on the GPU instead
+# (tests/harness/kernel_checks.py).
+os.environ.setdefault(
+    "TRITON_INTERPRET", "1" if os.environ.get("BLOOMNATIVE_TEST_DEVICE", "cpu") == "cpu" else "0"
+)
+
 import pytest
 import torch.distributed as dist
 
-import launching
 from bloomnative.log import LogSettings, setup_logging
-from training_helpers import (
+from harness import launching
+from harness.training import (
     SAMPLE_PROMPT,
     TINY_RUN,
     build_synthetic_corpus,

@@ -9,8 +9,8 @@ import socket
 
 import pytest
 
-from launching import python_command, run
-from training_helpers import REPO, train_env
+from harness.launching import python_command, run
+from harness.training import REPO, train_env
 
 API_DOC = REPO / "docs" / "api.md"
 PACKAGES = ["model", "kernels", "parallel", "planner", "data", "interop", "train"]

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-import launching
-from training_helpers import REPO
+from harness import launching
+from harness.training import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```", re.MULTILINE | re.DOTALL)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launching import REPO, run, train_env
+from harness.launching import REPO, run, train_env
 
 pytestmark = pytest.mark.multiprocess  # every test sources ensure_env.sh in bash
 

@@ -15,8 +15,8 @@ import transformers
 from bloomnative.checkpoint.integrity import read_record, unrecorded_files, verify_files
 from bloomnative.interop import load_native_model
 from bloomnative.model import Bloom
-from launching import python_command, run, train_env
-from training_helpers import REPO, TINY_RUN, metric_rows
+from harness.launching import python_command, run, train_env
+from harness.training import REPO, TINY_RUN, metric_rows
 
 EXAMPLES = REPO / "examples"
 # The shape of TINY_RUN's model, as the own-loop example's --model.

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import launching
-from shared_world import SharedWorld
+from harness import launching
+from harness.shared_world import SharedWorld
 
 TESTS = Path(__file__).resolve().parent
 # What starts a program; only launching.py does it. The programs the tests launch (runners,
@@ -55,7 +55,7 @@ def test_tests_launch_programs_only_through_launching_py():
         for number, line in enumerate(path.read_text().splitlines(), start=1)
         if LAUNCH.search(line)
     ]
-    assert not found, f"launch through tests/launching.py (run, start): {found}"
+    assert not found, f"launch through tests/harness/launching.py (run, start): {found}"
 
 
 def test_a_test_without_the_mark_may_not_launch():

@@ -18,7 +18,7 @@ from bloomnative.log import (
     get_logger,
     setup_logging,
 )
-from launching import python_command, run, train_env
+from harness.launching import python_command, run, train_env
 
 
 @pytest.fixture
@@ -138,9 +138,9 @@ def test_the_first_record_sets_logging_up_from_the_environment():
 
 @pytest.mark.multiprocess
 def test_the_launcher_refuses_a_malformed_variable_before_starting_workers():
-    launcher = ["-m", "bloomnative.train.launch", "--standalone", "--nproc-per-node=1"]
+    launcher = ["-m", "bloomnative.launch.torchrun", "--standalone", "--nproc-per-node=1"]
     proc = run(
-        python_command([*launcher, "-m", "bloomnative.train.main"]),
+        python_command([*launcher, "-m", "bloomnative.launch.worker"]),
         env=train_env({"BLOOMNATIVE_LOG_RANKS": "rank0"}),
         timeout=120,
         check=False,

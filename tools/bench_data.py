@@ -232,7 +232,7 @@ def bench_check(folder: str | None) -> None:
                 cold.append(timed(lambda p=prefix, v=vocab: check_indexed_dataset(p, v), 1))
             warm = timed(lambda p=prefix, v=vocab: check_indexed_dataset(p, v))
             command = [
-                sys.executable, "-m", "bloomnative.train.preflight", f"--data.blend={prefix}",
+                sys.executable, "-m", "bloomnative.launch.preflight", f"--data.blend={prefix}",
                 f"--model.vocab_size={vocab}", "--data.tokenizer=",
             ]  # fmt: skip
             whole = timed(lambda c=command: subprocess.run(c, check=True, capture_output=True), 3)

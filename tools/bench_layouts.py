@@ -46,7 +46,7 @@ BATCH = ["--training.global_batch_size=16", "--training.micro_batch_size=4"]
 def run_layout(nproc: int, overrides: list[str], steps: int, extra: list[str], dump: Path) -> dict:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "bloomnative.train.main", f"--job.dump_folder={dump}", f"--training.steps={steps}",
+        "-m", "bloomnative.launch.worker", f"--job.dump_folder={dump}", f"--training.steps={steps}",
         "--checkpoint.enable=false", "--validation.freq=0", "--metrics.tensorboard=false",
         f"--metrics.log_freq={steps}", *BATCH, *extra, *overrides,
     ]  # fmt: skip

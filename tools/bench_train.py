@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from train_baselines import BASELINES, build_baseline
 
 from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.model import BloomArgs
@@ -57,8 +58,7 @@ from bloomnative.planner import PlanError
 from bloomnative.train.distributed import exit_process
 from bloomnative.train.lr_schedule import LRSchedule
 from bloomnative.train.metrics import PeakMemory, device_peak_tflops
-from bloomnative.train.run import ResolvedRun
-from train_baselines import BASELINES, build_baseline
+from bloomnative.train.resolved import ResolvedRun
 
 # Applied before the user's overrides (which win): a benchmark writes no checkpoints, no
 # TensorBoard events and runs no validation.

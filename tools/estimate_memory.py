@@ -29,7 +29,7 @@ from cli_args import ArgumentParser, number, output_file, whole_number
 from bloomnative import planner
 from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.parallel.dims import LayoutError
-from bloomnative.train.run import ResolvedRun, resolve_run
+from bloomnative.train.resolved import ResolvedRun, resolve_run
 
 
 def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:

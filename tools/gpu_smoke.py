@@ -60,7 +60,7 @@ from bloomnative.kernels import (
 from bloomnative.model.alibi import alibi_slopes
 
 REPO = Path(__file__).resolve().parents[1]
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # as tests/kernels/kernel_test_utils.py
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # as tests/harness/kernel_checks.py
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -420,7 +420,7 @@ def _toml_string(text: str) -> str:
 def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
     """The preset's shape with the non-zero overrides of the [model] section applied.
 
-    ``attention = "auto"`` is described with the portable backend; train/run.py's `resolve_run`
+    ``attention = "auto"`` is described with the portable backend; train/resolved.py's `resolve_run`
     replaces it by what "auto" stands for on the run."""
     from bloomnative.model.args import BloomArgs
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from data_helpers import random_documents, write_documents
+
+from harness.indexed_data import random_documents, write_documents
 
 
 @pytest.fixture

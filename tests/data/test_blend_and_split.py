@@ -6,7 +6,6 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from data_helpers import random_documents, write_documents
 
 from bloomnative.data import (
     BlendedDataset,
@@ -16,6 +15,7 @@ from bloomnative.data import (
     parse_blend,
     split_boundaries,
 )
+from harness.indexed_data import random_documents, write_documents
 
 # -- blend syntax ----------------------------------------------------------------------------
 

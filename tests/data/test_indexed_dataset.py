@@ -29,7 +29,7 @@ FIXTURE_DOCUMENTS = {
 }
 
 
-# -- an independent implementation of the format, straight from DESIGN.md --------------------
+# -- an independent implementation of the format, straight from docs/data.md's table ----------
 
 
 def spec_idx_bytes(sizes: list[int], doc_index: list[int], code: int) -> bytes:

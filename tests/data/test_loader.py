@@ -7,10 +7,10 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from data_helpers import random_documents, write_documents
 
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.parallel import shard_sequence
+from harness.indexed_data import random_documents, write_documents
 
 
 class CountingDataset:

@@ -11,11 +11,11 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from mtf_helpers import labelled_pairs, random_pair_lengths, write_pairs
 
 from bloomnative.data import MicroBatch, PretrainingLoader, build_mtf_datasets
 from bloomnative.data.micro_batch import IGNORE_INDEX, target_run_weights
 from bloomnative.parallel import shard_sequence
+from harness.mtf_pairs import labelled_pairs, random_pair_lengths, write_pairs
 
 P = 0  # the pad id of the hand-made samples
 X = IGNORE_INDEX

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mtf_helpers import labelled_pairs, random_pair_lengths, write_pairs
 
 from bloomnative.data import (
     BlendedDataset,
@@ -16,6 +15,7 @@ from bloomnative.data import (
 )
 from bloomnative.data import mtf_dataset as mtf_dataset_module
 from bloomnative.data.packing import close_rows
+from harness.mtf_pairs import labelled_pairs, random_pair_lengths, write_pairs
 
 PAD = 999
 

@@ -7,13 +7,13 @@ import os
 
 import numpy as np
 import pytest
-from mtf_helpers import labelled_pairs, write_pairs
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
 from bloomnative.config import ConfigError, parse_args
 from bloomnative.data import IndexedDatasetError, check_pair_datasets, pad_token_id
-from bloomnative.train.preflight import main
+from bloomnative.launch.preflight import main
+from harness.mtf_pairs import labelled_pairs, write_pairs
 
 LENGTHS = [(3, 2)] * 10
 

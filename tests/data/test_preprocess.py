@@ -16,7 +16,7 @@ import pytest
 
 from bloomnative.data import IndexedDataset, load_tokenizer
 from bloomnative.data.preprocess import BadLineError, PreprocessConfig, preprocess
-from launching import python_command, run, start
+from harness.launching import python_command, run, start
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = str(REPO / "assets" / "pydocs" / "tokenizer.json")

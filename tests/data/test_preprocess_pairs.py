@@ -12,7 +12,7 @@ from bloomnative.data import IndexedDataset, IndexedDatasetError, PairDataset, l
 from bloomnative.data import indexed_builder as indexed_builder_module
 from bloomnative.data.chat_pairs import pair_from_messages
 from bloomnative.data.preprocess import BadLineError, PreprocessConfig, preprocess
-from launching import python_command, run
+from harness.launching import python_command, run
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = str(REPO / "assets" / "pydocs" / "tokenizer.json")

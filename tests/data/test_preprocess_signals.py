@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launching import REPO, python_command, start, wait_for
+from harness.launching import REPO, python_command, start, wait_for
 
 TOKENIZER = str(REPO / "assets" / "pydocs" / "tokenizer.json")
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from data_helpers import random_documents, write_documents
 
 from bloomnative.data import GPTDataset, IndexedDataset, build_sample_index
 from bloomnative.data import gpt_dataset as gpt_dataset_module
 from bloomnative.data import index_cache as index_cache_module
 from bloomnative.data.index_cache import cache_folder
+from harness.indexed_data import random_documents, write_documents
 
 
 def naive_samples(dataset: IndexedDataset, document_order, seq_len: int, count: int):

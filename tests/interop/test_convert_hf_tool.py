@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_testing import make_hf_bloom, relative_error, save_hf_bloom, tokens, transformers
 from safetensors.torch import load_file, save_file
 
 from bloomnative.checkpoint import checkpointer as ckpt
@@ -15,7 +14,8 @@ from bloomnative.checkpoint.integrity import RECORD
 from bloomnative.checkpoint.reading import verified_reader
 from bloomnative.interop import CheckpointFormatError, load_hf_model, load_native_model
 from bloomnative.model.state import model_state
-from training_helpers import load_tool
+from harness.hf_models import make_hf_bloom, relative_error, save_hf_bloom, tokens, transformers
+from harness.training import load_tool
 
 SHAPE = dict(hidden_size=96, n_head=3, n_layer=2, vocab_size=120)
 # The trainer's checkpoint functions, used here without a process group, say so.

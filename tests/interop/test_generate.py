@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 import torch
-from hf_testing import make_hf_bloom, save_hf_bloom
 
 from bloomnative.generate import (
     Sampling,
@@ -20,7 +19,8 @@ from bloomnative.generate import (
     next_token,
     print_final_sample,
 )
-from training_helpers import REPO, SAMPLE_PROMPT, load_tool, write_word_tokenizer
+from harness.hf_models import make_hf_bloom, save_hf_bloom
+from harness.training import REPO, SAMPLE_PROMPT, load_tool, write_word_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 PROMPT = SAMPLE_PROMPT

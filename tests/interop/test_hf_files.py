@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_testing import make_hf_bloom, relative_error, save_hf_bloom, tokens, transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from bloomnative.interop import CheckpointFormatError, load_hf_model, save_hf_model
 from bloomnative.interop import hf as hf_module
+from harness.hf_models import make_hf_bloom, relative_error, save_hf_bloom, tokens, transformers
 
 SHAPE = dict(hidden_size=96, n_head=3, n_layer=2, vocab_size=120)
 

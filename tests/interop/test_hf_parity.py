@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_testing import (
+
+from bloomnative.interop.hf import hf_name
+from bloomnative.model import Bloom, BloomArgs
+from harness.hf_models import (
     make_hf_bloom,
     randomize_,
     relative_error,
@@ -13,9 +16,6 @@ from hf_testing import (
     tokens,
     transformers,
 )
-
-from bloomnative.interop.hf import hf_name
-from bloomnative.model import Bloom, BloomArgs
 
 SHAPES = [
     pytest.param(dict(hidden_size=128, n_head=2, n_layer=2, vocab_size=100), id="head_dim_64"),

@@ -4,9 +4,9 @@ with ``BLOOMNATIVE_TEST_DEVICE=cuda`` (see kernel_test_utils, imported first: it
 
 import pytest
 import torch
-from kernel_test_utils import NEEDS_TRITON, TEST_DEVICE
 
 from bloomnative.kernels import poison_outputs
+from harness.kernel_checks import NEEDS_TRITON, TEST_DEVICE
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launching import python_command, run
+from harness.launching import python_command, run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "bench_kernels.py"
 

@@ -5,9 +5,9 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_test_utils import TOLERANCE, assert_close_to_reference, float64_leaves
 
 from bloomnative.kernels import bias_gelu, bias_gelu_reference
+from harness.kernel_checks import TOLERANCE, assert_close_to_reference, float64_leaves
 
 bg_module = importlib.import_module("bloomnative.kernels.bias_gelu")
 

@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from kernel_test_utils import TOLERANCE, assert_close_to_reference, bloom_alibi_slopes
 
 from bloomnative.kernels import (
     flash_alibi_attention,
@@ -17,6 +16,7 @@ from bloomnative.kernels import (
     flash_alibi_attention_reference,
     segment_bounds,
 )
+from harness.kernel_checks import TOLERANCE, assert_close_to_reference, bloom_alibi_slopes
 
 # Segment lengths per sample, against the interpreter's 32x16 forward and 16x32 backward tiles:
 # segments starting mid-block, one of length 1, padding (id 0) at the end, a segment longer than

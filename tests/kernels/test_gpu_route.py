@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
-from kernel_writes import CASES, OPAQUE_OPS, WRITES
 
-from launching import python_command, run
+from harness.kernel_writes import CASES, OPAQUE_OPS, WRITES
+from harness.launching import HARNESS_DIR, python_command, run
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.multiprocess  # the traces are made in a process of their own
 
-SCRIPT = Path(__file__).with_name("gpu_route.py")
+SCRIPT = HARNESS_DIR / "gpu_route.py"
 ATTENTION_KERNELS = {"_flash_alibi_fwd_kernel", "_flash_alibi_bwd_kernel"}
 
 

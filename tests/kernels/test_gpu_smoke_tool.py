@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
-from kernel_test_utils import NEEDS_TRITON, TEST_DEVICE
 
-from launching import python_command, run
+from harness.kernel_checks import NEEDS_TRITON, TEST_DEVICE
+from harness.launching import python_command, run
 
 REPO = Path(__file__).resolve().parents[2]
 

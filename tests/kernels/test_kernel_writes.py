@@ -13,9 +13,9 @@ import inspect
 import numpy as np
 import pytest
 import torch
-from kernel_writes import CASES, WRITES, run_forward_backward
 
 from bloomnative.kernels._dispatch import INTERPRET
+from harness.kernel_writes import CASES, WRITES, run_forward_backward
 
 pytestmark = pytest.mark.skipif(
     not INTERPRET,

@@ -12,14 +12,14 @@ import os
 from pathlib import Path
 
 import pytest
-from kernel_test_utils import TEST_DEVICE
-from sm90_tables import documented_tables, markdown_tables
 
-from launching import python_command, run
+from harness.kernel_checks import TEST_DEVICE
+from harness.launching import HARNESS_DIR, python_command, run
+from harness.sm90_tables import documented_tables, markdown_tables
 
 triton = pytest.importorskip("triton")
 
-SCRIPT = Path(__file__).with_name("sm90_compile_check.py")
+SCRIPT = HARNESS_DIR / "sm90_compile_check.py"
 BIN_DIR = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "kernels.md"
 DOCUMENTED_TRITON, DOCUMENTED_TABLES = documented_tables(DOCS.read_text())
@@ -97,5 +97,5 @@ def test_every_config_of_every_kernel_fits_sm90_and_attention_uses_wgmma_and_tma
 )
 def test_the_documented_sm90_tables_are_this_checks_output(compiled):
     assert DOCUMENTED_TABLES == markdown_tables(compiled), (
-        "regenerate them: python tests/kernels/sm90_compile_check.py --all-configs --markdown"
+        "regenerate them: python tests/harness/sm90_compile_check.py --all-configs --markdown"
     )

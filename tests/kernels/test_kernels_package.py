@@ -12,8 +12,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 
-from launching import python_command, run
-from training_helpers import REPO
+from harness.launching import python_command, run
+from harness.training import REPO
 
 PROBE = textwrap.dedent(
     """

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from kernel_test_utils import NEEDS_TRITON, assert_close_to_reference, bloom_alibi_slopes
 
 from bloomnative.kernels import (
     _dispatch,
@@ -11,6 +10,7 @@ from bloomnative.kernels import (
     layer_norm,
     linear_cross_entropy,
 )
+from harness.kernel_checks import NEEDS_TRITON, assert_close_to_reference, bloom_alibi_slopes
 
 # Inductor's own internals still call torch.jit.script_method.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")

@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from launching import python_command, run
+from harness.launching import python_command, run
 
 SCRIPT = textwrap.dedent(
     """

@@ -4,9 +4,9 @@ import importlib
 
 import pytest
 import torch
-from kernel_test_utils import TOLERANCE, assert_close_to_reference, float64_leaves
 
 from bloomnative.kernels import layer_norm, layer_norm_reference
+from harness.kernel_checks import TOLERANCE, assert_close_to_reference, float64_leaves
 
 ln_module = importlib.import_module("bloomnative.kernels.layer_norm")
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from kernel_test_utils import TOLERANCE, assert_close_to_reference, float64_leaves
 
 from bloomnative.kernels import (
     linear_cross_entropy,
@@ -15,6 +14,7 @@ from bloomnative.kernels import (
     vocab_parallel_linear_cross_entropy,
 )
 from bloomnative.train.distributed import exit_process
+from harness.kernel_checks import TOLERANCE, assert_close_to_reference, float64_leaves
 
 lce_module = importlib.import_module("bloomnative.kernels.linear_cross_entropy")
 

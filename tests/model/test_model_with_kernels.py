@@ -3,16 +3,13 @@ bias-GeLU, fused lm head + cross-entropy) trains like the torch reference path: 
 Runs the kernels through Triton's interpreter on CPU."""
 
 import dataclasses
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from bloomnative.kernels import _dispatch, flash_alibi_attention  # noqa: E402
-from bloomnative.model import Bloom, BloomArgs  # noqa: E402
-from bloomnative.train.loss import cross_entropy_sum, fused_head_cross_entropy_sum  # noqa: E402
+from bloomnative.kernels import _dispatch, flash_alibi_attention
+from bloomnative.model import Bloom, BloomArgs
+from bloomnative.train.loss import cross_entropy_sum, fused_head_cross_entropy_sum
 
 pytestmark = pytest.mark.skipif(
     not _dispatch.INTERPRET, reason="needs TRITON_INTERPRET=1 set before Triton is imported"

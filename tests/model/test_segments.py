@@ -6,17 +6,14 @@ once. The kernel's own cases are in tests/kernels/test_flash_alibi_attention_seg
 ring's in tests/parallel/test_context_parallel.py."""
 
 import math
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import numpy as np
+import pytest
+import torch
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from bloomnative.kernels import _dispatch, segment_bounds  # noqa: E402
-from bloomnative.model import Bloom, BloomArgs, alibi_slopes  # noqa: E402
-from bloomnative.model.attention import attention_backend  # noqa: E402
+from bloomnative.kernels import _dispatch, segment_bounds
+from bloomnative.model import Bloom, BloomArgs, alibi_slopes
+from bloomnative.model.attention import attention_backend
 
 # Per sample, segment lengths summing to SEQ: one of length 1, segments starting mid-tile of the
 # interpreter's 32x16 / 16x32 tiles, and a sample that is one segment.

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from launching import python_command, run
-from training_helpers import TINY_RUN, losses_by_step
+from harness.launching import SCENARIO_DIR, python_command, run
+from harness.training import TINY_RUN, losses_by_step
 
-RUNNER = Path(__file__).with_name("dropout_rng_runner.py")
+RUNNER = SCENARIO_DIR / "dropout_rng_scenario.py"
 pytestmark = pytest.mark.multiprocess  # one torchrun world for all
 DROPOUT_RUN = [
     *TINY_RUN,

@@ -13,10 +13,10 @@ from tokenizers import Tokenizer, models
 from bloomnative import planner
 from bloomnative.config import ConfigError, model_args_from_config, parse_args
 from bloomnative.data import IndexedDatasetBuilder
+from bloomnative.launch.preflight import check_run, main
 from bloomnative.parallel import LayoutError
 from bloomnative.parallel.layout_check import run_batch_sizes
 from bloomnative.parallel.schedules import stage_layer_counts
-from bloomnative.train.preflight import check_run, main
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 BLOOM_176B = next(p for p in CONFIGS if p.name == "bloom-176b.toml")
@@ -276,7 +276,7 @@ def test_the_planner_refuses_what_preflight_refuses():
 
 
 def test_an_unknown_schedule_given_in_code_is_a_layout_error():
-    # The config parser rejects it first (tests/train/test_config.py); the plan functions that
+    # The config parser rejects it first (tests/config/test_config.py); the plan functions that
     # other code calls directly check it again.
     from bloomnative.model import BloomArgs
     from bloomnative.parallel.layout_check import check_pipeline_split

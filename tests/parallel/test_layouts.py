@@ -24,17 +24,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from layout_runner import RESUMED
 
 from bloomnative.checkpoint.integrity import read_record, verify_files
 from bloomnative.config import model_args_from_config, parse_args
 from bloomnative.data import build_gpt_datasets
 from bloomnative.model import Bloom
 from bloomnative.parallel import init_weights, shard_sequence
-from shared_world import SharedWorld
-from training_helpers import EOD_ID, TINY_RUN, build_eod_heavy_corpus, metric_rows
+from harness.launching import SCENARIO_DIR
+from harness.shared_world import SharedWorld
+from harness.training import EOD_ID, TINY_RUN, build_eod_heavy_corpus, metric_rows
+from scenarios.layout_scenario import RESUMED
 
-TRAIN_LAYOUT = f"{Path(__file__).with_name('layout_runner.py')}:train_layout"
+TRAIN_LAYOUT = f"{SCENARIO_DIR / 'layout_scenario.py'}:train_layout"
 BASE = [
     *TINY_RUN,
     "--training.steps=5",

@@ -10,9 +10,9 @@ import pytest
 
 from bloomnative import planner
 from bloomnative.config import Config, ConfigError, parse_args
-from bloomnative.train.run import resolve_run
-from shared_world import SharedWorld
-from training_helpers import TINY_RUN
+from bloomnative.train.resolved import resolve_run
+from harness.shared_world import SharedWorld
+from harness.training import TINY_RUN
 
 
 def tiny_args(corpus: str, dump, *extra: str) -> list[str]:

@@ -1,7 +1,7 @@
 """The BLOOM-176B recipe, whole, at toy size: configs/bloom-176b.toml through the trainer's entry
-point (`bloomnative.train.main`) in a torchrun world of 8 CPU processes (the runs compared share
-one world, tests/shared_world.py; the killed job is `python -m bloomnative.train.main` under
-torchrun of its own).
+point (`bloomnative.launch.worker`) in a torchrun world of 8 CPU processes (the runs compared share
+one world, tests/harness/shared_world.py; the killed job is `python -m bloomnative.launch.worker`
+under torchrun of its own).
 
 Only the model is shrunk (4 layers, hidden 96, 6 heads, vocab 8192, seq 64, micro batch 1) and
 the run shortened to 8 steps, with the schedules that count samples shortened with it: the
@@ -41,10 +41,10 @@ import pytest
 import torch
 
 from bloomnative.interop import load_native_model
-from bloomnative.train.launch import children
-from launching import start, wait_for
-from shared_world import SharedWorld
-from training_helpers import REPO, metric_rows, train_command
+from bloomnative.launch.torchrun import children
+from harness.launching import start, wait_for
+from harness.shared_world import SharedWorld
+from harness.training import REPO, metric_rows, train_command
 
 STEPS = 8
 TOY = [

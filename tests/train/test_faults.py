@@ -3,14 +3,13 @@ keeps producing them stops with a clear message."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from shared_world import SharedWorld
-from training_helpers import TINY_RUN, metric_rows
+from harness.launching import SCENARIO_DIR
+from harness.shared_world import SharedWorld
+from harness.training import TINY_RUN, metric_rows
 
-TRAIN_WITH_NAN = f"{Path(__file__).with_name('nan_injection.py')}:train_with_nan_gradients"
+TRAIN_WITH_NAN = f"{SCENARIO_DIR / 'nan_scenario.py'}:train_with_nan_gradients"
 CASES = {  # name -> (world size, steps whose gradients are NaN, trainer options)
     "foreach-0": (0, [3], ["--training.steps=5", "--optimizer.implementation=foreach"]),
     "fused-0": (0, [3], ["--training.steps=5", "--optimizer.implementation=fused"]),

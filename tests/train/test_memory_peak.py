@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from bloomnative.train.metrics import PeakMemory
-from launching import python_command, run
-from training_helpers import TINY_RUN, metric_rows
+from harness.launching import SCENARIO_DIR, python_command, run
+from harness.training import TINY_RUN, metric_rows
 
-ALLOCATE_IN_STEP = Path(__file__).with_name("allocate_in_step.py")
+ALLOCATE_IN_STEP = SCENARIO_DIR / "allocate_in_step_scenario.py"
 HELD_MIB = 512
 
 

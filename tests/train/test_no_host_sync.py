@@ -8,14 +8,14 @@ the real trainer runs (on CPU, where they are visible to a dispatch mode and cos
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from shared_world import SharedWorld
-from training_helpers import TINY_RUN
+from harness.launching import SCENARIO_DIR
+from harness.shared_world import SharedWorld
+from harness.training import TINY_RUN
 
-RECORD_SYNCS = f"{Path(__file__).with_name('host_sync_probe.py')}:record_syncs"
+RECORD_SYNCS = f"{SCENARIO_DIR / 'host_sync_scenario.py'}:record_syncs"
 # The stop check reads a flag that lives on the CPU by construction (a gloo all-reduce), and so
 # do the checkpointer's verdicts on a save (gathered over its gloo group after the run).
 CPU_BY_DESIGN = {"train/faults.py:should_stop", "checkpoint/checkpointer.py:_all_problems"}

@@ -28,9 +28,9 @@ import transformers
 
 from bloomnative.config import parse_args
 from bloomnative.data import IndexedDatasetBuilder, build_gpt_datasets, build_mtf_datasets
-from bloomnative.train.run import resolve_run
-from shared_world import SharedWorld
-from training_helpers import (
+from bloomnative.train.resolved import resolve_run
+from harness.shared_world import SharedWorld
+from harness.training import (
     EOD_ID,
     TINY_RUN,
     build_eod_heavy_corpus,

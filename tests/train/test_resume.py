@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from launching import logged_rows, python_command, run, start, wait_for
-from training_helpers import (
+from harness.launching import SCENARIO_DIR, logged_rows, python_command, run, start, wait_for
+from harness.training import (
     TINY_RUN,
     flip_bytes,
     losses_by_step,
@@ -23,7 +23,7 @@ from training_helpers import (
 )
 
 STEPS = 6
-SLOW_SAVES = Path(__file__).with_name("slow_saves.py")
+SLOW_SAVES = SCENARIO_DIR / "slow_save_scenario.py"
 pytestmark = pytest.mark.multiprocess
 
 
@@ -66,7 +66,7 @@ def test_resume_after_a_clean_stop_is_bit_identical(
 
 def _start(run_args: list[str], save_delay_s: float = 0) -> subprocess.Popen:
     """The trainer in a process of its own; `save_delay_s` holds every save that long before it
-    is marked complete (tests/train/slow_saves.py)."""
+    is marked complete (tests/scenarios/slow_save_scenario.py)."""
     command = train_command(run_args)
     if save_delay_s:
         command = python_command([str(SLOW_SAVES), str(save_delay_s), *run_args])

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shared_world import SharedWorld
-from training_helpers import TINY_RUN, losses_by_step
+from harness.shared_world import SharedWorld
+from harness.training import TINY_RUN, losses_by_step
 
 STEPS, SAVED = 6, 3
 

@@ -1,5 +1,5 @@
-"""A run is resolved once (train/run.py): every "auto" is replaced by its choice in a copy of the
-config, the config itself is left as it was, and the layout, the batch-size schedule and the
+"""A run is resolved once (train/resolved.py): every "auto" is replaced by its choice in a copy of
+the config, the config itself is left as it was, and the layout, the batch-size schedule and the
 data sizes are derived there."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from bloomnative import planner
 from bloomnative.config import ConfigError, parse_args
 from bloomnative.data import rampup_batch_size
 from bloomnative.train.attention_choice import AttentionShape
-from bloomnative.train.run import resolve_run
+from bloomnative.train.resolved import resolve_run
 from bloomnative.train.spikes import data_reserve
 
 

@@ -13,40 +13,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import launching
 from bloomnative.config import SpikesConfig
 from bloomnative.train.spikes import SpikeDetector
-from shared_world import SharedWorld
-from training_helpers import TINY_RUN, losses_by_step, metric_rows
+from harness import launching
+from harness.launching import SCENARIO_DIR
+from harness.shared_world import SharedWorld
+from harness.training import losses_by_step, metric_rows
+from scenarios.spike_scenario import BAD, TRAIN_WITH_SPIKES, spike_argv
 
-INJECT = Path(__file__).with_name("inject_spike.py")
+INJECT = SCENARIO_DIR / "spike_scenario.py"
 GBS = 8  # TINY_RUN's global batch
-# Steps 7, 8 and 9 read positions [48, 72) of the training order: their losses are reported 10x.
-BAD = {"bad_from": 48, "bad_to": 72, "factor": 10.0}
-SPIKES = [
-    "--spikes.enable=true",
-    "--spikes.window=3",
-    "--spikes.consecutive_steps=3",
-    "--spikes.skip_steps=1",
-    "--spikes.max_rollbacks=1",
-]
-
-
-TRAIN_WITH_SPIKES = f"{INJECT}:train_with_spikes"
-
-
-def spike_argv(dump: Path, corpus: str, *extra: str) -> list[str]:
-    return [
-        *TINY_RUN,
-        f"--data.blend={corpus}",
-        f"--job.dump_folder={dump}",
-        "--training.steps=12",
-        "--lr_scheduler.decay_steps=12",
-        "--checkpoint.interval=2",
-        "--checkpoint.keep_latest_k=0",
-        *SPIKES,
-        *extra,
-    ]
 
 
 def run(dump: Path, corpus: str, spec: dict) -> subprocess.CompletedProcess:

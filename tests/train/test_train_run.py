@@ -13,9 +13,9 @@ import transformers
 from bloomnative.config import parse_args
 from bloomnative.data import PretrainingLoader, build_gpt_datasets
 from bloomnative.interop import load_native_model
-from launching import run, train_env
-from shared_world import SharedWorld
-from training_helpers import (
+from harness.launching import run, train_env
+from harness.shared_world import SharedWorld
+from harness.training import (
     REPO,
     TINY_RUN,
     load_tool,

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from bloomnative.config import Config, load_toml
-from bloomnative.train import preflight
+from bloomnative.launch import preflight
 from bloomnative.train.tracking import RUN_ID_FILE
-from shared_world import SharedWorld
-from training_helpers import TINY_RUN
-from wandb_records import OfflineRun, read_offline_run
+from harness.shared_world import SharedWorld
+from harness.training import TINY_RUN
+from harness.wandb_records import OfflineRun, read_offline_run
 
 TAGS = ["cluster", "tiny"]
 

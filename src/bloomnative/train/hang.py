@@ -1,4 +1,4 @@
-"""Hang diagnosis: which rank did not arrive at a collective, and what every rank was doing.
+"""Hang records: what every rank was doing when a collective failed.
 
 When a collective fails on a rank (it waited `job.collective_timeout_s` for a peer, or a peer's
 connection closed), that rank writes <dump_folder>/hang/rank-<R>.json before it exits: the step
@@ -8,11 +8,8 @@ error, and torch's flight recorder, which keeps the last collectives of every pr
 writes its own flight-recorder dump there on a timeout (hang/nccl_trace_rank_<R>), even where it
 aborts the process before Python sees the error.
 
-`summarize_hang(folder, since)` reads the records of the newest attempt and names, in one line,
-the rank that did not arrive: one that wrote no record (stuck before the collective, and killed
-there), or one whose records show it behind the others (an earlier collective of the group, an
-earlier step). `python -m bloomnative.train.hang <dump_folder>/hang` prints that line, and a
-launcher whose job failed logs it with `report(trainer_argv, since=launch_time)`.
+The launcher reads these records back to name the rank that did not arrive
+(`bloomnative.launch.hang_report`).
 """
 
 from __future__ import annotations
@@ -20,9 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -201,116 +196,3 @@ def _attempt() -> str:
     """This launch and restart attempt: records of earlier ones are not compared with it."""
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     return f"{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
-def summarize_hang(folder: Path, since: float = 0.0) -> str | None:
-    """One line naming the rank(s) that did not arrive, from the newest attempt's records in
-    `folder` (<dump_folder>/hang) written at `since` (a time.time()) or later, as a launcher
-    asks about its own job; None when there are none."""
-    records = []
-    for path in sorted(folder.glob("rank-*.json")):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue  # being written, or cut short: the others still tell
-    records = [r for r in records if r["written_at"] >= since]
-    if not records:
-        return None
-    newest = max(records, key=lambda r: r["written_at"])["attempt"]
-    records = sorted((r for r in records if r["attempt"] == newest), key=lambda r: r["rank"])
-    world = records[0]["world_size"]
-    waited = [r for r in records if r["in_flight"]]
-    where = _common_wait(waited or records)
-    missing = sorted(set(range(world)) - {r["rank"] for r in records})
-    if missing:
-        culprits, why = missing, "it wrote no record (stuck before the collective)"
-    else:
-        culprits, why = _behind(records)
-    recorded = [r["rank"] for r in records]
-    if not culprits:
-        return (
-            f"hang: every rank ({_ranks(recorded)}) failed {where}; none is behind the others "
-            f"(records in {folder})"
-        )
-    waiting = [rank for rank in recorded if rank not in culprits]
-    return (
-        f"hang: {_ranks(culprits)} did not arrive at {where}: {why}; {_ranks(waiting)} waited "
-        f"there (records in {folder})"
-    )
-
-
-def _common_wait(records: list[dict[str, Any]]) -> str:
-    """Where most ranks were: the collective and group, the step, micro batch, pipeline action."""
-    r = Counter(
-        json.dumps({k: r[k] for k in ("step", "phase", "micro_batch", "pipeline_action")})
-        for r in records
-    ).most_common(1)[0][0]
-    r = json.loads(r)
-    flights = Counter(
-        f"{f['op']} #{f['seq']} of group {f['group']}"
-        for f in (x["in_flight"] for x in records)
-        if f
-    )
-    parts = [flights.most_common(1)[0][0]] if flights else ["a collective"]
-    parts.append(f"step {r['step']} ({r['phase']}")
-    if r["micro_batch"] is not None:
-        parts[-1] += f", micro batch {r['micro_batch']}"
-    if r["pipeline_action"]:
-        parts[-1] += f", {r['pipeline_action']}"
-    parts[-1] += ")"
-    return ", ".join(parts)
-
-
-def _behind(records: list[dict[str, Any]]) -> tuple[list[int], str]:
-    """Ranks behind the others: at an earlier step, or at an earlier collective of a group."""
-    top_step = max(r["step"] for r in records)
-    behind = {r["rank"]: f"step {r['step']}" for r in records if r["step"] < top_step}
-    groups = {g for r in records for g in r["last_seq_by_group"]}
-    for group in sorted(groups):
-        seqs = {
-            r["rank"]: r["last_seq_by_group"][group]
-            for r in records
-            if group in r["last_seq_by_group"]
-        }
-        top = max(seqs.values())
-        for rank, seq in seqs.items():
-            if seq < top:
-                behind.setdefault(rank, f"collective #{seq} of group {group} (others: #{top})")
-    if not behind:
-        return [], ""
-    ranks = sorted(behind)
-    return ranks, "behind the others: " + "; ".join(f"rank {r} at {behind[r]}" for r in ranks)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
-def report(trainer_argv: list[str], since: float) -> str | None:
-    """What a launcher calls when its job failed: logs (and returns) the summary of the hang
-    records its job wrote, started at `since` with the trainer arguments `trainer_argv`."""
-    from bloomnative.config import ConfigError, parse_args
-
-    try:
-        dump_folder = Path(parse_args(trainer_argv).job.dump_folder)
-    except ConfigError:
-        return None  # preflight said so already
-    line = summarize_hang(dump_folder / HANG_FOLDER, since)
-    if line:
-        _log.error(line)
-    return line
-
-
-def main(argv: list[str]) -> int:
-    """`python -m bloomnative.train.hang FOLDER`: prints `summarize_hang(FOLDER)`, if any."""
-    if len(argv) != 1:
-        print("usage: python -m bloomnative.train.hang <dump_folder>/hang", file=sys.stderr)
-        return 2
-    line = summarize_hang(Path(argv[0]))
-    if line:
-        print(line)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -36,7 +36,7 @@ def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
 
 def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.AdamW:
     """torch.optim.AdamW with the kernel `cfg.implementation` names, which must be resolved
-    (`OptimizerConfig.kernel`; train/run.py resolves it for the trainer)."""
+    (`OptimizerConfig.kernel`; train/resolved.py resolves it for the trainer)."""
     impl = cfg.implementation
     if impl == "auto":
         raise ValueError('optimizer.implementation = "auto" must be resolved before building')

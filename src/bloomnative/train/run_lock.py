@@ -38,7 +38,7 @@ _log = get_logger(__name__)
 
 LOCK_FILE = "run.lock"
 JOB_VAR = "BLOOMNATIVE_JOB"
-"""Set by the launcher (train/job.py) for the workers of a multi-node job: `<rdzv id>@<rdzv
+"""Set by the launcher (launch/cli.py) for the workers of a multi-node job: `<rdzv id>@<rdzv
 endpoint>`, which names the job among those that ever used the dump folder as long as its id
 is unique (RDZV_ID, Slurm's job id by default)."""
 

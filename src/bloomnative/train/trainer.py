@@ -43,6 +43,7 @@ from bloomnative.train.attention_choice import resolve_auto_attention
 from bloomnative.train.distributed import init_distributed
 from bloomnative.train.faults import StopRequest
 from bloomnative.train.hang import HangRecorder, enable_flight_recorder
+from bloomnative.train.input_files import check_data_files, check_initial_hf
 from bloomnative.train.loss import (
     LossFn,
     cross_entropy_sum,
@@ -65,10 +66,9 @@ from bloomnative.train.metrics import (
 )
 from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
-from bloomnative.train.preflight import check_data_files, check_initial_hf
 from bloomnative.train.profiling import StepProfiler
+from bloomnative.train.resolved import resolve_run
 from bloomnative.train.resume_checks import data_mismatch, data_settings, model_mismatch
-from bloomnative.train.run import resolve_run
 from bloomnative.train.run_lock import lock_dump_folder
 from bloomnative.train.spikes import (
     Rollback,

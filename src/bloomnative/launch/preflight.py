@@ -1,0 +1,276 @@
+"""Checks a run can start, before anything expensive: every mistake in the user's input that a
+worker would otherwise meet is found here, one line, exit code 2. The config, the parallel layout
+for the world size, the data files, the split of every dataset, the tokenizer and, with
+`data.eod_mask_loss`, its EOD, the folders the run writes to, the checkpoint asked for by
+`checkpoint.load_step` and the Hugging Face folder of `checkpoint.initial_hf`. `run_train.sh`
+runs it (in its launcher process, `bloomnative.launch.cli`) before starting torchrun; alone:
+
+    python -m bloomnative.launch.preflight --world-size 8 --config configs/X.toml --k=v ...
+
+Relative paths are relative to the current directory, as for the workers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from bloomnative.config import Config, ConfigError, parse_args
+from bloomnative.data import IndexedDatasetError
+from bloomnative.device import pick_device
+from bloomnative.log import get_logger, setup_logging
+from bloomnative.parallel import LayoutError
+from bloomnative.planner import PlanError
+from bloomnative.train.input_files import check_data_files, check_initial_hf
+from bloomnative.train.resolved import ResolvedRun, resolve_run
+from bloomnative.train.tracking import check_wandb_installed
+
+_log = get_logger(__name__)
+
+
+def check_data(config: Config, run: ResolvedRun) -> str:
+    """Opens the tokenizer and every dataset of the blend as training will, reading the whole
+    index and token stream (`check_tokens`; its cost is in docs/data.md), and cuts each dataset
+    by `data.split` as the trainer will (`check_gpt_datasets`, `check_mtf_datasets`: each split
+    asked for samples holds documents with tokens, or pairs, in every dataset): a corrupt or
+    mismatched file, or a split that leaves training or validation without data, is reported
+    here, naming it, instead of failing inside a rank. Returns what was checked, for the log."""
+    from bloomnative.data import (
+        SplitError,
+        check_gpt_datasets,
+        check_mtf_datasets,
+        parse_blend,
+        tokenizer_vocab_size,
+    )
+
+    args = run.model_args
+    start = time.perf_counter()
+    if config.data.tokenizer:
+        try:
+            tokenizer_ids = tokenizer_vocab_size(config.data.tokenizer)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"data.tokenizer: {e}") from None
+        if tokenizer_ids > args.vocab_size:
+            raise ConfigError(
+                f"data.tokenizer: {config.data.tokenizer} has {tokenizer_ids} token ids but the "
+                f"model's vocabulary has {args.vocab_size}; set model.vocab_size >= "
+                f"{tokenizer_ids} or use the tokenizer the data was made with"
+            )
+    data = config.data
+    asked = (run.data.train_samples, run.data.valid_samples, 0)
+    try:
+        if data.format == "mtf":
+            checked = check_mtf_datasets(
+                data.blend, data.split, config.training.seq_len, asked, vocab_size=args.vocab_size
+            )
+        else:
+            checked = check_gpt_datasets(data.blend, data.split, asked, vocab_size=args.vocab_size)
+    except SplitError as e:
+        raise ConfigError(f"data.split: {e}") from None
+    return (
+        f"{len(parse_blend(data.blend))} dataset(s), {checked.tokens:,} tokens checked in "
+        f"{time.perf_counter() - start:.2f} s (train/valid/test splits: "
+        f"{'/'.join(f'{n:,}' for n in checked.splits)} {checked.unit})"
+    )
+
+
+def check_writable_folder(key: str, folder: Path) -> None:
+    """`folder` is a folder this process can write in, or can be made: its nearest existing
+    ancestor is a writable folder. Nothing is created."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is" if existing == folder else f"would be inside {existing}, which is"
+        raise ConfigError(f"{key}: {folder} {what} a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "" if existing == folder else f" (it would be made inside {existing})"
+        raise ConfigError(f"{key}: {existing} is not writable by this user{what}")
+
+
+def check_output_folders(config: Config, run: ResolvedRun) -> None:
+    """The dump folder, its checkpoint folder and the data cache can be written."""
+    dump = Path(config.job.dump_folder)
+    check_writable_folder("job.dump_folder", dump)
+    if config.checkpoint.enable:
+        check_writable_folder("checkpoint.folder", dump / config.checkpoint.folder)
+    check_writable_folder(
+        "data.cache_dir" if config.data.cache_dir else "job.dump_folder (data cache)",
+        Path(run.data.cache_dir),
+    )
+
+
+def checkpoint_folder(config: Config) -> Path:
+    return Path(config.job.dump_folder) / config.checkpoint.folder
+
+
+def check_load_step(config: Config) -> None:
+    """`checkpoint.load_step` names a complete checkpoint of the dump folder (the workers then
+    verify its checksums)."""
+    from bloomnative.checkpoint.integrity import complete_steps
+
+    c = config.checkpoint
+    if not c.enable or c.load_step < 0:
+        return
+    folder = checkpoint_folder(config)
+    steps = complete_steps(folder)
+    if c.load_step in steps:
+        return
+    held = (
+        f"the complete checkpoints there are steps {', '.join(map(str, steps))} (set "
+        "checkpoint.load_step to one of them, or -1 for the newest that verifies)"
+        if steps
+        else f"{folder} holds no complete checkpoint (set checkpoint.load_step = -1 to start "
+        "afresh)"
+    )
+    raise ConfigError(
+        f"checkpoint.load_step = {c.load_step}: no complete checkpoint at "
+        f"{folder / f'step-{c.load_step}'}; {held}"
+    )
+
+
+def _starts_from_initial_hf(config: Config) -> bool:
+    """Whether the trainer would read `checkpoint.initial_hf`: only with no checkpoint to resume."""
+    from bloomnative.checkpoint.integrity import complete_steps
+
+    c = config.checkpoint
+    if not c.initial_hf:
+        return False
+    return not (c.enable and (c.load_step >= 0 or complete_steps(checkpoint_folder(config))))
+
+
+def check_run(config: Config, world_size: int, device: torch.device | str = "cpu") -> ResolvedRun:
+    """The run resolved for `world_size` processes on `device` (train/resolved.py: the layout
+    checked, "auto" recomputation planned against this machine's devices), its data files
+    present and, with metrics.wandb, the wandb package installed."""
+    run = resolve_run(config, world_size, device)
+    check_data_files(config)
+    check_wandb_installed(config.metrics)
+    return run
+
+
+def check_runs(
+    config: Config,
+    world_sizes: Sequence[int],
+    device: torch.device | str,
+    nodes: tuple[int, int] = (1, 1),
+) -> list[ResolvedRun]:
+    """`check_run` for each of `world_sizes`, those of `nodes` = (min, max) nodes in order. With
+    an elastic node range (NNODES=min:max, min < max), a world size whose layout does not hold (a
+    fixed tp x pp x cp that does not divide it, a global batch that does not split over its
+    data-parallel ranks, nothing that fits its memory) is named by its number of nodes, with the
+    node counts of the range that do hold the layout: a job that shrinks to that size after
+    losing a node would stop there instead."""
+    elastic = nodes[0] != nodes[1]
+    runs, failures = [], {}
+    for world_size in world_sizes:
+        try:
+            runs.append(check_run(config, world_size, device))
+        except (LayoutError, PlanError) as e:
+            if not elastic:
+                raise
+            failures[world_size] = e
+    if failures:
+        raise LayoutError(_node_range_error(nodes, world_sizes[0] // nodes[0], failures))
+    return runs
+
+
+def _node_range_error(nodes: tuple[int, int], nproc: int, failures: Mapping[int, Exception]) -> str:
+    """One line: the first world size of the node range whose layout does not hold, why, and the
+    node counts that hold it."""
+    low, high = nodes
+    world_size = min(failures)
+    count = world_size // nproc
+    holding = [n for n in range(low, high + 1) if n * nproc not in failures]
+    if not holding:
+        advice = "no node count of the range holds it: change the layout or NPROC"
+    else:
+        # The longest run of holding node counts that ends at the largest one.
+        first = holding[-1]
+        while first - 1 in holding:
+            first -= 1
+        counts = ", ".join(map(str, holding))
+        valid = str(first) if first == holding[-1] else f"{first}:{holding[-1]}"
+        advice = (
+            f"the layout holds at {counts} node{'s' if holding != [1] else ''}: set "
+            f"NNODES={valid}, or a layout that {world_size} processes can run"
+        )
+    return (
+        f"NNODES={low}:{high}: an elastic job may run on {low} to {high} nodes of NPROC={nproc} "
+        f"processes, but at {count} node{'s' if count > 1 else ''} (world size {world_size}): "
+        f"{failures[world_size]}; {advice}"
+    )
+
+
+class PreflightError(Exception):
+    """A failed check: its message is the one line the run ends with (exit 2)."""
+
+
+def checked_config(
+    argv: Sequence[str], world_sizes: Sequence[int], nodes: tuple[int, int] = (1, 1)
+) -> Config:
+    """Every check above for the run `argv` (`--config FILE --section.key=value ...`) describes,
+    the layout for each of `world_sizes` (an elastic job's possible sizes, on `nodes` = (min,
+    max) nodes: see `check_runs`); logs what was checked and returns the parsed config, or raises
+    PreflightError with the one line to print."""
+    try:
+        setup_logging(all_to_stderr=True)
+        config = parse_args(list(argv))
+        device = pick_device(config.job.device)
+        runs = check_runs(config, world_sizes, device, nodes)
+        run = runs[-1]
+        data = check_data(config, run)
+        check_output_folders(config, run)
+        check_load_step(config)
+        if _starts_from_initial_hf(config):
+            check_initial_hf(config.checkpoint.initial_hf, run.model_args)
+    except IndexedDatasetError as e:
+        raise PreflightError(f"data error: {e}") from e
+    except (ConfigError, LayoutError, PlanError, ValueError) as e:
+        raise PreflightError(f"config error: {e}") from e
+    params = run.model_args.num_params()
+    layouts = ", ".join(r.dims.summary for r in runs)
+    _log.info(
+        f"preflight ok: {config.model.preset} ({params / 1e6:.1f}M parameters), "
+        f"layout {layouts}, data: {data}"
+    )
+    if run.recompute:
+        _log.info(f"preflight: {run.recompute.describe()}")
+    return config
+
+
+def preflight(
+    argv: Sequence[str], world_sizes: Sequence[int], nodes: tuple[int, int] = (1, 1)
+) -> Config | None:
+    """`checked_config` for a program's entry point: the config, or None once the one-line error
+    is printed (the program then exits 2)."""
+    try:
+        return checked_config(argv, world_sizes, nodes)
+    except PreflightError as e:
+        print(e, file=sys.stderr)
+        return None
+
+
+def main(argv: list[str]) -> int:
+    world_size = "1"
+    if argv and argv[0].startswith("--world-size"):
+        _, eq, world_size = argv[0].partition("=")
+        argv = argv[1:]
+        if not eq:
+            world_size, argv = (argv[0], argv[1:]) if argv else ("", [])
+    if not (world_size.isascii() and world_size.isdigit() and int(world_size) > 0):
+        print(
+            f"config error: --world-size {world_size!r}: expected a positive integer",
+            file=sys.stderr,
+        )
+        return 2
+    return 0 if preflight(argv, [int(world_size)]) is not None else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,132 @@
+"""The memory planner against what real training steps allocate on CPU (see
+memory_measurement.py for what each measurement sees)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bloomnative import planner
+from harness.launching import SCENARIO_DIR, python_command, run
+from harness.memory_measurement import (
+    MICRO_BATCH,
+    MICRO_BATCHES,
+    SEQ,
+    allocation_peak,
+    build_trainer,
+    measured_step_peak,
+    optimizer_state_tensors,
+    parameters,
+    predict,
+    predicted_saved_bytes,
+    relative_error,
+    saved_activation_bytes,
+    storage_bytes,
+)
+
+TOLERANCE = 0.15
+HERE = Path(__file__).resolve().parent
+
+
+def test_model_states_match_the_live_tensors(tmp_path):
+    trainer = build_trainer(tmp_path)
+    trainer.train_step()  # AdamW allocates its moments on the first step
+    estimate = predict(trainer)
+    assert storage_bytes(parameters(trainer)) == estimate.component("fp32 weights").bytes
+    assert (
+        storage_bytes(optimizer_state_tensors(trainer)) == estimate.component("AdamW moments").bytes
+    )
+    trainer.forward_backward(trainer.train_loader.next_batch(MICRO_BATCH * MICRO_BATCHES))
+    grads = [p.grad for p in parameters(trainer)]
+    assert storage_bytes(grads) == estimate.component("fp32 gradients").bytes
+
+
+@pytest.mark.parametrize("segments", [False, True], ids=["whole", "segments"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_saved_activations_match_the_estimate(tmp_path, dtype, segments):
+    """With documents cut into segments (data.reset_attention_mask), SDPA's bias is one per
+    sample, which CPU's SDPA hands to its flash kernel, keeping it for backward."""
+    reset = [f"--data.reset_attention_mask={str(segments).lower()}"]
+    trainer = build_trainer(tmp_path, f"--training.dtype={dtype}", *reset)
+    measured = saved_activation_bytes(trainer)
+    predicted = predicted_saved_bytes(predict(trainer))
+    assert relative_error(predicted, measured) < TOLERANCE, (predicted, measured)
+
+
+def test_step_peak_and_recompute_saving_match_the_estimate(tmp_path):
+    measured, predicted = {}, {}
+    for mode in ("none", "full"):
+        trainer = build_trainer(tmp_path / mode, f"--activation_checkpoint.mode={mode}")
+        trainer.train_step()  # warm-up: AdamW state exists from now on
+        measured[mode] = measured_step_peak(trainer)
+        predicted[mode] = predict(trainer).allocated_peak
+        assert relative_error(predicted[mode], measured[mode]) < TOLERANCE, (mode, predicted)
+    saving_measured = measured["none"] - measured["full"]
+    saving_predicted = predicted["none"] - predicted["full"]
+    assert saving_measured > 0
+    assert relative_error(saving_predicted, saving_measured) < TOLERANCE
+
+
+@pytest.mark.multiprocess
+def test_pipeline_ranks_peaks_match_the_estimate(tmp_path):
+    """Two pipeline stages under 1F1B with four micro batches: the first stage holds two in
+    flight, the last stage the loss and, through return_outputs, every micro batch's logits."""
+    overrides = [
+        "--parallelism.pp=2",
+        "--parallelism.dp_shard=1",
+        "--parallelism.pp_microbatches=4",
+        "--training.global_batch_size=16",
+    ]
+    scenario = str(SCENARIO_DIR / "memory_scenario.py")
+    command = python_command([scenario, str(tmp_path), *overrides], 2)
+    run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        error = relative_error(result["predicted"], result["measured"])
+        assert error < TOLERANCE, (rank, result)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_compiled_loss_memory_matches_the_estimate(tmp_path, dtype):
+    """With compile.enable the trainer compiles its cross-entropy: what it keeps for backward
+    and what its backward allocates, against the planner's compiled-loss terms."""
+    trainer = build_trainer(tmp_path, "--compile.enable=true", f"--training.dtype={dtype}")
+    layout = trainer.resolved.planner_layout()
+    workload = planner.workload_from_config(trainer.config, layout, device_type="cpu")
+    assert workload.compiled_loss
+    prec = planner.Precision.of(layout, workload)
+    tokens, vocab = MICRO_BATCH * SEQ, trainer.resolved.model_args.vocab_size
+    logits_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    logits = torch.randn(MICRO_BATCH, SEQ, vocab, dtype=logits_dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (MICRO_BATCH, SEQ))
+    trainer._loss_sum(logits, labels).backward()  # compiles forward and backward
+
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype.is_floating_point:  # the labels are the batch, not the loss's memory
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = trainer._loss_sum(logits, labels)
+    predicted_saved = sum(
+        t.bytes
+        for t in planner.loss_saved_terms(trainer.resolved.model_args, layout, workload, prec)
+    )
+    assert relative_error(predicted_saved, sum(saved.values())) < TOLERANCE
+
+    logits.grad = None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    backward_peak = allocation_peak(prof)
+    predicted = planner.loss_transient(
+        trainer.resolved.model_args, layout, workload, prec, "cpu"
+    ).bytes
+    assert relative_error(predicted, backward_peak) < TOLERANCE, (predicted, backward_peak)
+    assert predicted == tokens * vocab * logits.element_size()

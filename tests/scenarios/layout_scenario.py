@@ -1,0 +1,82 @@
+"""One parallel layout of a small training job, as a scenario of a shared world
+(tests/harness/shared_world.py): test_layouts.py runs every layout of a world size in one torchrun
+world. Saves, per layout, metrics.jsonl, the final (gathered) parameters and what the pipeline
+stages hold.
+
+A layout named `*-resumed` trains to its `checkpoint.interval` and stops, then a second trainer
+resumes from that checkpoint (which must verify) to the end; resumed.json records where it
+resumed and which checkpoints it verified.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining.stage import _PipelineStageBase, _RecvInfo
+from torch.distributed.tensor import DTensor
+
+from bloomnative.config import parse_args
+from bloomnative.model.state import model_state
+from bloomnative.train.trainer import Trainer
+
+RESUMED = "-resumed"
+
+
+def gathered_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's parts as whole tensors under canonical names (collective over each mesh)."""
+    state = model_state(trainer.model_parts)
+    return {
+        name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+        for name, t in state.items()
+    }
+
+
+def live_stage_buffers() -> dict:
+    """Every pipeline stage object still alive in this process and the receive buffers it
+    holds (activations and gradients, per micro batch): count, bytes and dtypes."""
+    gc.collect()
+    stages = [o for o in gc.get_objects() if isinstance(o, _PipelineStageBase)]
+    buffers = {}
+    for stage in stages:
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            for info in infos:
+                # Model inputs have no buffer: torch 2.11 holds a _RootArgPlaceholder for them,
+                # 2.13 a _RecvInfo whose buffer is None.
+                if isinstance(info, _RecvInfo) and info.buffer is not None:
+                    buffers[info.buffer.untyped_storage().data_ptr()] = info.buffer
+    return {
+        "stages": len(stages),
+        "buffers": len(buffers),
+        "bytes": sum(b.untyped_storage().nbytes() for b in buffers.values()),
+        "dtypes": sorted({str(b.dtype) for b in buffers.values()}),
+    }
+
+
+def train_layout(argv: list[str]) -> None:
+    """Trains the layout `argv` describes (its dump folder included) and saves what the tests
+    compare; the process group stays for the next layout."""
+    config = parse_args(argv)
+    out = Path(config.job.dump_folder)
+    if out.name.endswith(RESUMED):
+        first = Trainer(parse_args([*argv, f"--training.steps={config.checkpoint.interval}"]))
+        first.train()
+        del first
+    trainer = Trainer(config)
+    if out.name.endswith(RESUMED):
+        resumed = {"step": trainer.step, "verified": sorted(trainer.checkpointer.verified)}
+        (out / f"resumed_rank{dist.get_rank()}.json").write_text(json.dumps(resumed))
+    trainer.train()
+    params = gathered_params(trainer)
+    mesh = trainer.mesh
+    if trainer.dp_mesh.get_local_rank() == 0 and all(
+        mesh[dim].get_local_rank() == 0 for dim in ("cp", "tp")
+    ):
+        torch.save(params, out / f"params_pp{trainer.pp_rank}.pt")
+    stages = live_stage_buffers()
+    (out / f"stages_rank{dist.get_rank()}.json").write_text(json.dumps(stages))
+    del trainer
+    dist.barrier()

@@ -1,0 +1,81 @@
+"""The real trainer, with loss spikes caused by the data, as a bad stretch of the corpus would
+cause them: `train_with_spikes(spec, argv)`, a scenario of a shared world
+(tests/harness/shared_world.py), or `python spike_scenario.py SPEC_JSON TRAINER_ARGS...`.
+
+SPEC_JSON: {"bad_from": P, "bad_to": Q, "factor": F, "exit_after_rollback": bool}. A step whose
+first sample sits at a position in [P, Q) of the training order reports F x its loss (the
+weights are left alone). Skipping that stretch of data therefore ends the spike, whatever the
+step number. With "exit_after_rollback" the process dies (exit 3) as soon as the first rollback
+has been made, before any later checkpoint: the crash a restart must recover from exactly (in a
+process of its own: it would end a shared world).
+
+Both through the trainer's extension points (`Trainer.train_step`, `Trainer.roll_back`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from bloomnative.config import Config, parse_args
+from bloomnative.train.distributed import exit_process
+from bloomnative.train.spikes import Trigger
+from bloomnative.train.trainer import Trainer
+from harness.training import TINY_RUN
+
+# Steps 7, 8 and 9 read positions [48, 72) of the training order: their losses are reported 10x.
+BAD = {"bad_from": 48, "bad_to": 72, "factor": 10.0}
+SPIKES = [
+    "--spikes.enable=true",
+    "--spikes.window=3",
+    "--spikes.consecutive_steps=3",
+    "--spikes.skip_steps=1",
+    "--spikes.max_rollbacks=1",
+]
+
+
+TRAIN_WITH_SPIKES = f"{Path(__file__).resolve()}:train_with_spikes"
+"""This scenario as a shared world runs it."""
+
+
+def spike_argv(dump: Path, corpus: str, *extra: str) -> list[str]:
+    return [
+        *TINY_RUN,
+        f"--data.blend={corpus}",
+        f"--job.dump_folder={dump}",
+        "--training.steps=12",
+        "--lr_scheduler.decay_steps=12",
+        "--checkpoint.interval=2",
+        "--checkpoint.keep_latest_k=0",
+        *SPIKES,
+        *extra,
+    ]
+
+
+class SpikingTrainer(Trainer):
+    def __init__(self, spec: dict, config: Config):
+        self.spec = spec
+        super().__init__(config)
+
+    def train_step(self):
+        loader = self.train_loader
+        first = loader.position(loader.consumed_samples)  # of the step about to run
+        loss, grad_norm, lr, gbs = super().train_step()
+        if self.spec["bad_from"] <= first < self.spec["bad_to"]:
+            loss = loss * self.spec["factor"]
+        return loss, grad_norm, lr, gbs
+
+    def roll_back(self, trigger: Trigger) -> None:
+        super().roll_back(trigger)
+        if self.spec.get("exit_after_rollback"):
+            exit_process(3)
+
+
+def train_with_spikes(spec: dict, argv: list[str]) -> None:
+    SpikingTrainer(spec, parse_args(argv)).run()
+
+
+if __name__ == "__main__":
+    train_with_spikes(json.loads(sys.argv[1]), sys.argv[2:])
+    exit_process(0)

@@ -14,13 +14,15 @@ loading and registering a second copy of each.
 from bloomnative.kernels._dispatch import poison_outputs, use_triton
 from bloomnative.kernels.bias_gelu import bias_gelu, bias_gelu_reference
 from bloomnative.kernels.flash_alibi_attention import (
-    alibi_attention_block_backward_reference,
-    alibi_attention_block_reference,
     flash_alibi_attention,
     flash_alibi_attention_block,
     flash_alibi_attention_block_backward,
-    flash_alibi_attention_reference,
     segment_bounds,
+)
+from bloomnative.kernels.flash_alibi_reference import (
+    alibi_attention_block_backward_reference,
+    alibi_attention_block_reference,
+    flash_alibi_attention_reference,
 )
 from bloomnative.kernels.flex_alibi_attention import causal_block_mask, flex_alibi_attention
 from bloomnative.kernels.layer_norm import layer_norm, layer_norm_reference

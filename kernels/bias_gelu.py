@@ -72,6 +72,7 @@ def _bias_gelu_fwd_kernel(
     )
 
 
+# fmt: off
 @autotune(
     configs=[
         triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=4),
@@ -85,7 +86,7 @@ def _bias_gelu_fwd_kernel(
 def _bias_gelu_bwd_kernel(
     GRAD, X, BIAS, DX, DBIAS_PARTIAL, M, N, stride_grad, stride_x, stride_dx,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+):
     # Grid: (column blocks, row groups). Row group g handles row blocks g, g + G, g + 2G, ...
     # and writes its column sums of dx to row g of DBIAS_PARTIAL (even when it had no rows).
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,6 +111,7 @@ def _bias_gelu_bwd_kernel(
         )
         dbias += tl.sum(tl.where(mask, dx, 0.0), axis=0)
     tl.store(DBIAS_PARTIAL + group * N + cols, dbias, mask=col_ok)
+# fmt: on
 
 
 def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -158,10 +160,12 @@ def _bias_gelu_bwd(
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), groups)
 
+    # fmt: off
     launch(
         _bias_gelu_bwd_kernel, grid, g2, x2, bias, dx, dbias_partial, m, n,
         g2.stride(0), x2.stride(0), dx.stride(0),
-    )  # fmt: skip
+    )
+    # fmt: on
     return dx.view(x.shape), dbias_partial.sum(0).to(bias.dtype)
 
 

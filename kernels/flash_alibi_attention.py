@@ -40,8 +40,9 @@ head index within the tensors passed in) is word ``j % 4`` of Philox-4x32-10 (Tr
 ``tl.philox``) with key ``(seed mod 2^32, seed >> 32)`` and counter
 ``(i * 2^14 + j // 4, h, b, 0)``; the element is kept iff the word's top 24 bits are
 ``>= ceil(dropout_p * 2^24)``. A pure function of (seed, b, h, i, j), whatever the tiling, batch
-size, head count or sequence length (up to 65,536). :func:`dropout_keep_mask` computes the same
-stream in torch, so the reference path drops exactly the same elements.
+size, head count or sequence length (up to 65,536).
+:func:`~bloomnative.kernels.flash_alibi_reference.dropout_keep_mask` computes the same stream in
+torch, so the reference path drops exactly the same elements.
 
 fp32/bf16/fp16 inputs with fp32 statistics; fp32 inputs use IEEE fp32 dot products. Slopes are
 constants: they get no gradient.
@@ -69,13 +70,17 @@ from ._dispatch import (
     triton,
     use_triton,
 )
+from .flash_alibi_reference import (
+    DROPOUT_MAX_POSITIONS,
+    LOG2E,
+    alibi_attention_block_backward_reference,
+    alibi_attention_block_reference,
+    draw_seed,
+    dropout_threshold,
+    flash_alibi_attention_reference,
+)
 
-_LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
-_DROPOUT_BITS = 24  # a draw is the top 24 bits of a Philox word: 6e-8 resolution
-_DROPOUT_ROW_STRIDE = 16384  # counter word 0 is i * 2^14 + j // 4: unique for seq <= 65536
-DROPOUT_MAX_POSITIONS = 4 * _DROPOUT_ROW_STRIDE
-"""With dropout, query and key positions (offsets included) must stay below this."""
 
 
 def _configs(*specs: tuple[int, int, int, int]) -> list:
@@ -108,12 +113,13 @@ _PREPROCESS_BLOCK_M = 64
 _AUTOTUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "DROPOUT"]
 
 
+# fmt: off
 @triton.jit
 def _load_tile(
     src, row0, col0, n_rows, stride_row, stride_col, head_dim,
     ROWS: tl.constexpr, COLS: tl.constexpr, USE_TMA: tl.constexpr,
     CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr,
-):  # fmt: skip
+):
     # The [ROWS, COLS] tile at (row0, col0) of an [n_rows, head_dim] matrix, zero past its end:
     # a TMA load from a tensor descriptor (which zero-fills by itself), or masked pointer loads
     # along the dimensions that can be ragged.
@@ -140,7 +146,7 @@ def _load_tile(
 def _store_tile(
     dst, value, row0, col0, n_rows, stride_row, stride_col, head_dim,
     ROWS: tl.constexpr, COLS: tl.constexpr, USE_TMA: tl.constexpr, CHECK_COLS: tl.constexpr,
-):  # fmt: skip
+):
     if USE_TMA:
         dst.store([row0, col0], value)  # rows past the end are clipped by the TMA unit
     else:
@@ -156,7 +162,7 @@ def _store_tile(
 def _matrix(
     base, n_rows, stride_row, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
     USE_TMA: tl.constexpr,
-):  # fmt: skip
+):
     # What _load_tile / _store_tile read: a TMA descriptor of the [n_rows, HEAD_DIM] matrix at
     # `base` (unit column stride) with [ROWS, COLS] boxes, or the plain pointer.
     if USE_TMA:
@@ -190,7 +196,7 @@ def _fwd_kv_loop(
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
     USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     # last_key: per query row, the last key it may see (causal); first_key: the first (where
     # its segment starts, with SEGMENTS); col0: the key index where the column term is 0 (the
     # block's first row, shifted by the query-key offset).
@@ -200,13 +206,13 @@ def _fwd_kv_loop(
         k = _load_tile(
             k_src, start_n, 0, seq_len, stride_ks, stride_kd, HEAD_DIM,
             BLOCK_N, D0, USE_TMA, MASKED, PAD_D,
-        )  # fmt: skip
+        )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if D1 > 0:
             k_t = _load_tile(
                 k_src_t, start_n, D0, seq_len, stride_ks, stride_kd, HEAD_DIM,
                 BLOCK_N, D1, USE_TMA, MASKED, False,
-            )  # fmt: skip
+            )
             s = tl.dot(q_t, tl.trans(k_t), s, input_precision=PRECISION)
         # log2(e) * (c q.k + m (j - col0)): the scale and the ALiBi column term in one FMA.
         column = slope2 * (offs_n - col0).to(tl.float32)
@@ -235,14 +241,14 @@ def _fwd_kv_loop(
         v = _load_tile(
             v_src, start_n, 0, seq_len, stride_vs, stride_vd, HEAD_DIM,
             BLOCK_N, D0, USE_TMA, MASKED, PAD_D,
-        )  # fmt: skip
+        )
         p = p.to(v.dtype)
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
         if D1 > 0:
             v_t = _load_tile(
                 v_src_t, start_n, D0, seq_len, stride_vs, stride_vd, HEAD_DIM,
                 BLOCK_N, D1, USE_TMA, MASKED, False,
-            )  # fmt: skip
+            )
             acc_t = tl.dot(p, v_t, acc_t * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, acc_t, m_i, l_i
@@ -259,7 +265,7 @@ def _flash_alibi_fwd_kernel(
     SEQ_BUCKET, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks see the most keys: launch them first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -290,7 +296,7 @@ def _flash_alibi_fwd_kernel(
         q_t = _load_tile(
             q_src_t, q0, D0, seq_len, stride_qs, stride_qd, HEAD_DIM,
             BLOCK_M, DT, USE_TMA, True, False,
-        )  # fmt: skip
+        )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -331,19 +337,19 @@ def _flash_alibi_fwd_kernel(
             stride_ks, stride_kd, stride_vs, stride_vd, last_key, first_key, col0, slope2,
             qk_scale, seq_len, seed, drop_threshold, drop_rows, k_offset, b, h, lo, unmasked_lo,
             HEAD_DIM, D0, D1, BLOCK_N, True, CAUSAL, SEGMENTS, DROPOUT, USE_TMA, PRECISION,
-        )  # fmt: skip
+        )
     acc, acc_t, m_i, l_i = _fwd_kv_loop(
         acc, acc_t, m_i, l_i, q, q_t, k_src, k_src_t, v_src, v_src_t,
         stride_ks, stride_kd, stride_vs, stride_vd, last_key, first_key, col0, slope2, qk_scale,
         seq_len, seed, drop_threshold, drop_rows, k_offset, b, h, unmasked_lo, unmasked_hi,
         HEAD_DIM, D0, D1, BLOCK_N, False, CAUSAL, SEGMENTS, DROPOUT, USE_TMA, PRECISION,
-    )  # fmt: skip
+    )
     acc, acc_t, m_i, l_i = _fwd_kv_loop(
         acc, acc_t, m_i, l_i, q, q_t, k_src, k_src_t, v_src, v_src_t,
         stride_ks, stride_kd, stride_vs, stride_vd, last_key, first_key, col0, slope2, qk_scale,
         seq_len, seed, drop_threshold, drop_rows, k_offset, b, h, tl.maximum(lo, unmasked_hi), hi,
         HEAD_DIM, D0, D1, BLOCK_N, True, CAUSAL, SEGMENTS, DROPOUT, USE_TMA, PRECISION,
-    )  # fmt: skip
+    )
 
     seen = l_i
     if SEGMENTS:  # a query whose segment starts past this block's keys sees none: out 0
@@ -353,13 +359,13 @@ def _flash_alibi_fwd_kernel(
     _store_tile(
         o_src, (acc * inv_l[:, None]).to(OUT.dtype.element_ty), q0, 0, seq_len,
         stride_os, stride_od, HEAD_DIM, BLOCK_M, D0, USE_TMA, PAD_D,
-    )  # fmt: skip
+    )
     if D1 > 0:
         o_src_t = _matrix(o_base, seq_len, stride_os, HEAD_DIM, BLOCK_M, DT, USE_TMA)
         _store_tile(
             o_src_t, (acc_t * inv_l[:, None]).to(OUT.dtype.element_ty), q0, D0, seq_len,
             stride_os, stride_od, HEAD_DIM, BLOCK_M, DT, USE_TMA, False,
-        )  # fmt: skip
+        )
     # Back from this block's column form to the relative form: subtract m (i - q0) (log2 units).
     lse2 = m_i + tl.log2(seen) - slope2 * (offs_m - q0).to(tl.float32)  # -inf without keys
     tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, lse2, mask=offs_m < seq_len)
@@ -371,7 +377,7 @@ def _flash_alibi_bwd_preprocess_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     stride_gb, stride_gh, stride_gs, stride_gd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
+):
     # delta_i = sum_d out_id * dout_id, the row term of the softmax backward; and zeros for the
     # dq accumulator the main kernel adds into.
     bh = tl.program_id(1)
@@ -395,7 +401,7 @@ def _flash_alibi_bwd_preprocess_kernel(
 def _add_dq(
     dq_dst, value, row0, col0, seq_len, HEAD_DIM: tl.constexpr,
     ROWS: tl.constexpr, COLS: tl.constexpr, USE_TMA: tl.constexpr, CHECK_COLS: tl.constexpr,
-):  # fmt: skip
+):
     # dq_acc[rows, cols] += value: a TMA reduction on sm_90, relaxed atomics elsewhere (and
     # under the interpreter, which has no TMA reductions).
     if USE_TMA:
@@ -419,7 +425,7 @@ def _bwd_q_loop(
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
     DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     # Works in the transposed [key, query] layout so dk and dv accumulate row-major. Query rows
     # past the end load as zeros with lse = +inf, so their p is exactly 0; key rows past the end
     # are zero, so they add nothing to dq (and their dk, dv rows are never stored). first_row:
@@ -434,11 +440,11 @@ def _bwd_q_loop(
         q = _load_tile(
             q_src, start_m, 0, seq_len, stride_qs, stride_qd, HEAD_DIM,
             BLOCK_M, D0, USE_TMA, True, PAD_D,
-        )  # fmt: skip
+        )
         do = _load_tile(
             do_src, start_m, 0, seq_len, stride_gs, stride_gd, HEAD_DIM,
             BLOCK_M, D0, USE_TMA, True, PAD_D,
-        )  # fmt: skip
+        )
         # This key block's column form of the stored lse: lse2_i + m (i - row0).
         lse = tl.load(LSE_ROW + offs_m, mask=m_ok, other=float("inf"))
         lse = lse + slope2 * (offs_m - row0).to(tl.float32)
@@ -448,11 +454,11 @@ def _bwd_q_loop(
             q_t = _load_tile(
                 q_src_t, start_m, D0, seq_len, stride_qs, stride_qd, HEAD_DIM,
                 BLOCK_M, DT, USE_TMA, True, False,
-            )  # fmt: skip
+            )
             do_t = _load_tile(
                 do_src_t, start_m, D0, seq_len, stride_gs, stride_gd, HEAD_DIM,
                 BLOCK_M, DT, USE_TMA, True, False,
-            )  # fmt: skip
+            )
             st = tl.dot(k_t, tl.trans(q_t), st, input_precision=PRECISION)
         pt = tl.exp2(st * qk_scale + column[:, None] - lse[None, :])
         if MASKED:  # causal diagonal band (exp2 of a masked score may be inf: select, not scale)
@@ -500,7 +506,7 @@ def _flash_alibi_bwd_kernel(
     SEQ_BUCKET, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     DQ_TMA: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+):
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
@@ -532,11 +538,11 @@ def _flash_alibi_bwd_kernel(
         k_t = _load_tile(
             k_src_t, n0, D0, seq_len, stride_ks, stride_kd, HEAD_DIM,
             BLOCK_N, DT, USE_TMA, True, False,
-        )  # fmt: skip
+        )
         v_t = _load_tile(
             v_src_t, n0, D0, seq_len, stride_vs, stride_vd, HEAD_DIM,
             BLOCK_N, DT, USE_TMA, True, False,
-        )  # fmt: skip
+        )
     dk = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
     dk_t = tl.zeros([BLOCK_N, DT], dtype=tl.float32)
@@ -590,7 +596,7 @@ def _flash_alibi_bwd_kernel(
             seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, lo, band_hi,
             HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, True, SEGMENTS, DROPOUT, USE_TMA, DQ_TMA,
             PRECISION,
-        )  # fmt: skip
+        )
     else:
         band_hi = 0
     unmasked_hi = tl.maximum(band_hi, clear)
@@ -601,7 +607,7 @@ def _flash_alibi_bwd_kernel(
         seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, band_hi, unmasked_hi,
         HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, False, SEGMENTS, DROPOUT, USE_TMA, DQ_TMA,
         PRECISION,
-    )  # fmt: skip
+    )
     if SEGMENTS:
         dk, dk_t, dv, dv_t = _bwd_q_loop(
             dk, dk_t, dv, dv_t, k, k_t, v, v_t, q_src, q_src_t, do_src, do_src_t,
@@ -610,7 +616,7 @@ def _flash_alibi_bwd_kernel(
             seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, unmasked_hi, rows_hi,
             HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, True, SEGMENTS, DROPOUT, USE_TMA, DQ_TMA,
             PRECISION,
-        )  # fmt: skip
+        )
 
     dk_base = DK + b * stride_dkb + h * stride_dkh
     dv_base = DV + b * stride_dvb + h * stride_dvh
@@ -619,22 +625,23 @@ def _flash_alibi_bwd_kernel(
     _store_tile(
         dk_dst, (dk * sm_scale).to(DK.dtype.element_ty), n0, 0, seq_len, stride_dks, stride_dkd,
         HEAD_DIM, BLOCK_N, D0, USE_TMA, PAD_D,
-    )  # fmt: skip
+    )
     _store_tile(
         dv_dst, dv.to(DV.dtype.element_ty), n0, 0, seq_len, stride_dvs, stride_dvd,
         HEAD_DIM, BLOCK_N, D0, USE_TMA, PAD_D,
-    )  # fmt: skip
+    )
     if D1 > 0:
         dk_dst_t = _matrix(dk_base, seq_len, stride_dks, HEAD_DIM, BLOCK_N, DT, USE_TMA)
         dv_dst_t = _matrix(dv_base, seq_len, stride_dvs, HEAD_DIM, BLOCK_N, DT, USE_TMA)
         _store_tile(
             dk_dst_t, (dk_t * sm_scale).to(DK.dtype.element_ty), n0, D0, seq_len,
             stride_dks, stride_dkd, HEAD_DIM, BLOCK_N, DT, USE_TMA, False,
-        )  # fmt: skip
+        )
         _store_tile(
             dv_dst_t, dv_t.to(DV.dtype.element_ty), n0, D0, seq_len,
             stride_dvs, stride_dvd, HEAD_DIM, BLOCK_N, DT, USE_TMA, False,
-        )  # fmt: skip
+        )
+# fmt: on
 
 
 def _autotuned(kernel, configs: list, interpreter_config, zeroed: list[str] | None = None):
@@ -720,16 +727,13 @@ def _use_tma(head_dim: int, *tensors: torch.Tensor) -> bool:
     )
 
 
-def _dropout_threshold(dropout_p: float) -> int:
-    return math.ceil(dropout_p * (1 << _DROPOUT_BITS))
-
-
 def _placeholder_if_none(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
     """A kernel's optional tensor argument: its constexpr (DROPOUT, SEGMENTS) says whether it
     is read; when it is not, any tensor holds its place."""
     return t if t is not None else placeholder
 
 
+# fmt: off
 @kernel_op("bloomnative::flash_alibi_attention_fwd")
 def _flash_alibi_fwd(
     q: torch.Tensor,
@@ -763,12 +767,12 @@ def _flash_alibi_fwd(
     launch(
         _fwd_kernels[dropout_p > 0], grid, q, k, v, slopes, out, lse,
         _placeholder_if_none(rng_seed, slopes), _placeholder_if_none(q_segment_start, slopes),
-        seq, heads, softmax_scale * _LOG2E, _dropout_threshold(dropout_p),
+        seq, heads, softmax_scale * LOG2E, dropout_threshold(dropout_p),
         1.0 / (1.0 - dropout_p), q_offset, k_offset,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), _seq_bucket(seq),
         CAUSAL=causal, SEGMENTS=q_segment_start is not None, HEAD_DIM=head_dim, D0=d0, D1=d1,
         DROPOUT=dropout_p > 0, USE_TMA=use_tma, PRECISION=dot_precision(q.dtype),
-    )  # fmt: skip
+    )
     return out, lse
 
 
@@ -776,7 +780,7 @@ def _flash_alibi_fwd(
 def _(
     q, k, v, slopes, causal, softmax_scale, dropout_p, rng_seed, q_offset=0, k_offset=0,
     q_segment_start=None, k_segment_end=None,
-):  # fmt: skip
+):
     batch, heads, seq, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, heads, seq), dtype=torch.float32)
 
@@ -811,7 +815,7 @@ def _flash_alibi_bwd(
         (triton.cdiv(seq, _PREPROCESS_BLOCK_M), batch * heads),
         out, grad_out, delta, dq_acc, seq, heads, *out.stride(), *grad_out.stride(),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=_PREPROCESS_BLOCK_M,
-    )  # fmt: skip
+    )
     use_tma = _use_tma(head_dim, q, k, v, grad_out, dk, dv)
     if use_tma and not INTERPRET:
         install_tma_allocator()
@@ -823,13 +827,13 @@ def _flash_alibi_bwd(
         _bwd_kernels[(dropout_p > 0, head_dim > 80, q_segment_start is not None)], grid,
         q, k, v, slopes, grad_out, lse, delta, dq_acc, dk, dv,
         _placeholder_if_none(rng_seed, slopes), _placeholder_if_none(q_segment_start, slopes),
-        _placeholder_if_none(k_segment_end, slopes), seq, heads, softmax_scale * _LOG2E,
-        softmax_scale, _dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), q_offset, k_offset,
+        _placeholder_if_none(k_segment_end, slopes), seq, heads, softmax_scale * LOG2E,
+        softmax_scale, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), q_offset, k_offset,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
         _seq_bucket(seq), CAUSAL=causal, SEGMENTS=q_segment_start is not None,
         HEAD_DIM=head_dim, D0=d0, D1=d1, DROPOUT=dropout_p > 0, USE_TMA=use_tma,
         DQ_TMA=use_tma, PRECISION=dot_precision(q.dtype),
-    )  # fmt: skip
+    )
     return dq_acc.to(q.dtype), dk, dv
 
 
@@ -837,7 +841,7 @@ def _flash_alibi_bwd(
 def _(
     grad_out, q, k, v, out, lse, slopes, causal, softmax_scale, dropout_p, rng_seed,
     q_offset=0, k_offset=0, q_segment_start=None, k_segment_end=None,
-):  # fmt: skip
+):
     return (
         q.new_empty(q.shape),
         torch.empty_like(k),
@@ -863,66 +867,12 @@ def _backward(ctx, grad_out, grad_lse):
     dq, dk, dv = _flash_alibi_bwd(
         grad_out, q, k, v, out, lse, slopes, ctx.causal, ctx.softmax_scale, ctx.dropout_p,
         rng_seed, *ctx.offsets, *bounds,
-    )  # fmt: skip
+    )
     return dq, dk, dv, *(None for _ in range(7 + len(bounds)))
+# fmt: on
 
 
 _flash_alibi_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _philox_uint32_mul(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high, low) 32-bit words of the 64-bit product of the constant ``a`` and the uint32
-    values in ``x`` (int64 tensor), without overflowing int64: x is split into 16-bit halves."""
-    x_hi, x_lo = x >> 16, x & 0xFFFF
-    p_hi, p_lo = a * x_hi, a * x_lo  # each < 2^48
-    mid = p_hi + (p_lo >> 16)
-    return mid >> 16, ((mid & 0xFFFF) << 16) | (p_lo & 0xFFFF)
-
-
-def _philox_words(
-    seed: torch.Tensor, counter: tuple[torch.Tensor, ...]
-) -> tuple[torch.Tensor, ...]:
-    """The four output words of Philox-4x32-10 as Triton's ``tl.philox(seed, *counter)``
-    computes them: key (seed mod 2^32, seed >> 32). uint32 values held in int64 tensors."""
-    mask = 0xFFFFFFFF
-    k0, k1 = seed & mask, (seed >> 32) & mask
-    c0, c1, c2, c3 = (c & mask for c in counter)
-    for _ in range(10):
-        hi_b, lo_b = _philox_uint32_mul(0xCD9E8D57, c2)
-        hi_a, lo_a = _philox_uint32_mul(0xD2511F53, c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0, k1 = (k0 + 0x9E3779B9) & mask, (k1 + 0xBB67AE85) & mask
-    return c0, c1, c2, c3
-
-
-def dropout_keep_mask(
-    rng_seed: torch.Tensor,
-    shape: tuple[int, ...],
-    dropout_p: float,
-    q_offset: int = 0,
-    k_offset: int = 0,
-) -> torch.Tensor:
-    """The ``[batch, heads, q_len, k_len]`` boolean keep-mask that the kernels draw for
-    ``rng_seed`` (module docstring: a pure function of the seed and (b, h, i, j)), for queries at
-    positions ``q_offset + i`` and keys at ``k_offset + j``. For references and tests: it
-    materialises ``q_len x k_len``, the kernels never do."""
-    batch, heads, q_len, k_len = shape
-    first_group, end_group = k_offset // 4, -(-(k_offset + k_len) // 4)
-    groups = end_group - first_group
-
-    def index(n: int, dim: int, start: int = 0) -> torch.Tensor:
-        view = [1, 1, 1, 1]
-        view[dim] = n
-        return torch.arange(start, start + n, device=rng_seed.device, dtype=torch.int64).view(view)
-
-    full = (batch, heads, q_len, groups)
-    rows = index(q_len, 2, q_offset)
-    c0 = (rows * _DROPOUT_ROW_STRIDE + index(groups, 3, first_group)).expand(full)
-    counter = (c0, index(heads, 1).expand(full), index(batch, 0).expand(full), c0 * 0)
-    words = _philox_words(rng_seed.to(torch.int64), counter)
-    bits = torch.stack(words, dim=-1).reshape(batch, heads, q_len, 4 * groups)
-    first = k_offset - 4 * first_group
-    return (bits[..., first : first + k_len] >> 8) >= _dropout_threshold(dropout_p)
 
 
 def segment_bounds(segment_ids: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -939,70 +889,6 @@ def segment_bounds(segment_ids: torch.Tensor, offset: int = 0) -> tuple[torch.Te
     run_ends[:, :-1] = new_run[:, 1:]
     end = torch.where(run_ends, index + 1, seq).flip(1).cummin(dim=1).values.flip(1)
     return (start + offset).to(torch.int32), (end + offset).to(torch.int32)
-
-
-def _alibi_scores(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    slopes: torch.Tensor,
-    causal: bool,
-    scale: float,
-    q_offset: int,
-    k_offset: int,
-    q_segment_start: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``scale q.k + slope (key position - query position)``, -inf where a causal query may not
-    see the key (after it, or before its segment's start), in fp32 (float64 for float64
-    inputs): ``[batch, heads, q_len, k_len]``."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q_pos = torch.arange(q_offset, q_offset + q.shape[-2], device=q.device)
-    k_pos = torch.arange(k_offset, k_offset + k.shape[-2], device=q.device)
-    distance = k_pos[None, :] - q_pos[:, None]
-    bias = slopes.to(device=q.device, dtype=compute)[:, None, None] * distance.to(compute)
-    scores = (q.to(compute) @ k.to(compute).transpose(-1, -2)) * scale + bias
-    if causal:
-        scores = scores.masked_fill(distance > 0, float("-inf"))
-    if q_segment_start is not None:
-        before_segment = k_pos[None, None, :] < q_segment_start.to(q.device)[:, :, None]
-        scores = scores.masked_fill(before_segment[:, None], float("-inf"))
-    return scores
-
-
-def flash_alibi_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slopes: torch.Tensor,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    *,
-    dropout_p: float = 0.0,
-    rng_seed: torch.Tensor | None = None,
-    q_offset: int = 0,
-    k_offset: int = 0,
-    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Pure-torch ALiBi attention, same contract as :func:`flash_alibi_attention` (dropout
-    and segments included: the same elements are dropped for the same seed).
-
-    Materializes the [batch, heads, seq, seq] scores in fp32 (float64 inputs stay float64): the
-    portable CPU path and the test oracle, not something to run at seq 2048 on a GPU.
-    """
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    starts = segments[0] if segments is not None else None
-    scores = _alibi_scores(q, k, slopes, causal, scale, q_offset, k_offset, starts)
-    probs = torch.softmax(scores, dim=-1)
-    if dropout_p > 0:
-        seed = rng_seed if rng_seed is not None else _draw_seed(q.device)
-        keep = dropout_keep_mask(seed, tuple(scores.shape), dropout_p, q_offset, k_offset)
-        probs = probs * keep / (1.0 - dropout_p)
-    return (probs @ v.to(scores.dtype)).to(q.dtype)
-
-
-def _draw_seed(device: torch.device) -> torch.Tensor:
-    """A fresh int64 seed from torch's default generator for ``device``, on the device (no host
-    synchronisation, capturable by torch.compile)."""
-    return torch.randint(0, 2**62, (), device=device, dtype=torch.int64)
 
 
 def _check_inputs(
@@ -1119,8 +1005,8 @@ def flash_alibi_attention(
         rng_seed: int64 0-d tensor on q's device, read inside the kernel (no host sync). The
             keep-mask of element (b, h, i, j) is a pure function of (rng_seed, b, h, i, j), h the
             head index within these tensors and i, j positions (module docstring;
-            :func:`dropout_keep_mask`). None draws a seed from torch's default generator for
-            q's device.
+            :func:`~bloomnative.kernels.flash_alibi_reference.dropout_keep_mask`). None draws a
+            seed from torch's default generator for q's device.
         q_offset, k_offset: the positions of the first query and the first key, so that a
             block of a longer sequence (context parallelism) gets the ALiBi term, the causal
             mask and the dropout draws of its place in the whole: query row i is position
@@ -1146,7 +1032,7 @@ def flash_alibi_attention(
     if dropout_p == 0.0:
         rng_seed = None
     elif rng_seed is None:
-        rng_seed = _draw_seed(q.device)
+        rng_seed = draw_seed(q.device)
     bounds: tuple[torch.Tensor, ...] = ()
     if segments is not None:
         if q_offset != k_offset:
@@ -1156,16 +1042,18 @@ def flash_alibi_attention(
             )
         bounds = tuple(segments)
         _check_segment_bounds(name, q, causal, bounds)
+    # fmt: off
     if not use_triton(q) or q.numel() == 0:
         return flash_alibi_attention_reference(
             q, k, v, slopes, causal, scale, dropout_p=dropout_p, rng_seed=rng_seed,
             q_offset=q_offset, k_offset=k_offset, segments=segments,
-        )  # fmt: skip
+        )
     slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous()
     out, _ = _flash_alibi_fwd(
         q, k, v, slopes, causal, float(scale), float(dropout_p), rng_seed, q_offset, k_offset,
         *bounds,
-    )  # fmt: skip
+    )
+    # fmt: on
     return out
 
 
@@ -1204,18 +1092,20 @@ def flash_alibi_attention_block(
     _check_block_seed(dropout_p, rng_seed)
     bounds = (q_segment_start, k_segment_end)
     _check_segment_bounds(name, q, causal, bounds)
+    # fmt: off
     if not use_triton(q) or q.numel() == 0:
         return alibi_attention_block_reference(
             q, k, v, slopes, causal=causal, softmax_scale=softmax_scale, q_offset=q_offset,
             k_offset=k_offset, dropout_p=dropout_p, rng_seed=rng_seed,
             q_segment_start=q_segment_start,
-        )  # fmt: skip
+        )
     slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous()
     seed = rng_seed if dropout_p > 0 else None
     return _flash_alibi_fwd(
         q, k, v, slopes, causal, float(softmax_scale), float(dropout_p), seed, q_offset, k_offset,
         *bounds,
-    )  # fmt: skip
+    )
+    # fmt: on
 
 
 def flash_alibi_attention_block_backward(
@@ -1244,18 +1134,20 @@ def flash_alibi_attention_block_backward(
     _check_block_seed(dropout_p, rng_seed)
     bounds = (q_segment_start, k_segment_end)
     _check_segment_bounds("flash_alibi_attention_block_backward", q, causal, bounds)
+    # fmt: off
     if not use_triton(q) or q.numel() == 0:
         return alibi_attention_block_backward_reference(
             grad_out, q, k, v, out, lse2, slopes, causal=causal, softmax_scale=softmax_scale,
             q_offset=q_offset, k_offset=k_offset, dropout_p=dropout_p, rng_seed=rng_seed,
             q_segment_start=q_segment_start,
-        )  # fmt: skip
+        )
     slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous()
     seed = rng_seed if dropout_p > 0 else None
     return _flash_alibi_bwd(
         grad_out, q, k, v, out, lse2.contiguous(), slopes, causal, float(softmax_scale),
         float(dropout_p), seed, q_offset, k_offset, *bounds,
-    )  # fmt: skip
+    )
+    # fmt: on
 
 
 def _check_block_seed(dropout_p: float, rng_seed: torch.Tensor | None) -> None:
@@ -1264,75 +1156,3 @@ def _check_block_seed(dropout_p: float, rng_seed: torch.Tensor | None) -> None:
             "flash_alibi_attention_block: dropout needs an explicit rng_seed, the same for every "
             "block of one attention"
         )
-
-
-def alibi_attention_block_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slopes: torch.Tensor,
-    *,
-    causal: bool,
-    softmax_scale: float,
-    q_offset: int,
-    k_offset: int,
-    dropout_p: float = 0.0,
-    rng_seed: torch.Tensor | None = None,
-    q_segment_start: torch.Tensor | None = None,
-    k_segment_end: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`flash_alibi_attention_block` in torch ops with an explicit bias block: the
-    ``[batch, heads, q_len, k_len]`` scores with ALiBi at the blocks' positions, in fp32 (float64
-    for float64 inputs, whose lse2 is then float64 too). A query that sees no key of the block
-    gets out 0 and lse2 -inf, as from the kernel; ``k_segment_end`` is accepted (and unused)
-    so that both block forms take the same arguments."""
-    scores = _alibi_scores(q, k, slopes, causal, softmax_scale, q_offset, k_offset, q_segment_start)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(nan=0.0)  # -inf - -inf: no key
-    if dropout_p > 0:
-        assert rng_seed is not None, "dropout needs the rng_seed the kernels drew with"
-        keep = dropout_keep_mask(rng_seed, tuple(scores.shape), dropout_p, q_offset, k_offset)
-        probs = probs * keep / (1.0 - dropout_p)
-    out = (probs @ v.to(scores.dtype)).to(q.dtype)
-    return out, lse * _LOG2E
-
-
-def alibi_attention_block_backward_reference(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse2: torch.Tensor,
-    slopes: torch.Tensor,
-    *,
-    causal: bool,
-    softmax_scale: float,
-    q_offset: int,
-    k_offset: int,
-    dropout_p: float = 0.0,
-    rng_seed: torch.Tensor | None = None,
-    q_segment_start: torch.Tensor | None = None,
-    k_segment_end: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`flash_alibi_attention_block_backward` in torch ops (the softmax backward with the
-    merged statistics: ``dS = P (dP - rowsum(dO * O))``). The mask needs the queries' segment
-    starts only; ``k_segment_end`` (which the kernels use to skip blocks) is accepted so that
-    both block forms take the same arguments."""
-    scores = _alibi_scores(q, k, slopes, causal, softmax_scale, q_offset, k_offset, q_segment_start)
-    compute = scores.dtype
-    probs = torch.exp(scores - lse2.to(compute)[..., None] / _LOG2E)
-    dout = grad_out.to(compute)
-    dprobs = dout @ v.to(compute).transpose(-1, -2)
-    kept = probs
-    if dropout_p > 0:
-        assert rng_seed is not None, "dropout needs the rng_seed the kernels drew with"
-        keep = dropout_keep_mask(rng_seed, tuple(scores.shape), dropout_p, q_offset, k_offset)
-        kept = probs * keep / (1.0 - dropout_p)
-        dprobs = dprobs * keep / (1.0 - dropout_p)
-    dv = kept.transpose(-1, -2) @ dout
-    delta = (out.to(compute) * dout).sum(dim=-1, keepdim=True)
-    dscores = probs * (dprobs - delta) * softmax_scale
-    dq = dscores @ k.to(compute)
-    dk = dscores.transpose(-1, -2) @ q.to(compute)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

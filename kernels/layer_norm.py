@@ -50,12 +50,13 @@ _TILE_ELEMENTS = 4096  # elements of a [rows, BLOCK_N] tile a program handles at
 _WIDE_CHUNK = 2048  # columns a program of the wide backward owns
 
 
+# fmt: off
 @triton.jit
 def _layer_norm_fwd_kernel(
     X, RESIDUAL, H_OUT, Y, W, B, MEAN, RSTD, M, N, eps,
     stride_x, stride_res, stride_h, stride_y,
     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -112,7 +113,7 @@ def _layer_norm_bwd_kernel(
     DY, H, W, MEAN, RSTD, DH_OUT, DX, DW_PARTIAL, DB_PARTIAL, M, N,
     stride_dy, stride_h, stride_dh_out, stride_dx,
     HAS_DH_OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+):
     # One pass: each persistent program walks [BLOCK_R, BLOCK_N] row tiles with a stride of the
     # program count, writes dx and keeps its dw/db column sums in fp32 registers.
     pid = tl.program_id(0)
@@ -144,7 +145,7 @@ def _layer_norm_bwd_kernel(
 @triton.jit
 def _layer_norm_bwd_row_sums_kernel(
     DY, H, W, MEAN, RSTD, ROW_SUMS, N, stride_dy, stride_h, CHUNK: tl.constexpr,
-):  # fmt: skip
+):
     # Wide rows, step 1: c1 = mean(xhat * w dy) and c2 = mean(w dy) of one row, chunk by chunk.
     row = tl.program_id(0).to(tl.int64)
     mean = tl.load(MEAN + row)
@@ -168,7 +169,7 @@ def _layer_norm_bwd_wide_kernel(
     DY, H, W, MEAN, RSTD, ROW_SUMS, DH_OUT, DX, DW_PARTIAL, DB_PARTIAL, M, N,
     stride_dy, stride_h, stride_dh_out, stride_dx,
     HAS_DH_OUT: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
+):
     # Wide rows, step 2: grid (column chunks, row groups); a program owns CHUNK columns of every
     # BLOCK_R-row tile of its group, writes their dx and keeps only CHUNK-wide dw/db sums.
     cols = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
@@ -194,6 +195,7 @@ def _layer_norm_bwd_wide_kernel(
         _store_dx(DX, DH_OUT, dx, rows64, cols, mask, stride_dx, stride_dh_out, HAS_DH_OUT)
     tl.store(DW_PARTIAL + group * N + cols, dw, mask=col_ok)
     tl.store(DB_PARTIAL + group * N + cols, db, mask=col_ok)
+# fmt: on
 
 
 def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -220,6 +222,7 @@ def _tile(block_n: int, values_per_thread: int) -> tuple[int, int]:
     return rows, warps
 
 
+# fmt: off
 @kernel_op("bloomnative::layer_norm_fwd")
 def _layer_norm_fwd(
     x: torch.Tensor,
@@ -247,7 +250,7 @@ def _layer_norm_fwd(
         _layer_norm_fwd_kernel, (triton.cdiv(m, rows),), x2, res2, h, y, weight, bias, mean, rstd,
         m, n, eps, x2.stride(0), res2.stride(0), n, y.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_R=rows, BLOCK_N=block_n, num_warps=warps,
-    )  # fmt: skip
+    )
     h = h.view(x.shape) if residual is not None else h
     return y.view(x.shape), h, mean, rstd
 
@@ -287,13 +290,13 @@ def _layer_norm_bwd(
             _layer_norm_bwd_kernel, (programs,), dy2, h2, weight, mean, rstd, dh_out2, dx,
             dw_partial, db_partial, m, n, dy2.stride(0), h2.stride(0), dh_out2.stride(0), n,
             HAS_DH_OUT=has_dh_out, BLOCK_R=rows, BLOCK_N=block_n, num_warps=warps,
-        )  # fmt: skip
+        )
     else:
         row_sums = empty((m, 2), torch.float32, h.device)
         launch(
             _layer_norm_bwd_row_sums_kernel, (m,), dy2, h2, weight, mean, rstd, row_sums, n,
             dy2.stride(0), h2.stride(0), CHUNK=_WIDE_CHUNK, num_warps=8,
-        )  # fmt: skip
+        )
         rows = _TILE_ELEMENTS // _WIDE_CHUNK
         chunks = triton.cdiv(n, _WIDE_CHUNK)
         groups = max(1, min(triton.cdiv(m, rows), num_programs_for_device(h.device, 8) // chunks))
@@ -304,8 +307,9 @@ def _layer_norm_bwd(
             dh_out2, dx, dw_partial, db_partial, m, n,
             dy2.stride(0), h2.stride(0), dh_out2.stride(0), n,
             HAS_DH_OUT=has_dh_out, BLOCK_R=rows, CHUNK=_WIDE_CHUNK, num_warps=8,
-        )  # fmt: skip
+        )
     return dx.view(h.shape), dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(weight.dtype)
+# fmt: on
 
 
 @_layer_norm_bwd.register_fake

@@ -55,11 +55,12 @@ _MAX_AUTO_CHUNK = 8192
 _BLOCK_V = 4096  # vocab block of the row kernels (interpreter: small, to exercise the loop)
 
 
+# fmt: off
 @triton.jit
 def _row_stats_kernel(
     LOGITS, TARGETS, ROW_MAX, ROW_SUMEXP, TARGET_LOGIT, V, stride_row, vocab_start, ignore_index,
     BLOCK_V: tl.constexpr,
-):  # fmt: skip
+):
     # Per row: max_v z, sum_v exp(z - max), and z[target] when the target falls in this shard.
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride_row
@@ -84,7 +85,7 @@ def _row_stats_kernel(
 def _row_grad_kernel(
     LOGITS, GRAD, TARGETS, LSE, ROW_SCALE, V, stride_row, stride_grad, vocab_start, ignore_index,
     BLOCK_V: tl.constexpr,
-):  # fmt: skip
+):
     # g = (exp(z - lse) - onehot(target)) * row_scale (0 on an ignored row); GRAD may be LOGITS.
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(TARGETS + row)
@@ -115,7 +116,7 @@ def _row_stats(
         _row_stats_kernel[(rows,)](
             logits, targets, row_max, row_sumexp, target_logit, v, logits.stride(0),
             vocab_start, ignore_index, BLOCK_V=_block_v(v), num_warps=8,
-        )  # fmt: skip
+        )
         return row_max, row_sumexp, target_logit
     z = logits.float()
     row_max = z.amax(dim=1)
@@ -141,7 +142,7 @@ def _row_grad_(
         _row_grad_kernel[(rows,)](
             logits, logits, targets, lse, row_scale, v, logits.stride(0), logits.stride(0),
             vocab_start, ignore_index, BLOCK_V=_block_v(v), num_warps=8,
-        )  # fmt: skip
+        )
         return logits
     grad = torch.exp(logits.float() - lse[:, None])
     local = targets - vocab_start
@@ -150,6 +151,7 @@ def _row_grad_(
     grad[rows_hit, local[rows_hit]] -= 1.0
     grad *= row_scale[:, None]
     return logits.copy_(grad)
+# fmt: on
 
 
 @functools.cache
@@ -276,6 +278,7 @@ def _fused_loss_and_grads(
     return loss_sum * grad_scale, d_hidden, d_weight
 
 
+# fmt: off
 @torch.library.custom_op("bloomnative::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy_op(
     hidden: torch.Tensor,
@@ -292,18 +295,19 @@ def _linear_cross_entropy_op(
     return _fused_loss_and_grads(
         hidden, weight, targets, 0, ignore_index, reduction, chunk_size,
         need_grad_hidden, need_grad_weight, token_weights=token_weights,
-    )  # fmt: skip
+    )
 
 
 @_linear_cross_entropy_op.register_fake
 def _(
     hidden, weight, targets, ignore_index, reduction, chunk_size, need_grad_hidden,
     need_grad_weight, token_weights=None,
-):  # fmt: skip
+):
     loss = hidden.new_empty((), dtype=torch.float32)
     d_hidden = hidden.new_empty(hidden.shape if need_grad_hidden else (0,))
     d_weight = weight.new_empty(weight.shape if need_grad_weight else (0,))
     return loss, d_hidden, d_weight
+# fmt: on
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -393,27 +397,30 @@ def linear_cross_entropy(
     if weight.dtype != hidden.dtype:
         weight = weight.to(hidden.dtype)
     grad_on = torch.is_grad_enabled()
+    # fmt: off
     loss, _, _ = _linear_cross_entropy_op(
         hidden, weight, targets, ignore_index, reduction,
         _resolve_chunk_size(chunk_size, weight.shape[0], hidden.dtype),
         grad_on and hidden.requires_grad, grad_on and weight.requires_grad, token_weights,
-    )  # fmt: skip
+    )
+    # fmt: on
     return loss
 
 
+# fmt: off
 class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx, hidden, weight_shard, targets, vocab_start, group, ignore_index, reduction, chunk_size,
         token_weights,
-    ):  # fmt: skip
+    ):
         # Grad mode is off inside forward: whether gradients are wanted is decided by the caller
         # (needs_input_grad) and by whether autograd recorded this call at all.
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss, d_hidden, d_weight = _fused_loss_and_grads(
             hidden, weight_shard, targets, vocab_start, ignore_index, reduction, chunk_size,
             need_dh, need_dw, group=group, token_weights=token_weights,
-        )  # fmt: skip
+        )
         ctx.save_for_backward(d_hidden, d_weight)
         return loss
 
@@ -448,7 +455,7 @@ def vocab_parallel_linear_cross_entropy(
     _check_inputs(
         "vocab_parallel_linear_cross_entropy", hidden, weight_shard, targets, reduction,
         token_weights,
-    )  # fmt: skip
+    )
     if not dist.is_initialized():
         raise RuntimeError(
             "vocab_parallel_linear_cross_entropy needs torch.distributed initialized"
@@ -461,12 +468,13 @@ def vocab_parallel_linear_cross_entropy(
         loss, _, _ = _fused_loss_and_grads(
             hidden, weight_shard, targets, vocab_start, ignore_index, reduction, chunk,
             False, False, group=group, token_weights=token_weights,
-        )  # fmt: skip
+        )
         return loss
     return _VocabParallelLinearCrossEntropy.apply(
         hidden, weight_shard, targets, vocab_start, group, ignore_index, reduction, chunk,
         token_weights,
-    )  # fmt: skip
+    )
+# fmt: on
 
 
 def linear_cross_entropy_reference(

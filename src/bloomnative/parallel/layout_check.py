@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from bloomnative.config import ParallelismConfig, TrainingConfig, ValidationConfig
 from bloomnative.data.rampup import rampup_sizes
-from bloomnative.kernels.flash_alibi_attention import DROPOUT_MAX_POSITIONS
+from bloomnative.kernels.flash_alibi_reference import DROPOUT_MAX_POSITIONS
 from bloomnative.model.args import BloomArgs
 from bloomnative.model.attention import backends_with
 from bloomnative.parallel.dims import LayoutError, ParallelDims

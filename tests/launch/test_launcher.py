@@ -70,6 +70,8 @@ def test_a_launcher_variable_is_parsed_never_run_by_the_shell(tmp_path, name):
         ({"NNODES": "1:2:3"}, "NNODES='1:2:3'"),
         ({"NNODES": "2"}, "RDZV_ENDPOINT=''"),
         ({"NNODES": "2", "RDZV_ENDPOINT": "node0;reboot:29500"}, "RDZV_ENDPOINT='node0;reboot"),
+        ({"NNODES": "2", "RDZV_ENDPOINT": "node0:65536"}, "RDZV_ENDPOINT='node0:65536': the port"),
+        ({"NNODES": "2", "RDZV_ENDPOINT": "node0:0"}, "RDZV_ENDPOINT='node0:0': the port"),
         ({"RDZV_LAST_CALL_S": "0"}, "RDZV_LAST_CALL_S='0'"),
         ({"RDZV_LAST_CALL_S": "$(reboot)"}, "RDZV_LAST_CALL_S='$(reboot)'"),
         ({"RDZV_ID": "job 7"}, "RDZV_ID='job 7'"),
@@ -81,6 +83,36 @@ def test_a_malformed_launcher_variable_is_named(env, named):
     with pytest.raises(LaunchSettingError) as error:
         LaunchSettings.from_env(env)
     assert str(error.value).startswith(named) and "\n" not in str(error.value)
+
+
+def test_a_rendezvous_host_that_does_not_resolve_is_one_line_before_anything_starts(
+    monkeypatch, capsys
+):
+    """A mistyped RDZV_ENDPOINT host: exit 2 within seconds, before preflight or torchrun (the
+    .invalid domain never resolves, RFC 2606)."""
+    from bloomnative.launch import cli, preflight
+
+    def preflight_must_not_run(*args, **kwargs):
+        raise AssertionError("preflight ran")
+
+    monkeypatch.setattr(preflight, "preflight", preflight_must_not_run)
+    monkeypatch.setenv("NNODES", "2")
+    monkeypatch.setenv("RDZV_ENDPOINT", "node0.no-such-host.invalid:29500")
+    started = time.monotonic()
+    assert cli.main(["--config=configs/debug.toml"]) == 2
+    assert time.monotonic() - started < cli.RESOLVE_TIMEOUT_S + 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "run_train.sh: RDZV_ENDPOINT='node0.no-such-host.invalid:29500': the host" in err[0]
+    assert "does not resolve" in err[0] or "did not resolve" in err[0]
+
+
+def test_a_rendezvous_host_that_resolves_passes():
+    from bloomnative.launch.cli import check_rendezvous_host
+
+    check_rendezvous_host("localhost:29500")
+    check_rendezvous_host("127.0.0.1:29500")
+    check_rendezvous_host("[::1]:29500")
 
 
 def test_launcher_variables_become_torchrun_arguments_and_world_sizes():

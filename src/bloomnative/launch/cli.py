@@ -21,9 +21,11 @@ variables are parsed here as text: none of them reaches a shell, an arithmetic e
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 
 _DIGITS = re.compile(r"[0-9]+")
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+RESOLVE_TIMEOUT_S = 10.0
+"""How long the launcher waits for the rendezvous host's name to resolve."""
 _ENDPOINT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
 
 
@@ -76,6 +80,10 @@ class LaunchSettings:
             raise LaunchSettingError(
                 f"RDZV_ENDPOINT={endpoint!r}: a run on NNODES={env.get('NNODES')} nodes needs the "
                 "rendezvous address as host:port (e.g. node0:29500)"
+            )
+        if endpoint and not 1 <= int(endpoint.rpartition(":")[2]) <= 65535:
+            raise LaunchSettingError(
+                f"RDZV_ENDPOINT={endpoint!r}: the port must be between 1 and 65535"
             )
         return cls(
             nproc=nproc,
@@ -130,6 +138,31 @@ class LaunchSettings:
         ]
 
 
+def check_rendezvous_host(endpoint: str, timeout_s: float = RESOLVE_TIMEOUT_S) -> None:
+    """The host of `endpoint` (host:port) resolves to an address within `timeout_s`, so that a
+    mistyped name is said at once instead of as a rendezvous that never forms.
+
+    Raises:
+        LaunchSettingError: naming the host and what the resolver said.
+    """
+    host = endpoint.rpartition(":")[0].strip("[]")
+    lookup = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:  # a thread: a resolver that hangs cannot be interrupted otherwise
+        lookup.submit(socket.getaddrinfo, host, None).result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise LaunchSettingError(
+            f"RDZV_ENDPOINT={endpoint!r}: the host {host!r} did not resolve within "
+            f"{timeout_s:.0f} s; give a name or address every node can resolve"
+        ) from None
+    except OSError as e:
+        raise LaunchSettingError(
+            f"RDZV_ENDPOINT={endpoint!r}: the host {host!r} does not resolve "
+            f"({e.strerror or e}); give a name or address every node can resolve"
+        ) from None
+    finally:
+        lookup.shutdown(wait=False)
+
+
 def _job_id(env: Mapping[str, str]) -> str:
     name = "RDZV_ID" if env.get("RDZV_ID") else "SLURM_JOB_ID"
     text = env.get(name, "") or "none"
@@ -176,6 +209,8 @@ def main(argv: list[str]) -> int:
     preflight failure (before any worker starts)."""
     try:
         settings = LaunchSettings.from_env(cores=len(os.sched_getaffinity(0)))
+        if settings.rdzv_endpoint:
+            check_rendezvous_host(settings.rdzv_endpoint)
     except LaunchSettingError as e:
         print(f"run_train.sh: {e}", file=sys.stderr)
         return 2

@@ -552,7 +552,7 @@ def planned_memory(run: ResolvedRun) -> dict | None:
     device_type = run.device_type
     try:
         layout = run.planner_layout()
-        workload = planner.workload_from_config(run.config, layout, device_type)
+        workload = run.planner_workload()
         overhead = planner.Overhead() if device_type == "cuda" else planner.Overhead.none()
         rank0 = planner.estimate(run.model_args, layout, workload, overhead, device_type).ranks[0]
     except planner.PlanError as e:

@@ -173,15 +173,16 @@ def overhead_from_args(known: argparse.Namespace) -> planner.Overhead:
 
 def describe(args, layout: planner.Layout, workload: planner.Workload) -> str:
     n = args.num_params()
+    dims, par = layout.dims, layout.parallelism
     return (
         f"model: {args.n_layer} layers, hidden {args.hidden_size}, {args.n_head} heads, vocab "
         f"{args.vocab_size}: {n / 1e9:.3f}B parameters "
         f"(bf16 weights {2 * n / planner.GiB:.1f} GiB; "
         f"bf16 + fp32 weights + fp32 AdamW {14 * n / 2**40:.2f} TiB)\n"
-        f"layout: dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard} x cp "
-        f"{layout.cp} x tp {layout.tp} x pp {layout.pp} = {layout.world_size} devices, zero_stage "
-        f"{layout.zero_stage}, sequence_parallel {layout.sequence_parallel}, pp_schedule "
-        f"{layout.pp_schedule}\n"
+        f"layout: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp "
+        f"{dims.cp} x tp {dims.tp} x pp {dims.pp} = {dims.world_size} devices, zero_stage "
+        f"{par.zero_stage}, sequence_parallel {par.sequence_parallel}, pp_schedule "
+        f"{par.pp_schedule}\n"
         f"workload: micro batch {workload.micro_batch} x seq {workload.seq_len}, "
         f"{workload.microbatches} micro batches/step, {workload.precision}, recompute "
         f"{workload.recompute}"
@@ -189,6 +190,27 @@ def describe(args, layout: planner.Layout, workload: planner.Workload) -> str:
         + f", attention memory {workload.attention}, fused_loss {workload.fused_loss}, "
         f"compiled_loss {workload.compiled_loss}, dropout {workload.dropout}, "
         f"{workload.optimizer} AdamW"
+    )
+
+
+def layout_to_dict(layout: planner.Layout) -> dict:
+    """The --json report's "layout": the degrees, then the [parallelism] options the plan
+    reads."""
+    dims, par = layout.dims, layout.parallelism
+    degrees = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+    options = (
+        "pp_schedule",
+        "pp_stages_per_rank",
+        "pp_embedding_as_layer",
+        "pp_layers_per_stage",
+        "sequence_parallel",
+        "loss_parallel",
+        "cpu_offload",
+    )
+    return (
+        {name: getattr(dims, name) for name in degrees}
+        | {name: getattr(par, name) for name in options}
+        | {"pp_keeps_outputs": layout.pp_keeps_outputs, "zero_stage": par.zero_stage}
     )
 
 
@@ -220,9 +242,7 @@ def plan(
     layout = dataclasses.replace(
         run.planner_layout(), pp_keeps_outputs=known.pp_return_outputs == "true"
     )
-    workload = planner.workload_from_config(
-        run.config, layout, known.device_type, known.attention_memory, known.dropout
-    )
+    workload = run.planner_workload(known.attention_memory, known.dropout)
     overhead = overhead_from_args(known)
     if config.activation_checkpoint.mode == "auto":
         device_bytes = int(known.device_memory_gib * planner.GiB)
@@ -320,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"\nworst pipeline rank: {worst.pp_rank}", file=out)
     print(format_rank(worst), file=out)
-    if layout.pp > 1:
+    if layout.dims.pp > 1:
         totals = ", ".join(
             f"{r.pp_rank}: {r.device_bytes / planner.GiB:.1f}" for r in run_plan.ranks
         )
@@ -357,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if known.json_path:
         report = {
             "model": dataclasses.asdict(args) | {"params": args.num_params()},
-            "layout": dataclasses.asdict(layout),
+            "layout": layout_to_dict(layout),
             "workload": dataclasses.asdict(workload),
             "overhead": dataclasses.asdict(overhead),
             "device_memory_gib": known.device_memory_gib,

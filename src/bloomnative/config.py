@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from bloomnative.model.attention import PORTABLE_BACKEND, AttentionBackend
+from bloomnative.model.attention import AttentionBackend, attention_for_planning
 
 if TYPE_CHECKING:
     from bloomnative.model.args import BloomArgs
@@ -420,16 +420,16 @@ def _toml_string(text: str) -> str:
 def model_args_from_config(cfg: ModelConfig) -> BloomArgs:
     """The preset's shape with the non-zero overrides of the [model] section applied.
 
-    ``attention = "auto"`` is described with the portable backend; train/resolved.py's `resolve_run`
-    replaces it by what "auto" stands for on the run."""
+    ``attention = "auto"`` is described with the backend it stands for before anything is timed
+    (`attention_for_planning`); train/resolved.py's `resolve_run` replaces it by what "auto"
+    stands for on the run."""
     from bloomnative.model.args import BloomArgs
 
-    overrides = {k: getattr(cfg, k) for k in ("n_layer", "hidden_size", "n_head", "vocab_size")}
+    overrides = {k: getattr(cfg, k) for k in BloomArgs.SHAPE_FIELDS}
     overrides = {k: v for k, v in overrides.items() if v}
-    attention = PORTABLE_BACKEND if cfg.attention == "auto" else cfg.attention
     return BloomArgs.from_preset(
         cfg.preset,
-        attention=attention,
+        attention=attention_for_planning(cfg.attention),
         fused_kernels=cfg.fused_kernels,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
@@ -634,7 +634,7 @@ _MAX_SEED = 2**32 - 1
 
 def validate(config: Config) -> None:
     """Checks that do not need the world size; `parallel.ParallelDims` checks the layout."""
-    from bloomnative.model.args import PRESETS
+    from bloomnative.model.args import PRESETS, BloomArgs
 
     m, t, o, s = config.model, config.training, config.optimizer, config.lr_scheduler
     _one_of("model.preset", m.preset, tuple(PRESETS))
@@ -648,7 +648,7 @@ def validate(config: Config) -> None:
         config.job.collective_timeout_s > 0,
         f"job.collective_timeout_s must be positive, got {config.job.collective_timeout_s}",
     )
-    for key in ("n_layer", "hidden_size", "n_head", "vocab_size"):
+    for key in BloomArgs.SHAPE_FIELDS:
         _check(getattr(m, key) >= 0, f"model.{key} must be >= 0 (0 keeps the preset)")
     _validate_dropout(config)
     for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
@@ -767,7 +767,7 @@ def _validate_dropout(config: Config) -> None:
     try:  # the model's own checks: probabilities in [0, 1), a backend that has dropout
         BloomArgs(
             # "auto" never resolves to a backend without dropout when there is dropout
-            attention=PORTABLE_BACKEND if m.attention == "auto" else m.attention,
+            attention=attention_for_planning(m.attention),
             hidden_dropout=m.hidden_dropout,
             attention_dropout=m.attention_dropout,
         )

@@ -55,7 +55,7 @@ def build_trainer(dump: Path, *overrides: str) -> Trainer:
 def predict(trainer: Trainer) -> planner.RankEstimate:
     """The planner's estimate for this trainer's config, layout and pipeline rank, on CPU."""
     layout = trainer.resolved.planner_layout()
-    workload = planner.workload_from_config(trainer.config, layout, device_type="cpu")
+    workload = trainer.resolved.planner_workload()
     pp_rank = trainer.mesh["pp"].get_local_rank()
     return planner.estimate_rank(
         trainer.resolved.model_args, layout, workload, pp_rank, device_type="cpu"

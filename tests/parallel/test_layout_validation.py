@@ -271,7 +271,7 @@ def test_the_planner_refuses_what_preflight_refuses():
         check_run(config, 2)
     layout = planner.layout_from_config(config.parallelism, 2)
     with pytest.raises(LayoutError) as planned:
-        planner.workload_from_config(config, layout, "cpu")
+        planner.workload_from_config(config, layout, "cpu", compiled_loss=False)
     assert str(planned.value) == str(preflight.value)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bloomnative import planner
+from bloomnative.config import ParallelismConfig
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.parallel import LayoutError
 from harness.training import REPO, load_tool
@@ -26,9 +27,14 @@ def workload(**overrides) -> planner.Workload:
     return planner.Workload(**(base | overrides))
 
 
+def layout_of(**parallelism) -> planner.Layout:
+    """The layout of a [parallelism] section with these keys, on the devices it names."""
+    return planner.layout_from_config(ParallelismConfig(**parallelism))
+
+
 def bf16_params_layout(**overrides) -> planner.Layout:
     """Data parallel over two ranks (FSDP2 shards the states; activations do not depend on it)."""
-    return planner.Layout(**({"dp_shard": 2} | overrides))
+    return layout_of(**({"dp_shard": 2} | overrides))
 
 
 def block_bytes(layout: planner.Layout, wl: planner.Workload, args: BloomArgs = TINY) -> int:
@@ -44,7 +50,7 @@ def test_parameter_inventory_matches_the_model():
     with torch.device("meta"):
         model = Bloom(args)
     real = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    planned = {p.name: p.shape for p in planner.rank_parameters(args, planner.Layout(), pp_rank=0)}
+    planned = {p.name: p.shape for p in planner.rank_parameters(args, layout_of(), pp_rank=0)}
     assert planned == real  # the tied head is one parameter
     assert sum(map(torch.Size.numel, map(torch.Size, real.values()))) == args.num_params()
 
@@ -56,7 +62,7 @@ def test_tensor_parallel_shards_match_hand_count():
 
 
 def test_fsdp_states_are_sharded_hand_computed():
-    layout = planner.Layout(dp_shard=2, zero_stage=3)
+    layout = layout_of(dp_shard=2, zero_stage=3)
     rank = planner.estimate_rank(TINY, layout, workload(), device_type="cpu")
     total = 4 * BLOCK + EMBEDDING + 2 * NORM  # 3648, every dim 0 even: exactly half per rank
     assert rank.component("fp32 master weights (sharded)").bytes == 4 * total // 2
@@ -66,16 +72,14 @@ def test_fsdp_states_are_sharded_hand_computed():
     # re-gathers the current and the prefetched block in backward; zero 2 keeps everything.
     gathered = "gathered weights (FSDP all-gather outputs)"
     assert rank.component(gathered).bytes == 2 * (EMBEDDING + 2 * NORM)
-    zero2 = planner.estimate_rank(TINY, dataclasses.replace(layout, zero_stage=2), workload())
+    zero2 = planner.estimate_rank(TINY, layout_of(dp_shard=2, zero_stage=2), workload())
     assert zero2.component(gathered).bytes == 2 * total
 
 
 def test_cpu_offload_moves_the_sharded_states_to_the_host():
-    layout = planner.Layout(dp_shard=2, cpu_offload=True)
+    layout = layout_of(dp_shard=2, cpu_offload=True)
     offloaded = planner.estimate_rank(TINY, layout, workload(microbatches=2))
-    on_device = planner.estimate_rank(
-        TINY, dataclasses.replace(layout, cpu_offload=False), workload()
-    )
+    on_device = planner.estimate_rank(TINY, layout_of(dp_shard=2, cpu_offload=False), workload())
     host = sum(c.bytes for c in offloaded.components if c.phase == "host")
     assert host == 16 * (4 * BLOCK + EMBEDDING + 2 * NORM) // 2  # 4 + 8 + 4 bytes, halved
     assert offloaded.phase_bytes("resident") == 0
@@ -89,7 +93,7 @@ def test_fsdp_shards_pad_dim_zero():
 
 def test_pipeline_stages_count_the_embedding_as_a_layer():
     # 4 blocks + embedding + head on 2 stages: [embedding + 2 blocks], [2 blocks + head copy].
-    layout = planner.Layout(pp=2)
+    layout = layout_of(pp=2)
     first = planner.rank_parameters(TINY, layout, pp_rank=0)
     last = planner.rank_parameters(TINY, layout, pp_rank=1)
     assert sum(p.numel for p in first) == EMBEDDING + NORM + 2 * BLOCK
@@ -98,7 +102,7 @@ def test_pipeline_stages_count_the_embedding_as_a_layer():
 
 
 def test_zero1_shards_only_master_weights_and_moments():
-    layout = planner.Layout(dp_shard=8, zero_stage=1)
+    layout = layout_of(dp_shard=8, zero_stage=1)
     rank = planner.estimate_rank(TINY, layout, workload(microbatches=2))
     p = 4 * BLOCK + EMBEDDING + 2 * NORM
     states = sum(c.bytes for c in rank.components if c.phase == "resident")
@@ -107,7 +111,7 @@ def test_zero1_shards_only_master_weights_and_moments():
 
 def test_bf16_without_data_parallelism_is_fsdp_on_one_rank():
     """bf16 is FSDP2's mixed precision on every layout: with dp = 1 the "shards" are whole."""
-    rank = planner.estimate_rank(TINY, planner.Layout(), workload(microbatches=2))
+    rank = planner.estimate_rank(TINY, layout_of(), workload(microbatches=2))
     p = 4 * BLOCK + EMBEDDING + 2 * NORM
     assert rank.component("fp32 master weights (sharded)").bytes == 4 * p
     assert rank.component("fp32 gradients (sharded, reduce dtype)").phase == "resident"
@@ -116,7 +120,7 @@ def test_bf16_without_data_parallelism_is_fsdp_on_one_rank():
 
 
 def test_fp32_without_data_parallelism_keeps_plain_weights():
-    rank = planner.estimate_rank(TINY, planner.Layout(), workload(microbatches=2, precision="fp32"))
+    rank = planner.estimate_rank(TINY, layout_of(), workload(microbatches=2, precision="fp32"))
     p = 4 * BLOCK + EMBEDDING + 2 * NORM
     assert rank.component("fp32 weights").bytes == 4 * p
     assert rank.component("fp32 gradients").phase == "resident"  # accumulation: 2 micro batches
@@ -166,12 +170,12 @@ def test_context_parallel_divides_every_kept_activation_by_cp():
 
 def test_context_parallel_shards_model_states_over_dp_shard_times_cp():
     wl = workload()
-    mixed = planner.estimate_rank(TINY, planner.Layout(dp_shard=2, cp=2), wl, device_type="cpu")
-    sharded = planner.estimate_rank(TINY, planner.Layout(dp_shard=4), wl, device_type="cpu")
+    mixed = planner.estimate_rank(TINY, layout_of(dp_shard=2, cp=2), wl, device_type="cpu")
+    sharded = planner.estimate_rank(TINY, layout_of(dp_shard=4), wl, device_type="cpu")
     for name in ("fp32 master weights (sharded)", "AdamW moments (sharded)"):
         assert mixed.component(name).bytes == sharded.component(name).bytes
     # cp alone shards too (FSDP over the cp ranks), in fp32 as well.
-    assert planner.Precision.of(planner.Layout(cp=2), workload(precision="fp32")).fsdp
+    assert planner.Precision.of(layout_of(cp=2), workload(precision="fp32")).fsdp
 
 
 def test_ring_attention_buffers_hand_computed():
@@ -184,18 +188,18 @@ def test_ring_attention_buffers_hand_computed():
     assert sdpa == 33 * 32 + 4 * (4 * B + 1) * 2 * 1
     assert planner.ring_attention_buffers(TINY, bf16_params_layout(), workload(), prec) == 0
     with pytest.raises(LayoutError, match="seq_len = 4 is not a multiple of 2 \\* parallelism.cp"):
-        planner.estimate_rank(TINY, planner.Layout(cp=4), workload())
+        planner.estimate_rank(TINY, layout_of(cp=4), workload())
 
 
 def test_bf16_activations_do_not_depend_on_the_data_parallel_degree():
     wl = workload(attention="flash")
-    assert planner.Precision.of(planner.Layout(), wl) == planner.Precision(compute=2, fsdp=True)
-    assert block_bytes(planner.Layout(), wl) == block_bytes(bf16_params_layout(), wl)
+    assert planner.Precision.of(layout_of(), wl) == planner.Precision(compute=2, fsdp=True)
+    assert block_bytes(layout_of(), wl) == block_bytes(bf16_params_layout(), wl)
 
 
 def test_more_recompute_means_less_activation_memory():
     args = BloomArgs.from_preset("bloom-560m")
-    layout = planner.Layout(dp_shard=8)
+    layout = layout_of(dp_shard=8)
     peaks = [
         planner.estimate_rank(args, layout, wl).allocated_peak
         for wl in (
@@ -212,7 +216,7 @@ def test_larger_tensor_parallel_degree_means_less_memory_per_rank():
     args = BloomArgs.from_preset("bloom-7b1")
     wl = planner.Workload(micro_batch=2, seq_len=2048, microbatches=4, recompute="selective")
     peaks = [
-        planner.estimate_rank(args, planner.Layout(dp_shard=2, tp=tp), wl).allocated_peak
+        planner.estimate_rank(args, layout_of(dp_shard=2, tp=tp), wl).allocated_peak
         for tp in (1, 2, 4)
     ]
     assert peaks[0] > peaks[1] > peaks[2]
@@ -221,13 +225,13 @@ def test_larger_tensor_parallel_degree_means_less_memory_per_rank():
 def test_loss_buffers_scale_with_the_vocabulary_shard():
     args = BloomArgs.from_preset("bloom-1b7")
     wl = planner.Workload(micro_batch=1, seq_len=2048)
-    full = planner.estimate_rank(args, planner.Layout(dp_shard=8), wl)
+    full = planner.estimate_rank(args, layout_of(dp_shard=8), wl)
     log_probs = full.component("loss: log-probabilities (fp32)").bytes
     assert log_probs == 2048 * args.vocab_size * 4
-    sharded = planner.estimate_rank(args, planner.Layout(dp_shard=4, tp=2), wl)
+    sharded = planner.estimate_rank(args, layout_of(dp_shard=4, tp=2), wl)
     assert sharded.component("loss: log-probabilities (fp32)").bytes == log_probs // 2
     fused = planner.estimate_rank(
-        args, planner.Layout(dp_shard=8), dataclasses.replace(wl, fused_loss=True)
+        args, layout_of(dp_shard=8), dataclasses.replace(wl, fused_loss=True)
     )
     assert fused.allocated_peak < full.allocated_peak
 
@@ -249,14 +253,14 @@ def test_loss_buffers_scale_with_the_vocabulary_shard():
 )
 def test_in_flight_micro_batches_follow_the_schedule(schedule, rank, expected):
     stages = 2 if schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
-    layout = planner.Layout(pp=4, pp_schedule=schedule, pp_stages_per_rank=stages)
+    layout = layout_of(pp=4, pp_schedule=schedule, pp_stages_per_rank=stages)
     assert planner.in_flight_microbatches(layout, microbatches=8, pp_rank=rank) == expected
 
 
 def test_torch_pipelining_keeps_a_receive_buffer_per_micro_batch():
     args = BloomArgs.from_preset("bloom-1b7")
     wl = planner.Workload(micro_batch=1, seq_len=2048, microbatches=16, recompute="full")
-    layout = planner.Layout(pp=4, dp_shard=2)
+    layout = layout_of(pp=4, dp_shard=2)
     middle = planner.estimate_rank(args, layout, wl, pp_rank=1)
     boundary = 2048 * args.hidden_size * 2  # bf16 residual stream
     recv = middle.component("pipeline stage 1 activation receive buffers").bytes
@@ -269,7 +273,7 @@ def test_torch_pipelining_keeps_a_receive_buffer_per_micro_batch():
 
 def test_largest_fitting_micro_batch_is_the_boundary():
     args = BloomArgs.from_preset("bloom-1b7")
-    layout = planner.Layout(dp_shard=8)
+    layout = layout_of(dp_shard=8)
     wl = planner.Workload(micro_batch=1, seq_len=2048, microbatches=64)
     limit = 40 * planner.GiB
     micro, plan = planner.largest_fitting_micro_batch(args, layout, wl, limit, local_batch=64)
@@ -280,7 +284,7 @@ def test_largest_fitting_micro_batch_is_the_boundary():
 
 def test_least_recompute_that_fits_is_minimal():
     args = BloomArgs.from_preset("bloom-1b7")
-    layout = planner.Layout(dp_shard=8)
+    layout = layout_of(dp_shard=8)
     wl = planner.Workload(micro_batch=8, seq_len=2048, microbatches=1, attention="flash")
     limit = 60 * planner.GiB
     chosen, plan = planner.least_recompute_that_fits(args, layout, wl, limit)
@@ -303,7 +307,7 @@ def test_bloom_176b_as_trained_matches_the_published_figures():
     + fp32 optimizer states): our estimate of that run (Megatron-DeepSpeed: BF16Optimizer,
     full recompute, fused softmax, Megatron's default dropout) is within 15%."""
     args = BloomArgs.from_preset("bloom-176b")
-    layout = planner.Layout(
+    layout = layout_of(
         dp_shard=8, tp=4, pp=12, zero_stage=1, sequence_parallel=False, loss_parallel=True
     )
     wl = planner.Workload(

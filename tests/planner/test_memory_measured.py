@@ -97,7 +97,7 @@ def test_compiled_loss_memory_matches_the_estimate(tmp_path, dtype):
     and what its backward allocates, against the planner's compiled-loss terms."""
     trainer = build_trainer(tmp_path, "--compile.enable=true", f"--training.dtype={dtype}")
     layout = trainer.resolved.planner_layout()
-    workload = planner.workload_from_config(trainer.config, layout, device_type="cpu")
+    workload = trainer.resolved.planner_workload()
     assert workload.compiled_loss
     prec = planner.Precision.of(layout, workload)
     tokens, vocab = MICRO_BATCH * SEQ, trainer.resolved.model_args.vocab_size

@@ -28,11 +28,7 @@ def predicted_bytes(argv: list[str], mode: str, every: int = 1) -> int:
     """The planner's device bytes for this run on one CPU process with the given recompute."""
     run = resolve_run(parse_args(argv), 1, "cpu")
     layout = run.planner_layout()
-    workload = dataclasses.replace(
-        planner.workload_from_config(run.config, layout, "cpu"),
-        recompute=mode,
-        recompute_every=every,
-    )
+    workload = dataclasses.replace(run.planner_workload(), recompute=mode, recompute_every=every)
     return planner.estimate(
         run.model_args, layout, workload, planner.Overhead.none(), "cpu"
     ).worst.device_bytes

@@ -21,8 +21,6 @@ ARGS_FILE = "bloom_args.json"
 DATA_FILE = "data_settings.json"
 """The data settings of the run that saved the checkpoint (training checkpoints)."""
 MODEL_FIELDS = ("n_layer", "hidden_size", "n_head", "vocab_size", "layer_norm_epsilon", "init_std")
-SHAPE_FIELDS = ("n_layer", "hidden_size", "n_head", "vocab_size")
-"""The fields that decide which checkpoint a model can load."""
 
 
 def model_fields(args: BloomArgs) -> dict:
@@ -58,7 +56,7 @@ def shape_differences(recorded: dict, args: BloomArgs) -> list[str]:
     differently from `args`."""
     return [
         f"{name} is {recorded[name]} in the checkpoint, {getattr(args, name)} here"
-        for name in SHAPE_FIELDS
+        for name in BloomArgs.SHAPE_FIELDS
         if name in recorded and recorded[name] != getattr(args, name)
     ]
 

@@ -39,12 +39,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 HF_PREFIX = "transformer."
 GiB = 1024**3
 
-# config.json key -> the names it may go by (transformers accepts all of them).
-_SHAPE_KEYS = {
-    "hidden_size": ("hidden_size", "n_embed"),
-    "n_head": ("n_head", "num_attention_heads"),
-    "n_layer": ("n_layer", "num_hidden_layers"),
-    "vocab_size": ("vocab_size",),
+# A shape field's other names in config.json (transformers accepts all of them).
+_HF_ALIASES = {
+    "hidden_size": ("n_embed",),
+    "n_head": ("num_attention_heads",),
+    "n_layer": ("num_hidden_layers",),
 }
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -95,7 +94,8 @@ def bloom_args_from_hf_config(config: dict, source: str | Path, **overrides) -> 
             "(residual taken after the LayerNorm); bloomnative implements BLOOM's false"
         )
     shape: dict[str, Any] = {
-        field: _shape_value(config, aliases, source) for field, aliases in _SHAPE_KEYS.items()
+        field: _shape_value(config, (field, *_HF_ALIASES.get(field, ())), source)
+        for field in BloomArgs.SHAPE_FIELDS
     }
     try:
         args = BloomArgs(

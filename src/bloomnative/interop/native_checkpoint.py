@@ -45,7 +45,6 @@ from bloomnative.checkpoint.integrity import (
 from bloomnative.checkpoint.reading import CheckpointReader, verified_reader
 from bloomnative.checkpoint.run_record import (
     ARGS_FILE,
-    SHAPE_FIELDS,
     model_fields,
     read_json_file,
     write_json_file,
@@ -360,7 +359,7 @@ def recorded_model_args(reader: CheckpointReader) -> dict:
     if from_file is not None and from_config is not None:
         differences = [
             f"{name} is {from_file[name]} in its {ARGS_FILE}, {from_config[name]} in {run_config}"
-            for name in SHAPE_FIELDS
+            for name in BloomArgs.SHAPE_FIELDS
             if name in from_file and from_file[name] != from_config[name]
         ]
         if differences:
@@ -390,7 +389,7 @@ def _args_from_run_config(path: Path) -> dict:
         raise CheckpointFormatError(
             f"{path}: model.preset = {preset!r} is not one of {', '.join(PRESETS)}"
         )
-    overrides = {name: model_section.get(name) for name in SHAPE_FIELDS}
+    overrides = {name: model_section.get(name) for name in BloomArgs.SHAPE_FIELDS}
     args = BloomArgs.from_preset(preset, **{k: v for k, v in overrides.items() if v})
     return model_fields(args)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from bloomnative.model.attention import ATTENTION_BACKENDS, TRAITS, AttentionBackend, backends_with
 
@@ -11,6 +12,11 @@ from bloomnative.model.attention import ATTENTION_BACKENDS, TRAITS, AttentionBac
 @dataclass
 class BloomArgs:
     """Shape and numerics of a BLOOM model. Every field is a hyper-parameter of the network."""
+
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ("n_layer", "hidden_size", "n_head", "vocab_size")
+    """The fields that define the model's shape: a config overrides them one by one (0 keeps the
+    preset's), and a checkpoint or Hugging Face folder loads only into a model that has them
+    all equal."""
 
     n_layer: int = 2
     """Number of transformer blocks."""

@@ -24,7 +24,8 @@ AttentionBackend = Literal["sdpa", "flex", "triton"]
 ATTENTION_BACKENDS: tuple[str, ...] = typing.get_args(AttentionBackend)
 PORTABLE_BACKEND: AttentionBackend = "sdpa"
 """The backend that runs forward and backward on every device: what `model.attention = "auto"`
-stands for where nothing is timed (on CPU, and for checks and plans made before a run starts)."""
+stands for where nothing is timed, without context parallelism on a GPU
+(`attention_for_planning`)."""
 
 Segments = tuple[torch.Tensor, torch.Tensor]
 """Packed sequences: ``(start, end)``, int32 ``[batch, seq]``, the positions where each token's
@@ -111,6 +112,18 @@ TRAITS: dict[str, BackendTraits] = {
 def backends_with(trait: str) -> tuple[str, ...]:
     """The backends that support `trait` (a field of BackendTraits), in ATTENTION_BACKENDS order."""
     return tuple(name for name in ATTENTION_BACKENDS if getattr(TRAITS[name], trait))
+
+
+def attention_for_planning(
+    name: AttentionBackend | Literal["auto"], cp: int = 1, device_type: str | None = None
+) -> AttentionBackend:
+    """The backend `name` stands for where nothing is timed: a backend is itself; "auto" is, with
+    context parallelism on a GPU, the Triton kernels' ring (which is never timed: "flex" has no
+    ring form, "sdpa"'s materialises each block's scores), else the portable backend (on CPU, on
+    a device not known yet, and in checks and plans made before a run times the candidates)."""
+    if name != "auto":
+        return name
+    return "triton" if cp > 1 and device_type == "cuda" else PORTABLE_BACKEND
 
 
 def attention_backend(name: str) -> AttentionFn:

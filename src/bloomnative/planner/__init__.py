@@ -47,7 +47,6 @@ from bloomnative.planner.activations import (
 from bloomnative.planner.from_config import (
     RecomputeChoice,
     auto_recompute,
-    compiles_the_loss,
     layout_from_config,
     least_recompute_or_raise,
     local_batch_size,
@@ -89,7 +88,6 @@ __all__ = [
     "loss_transient",
     "RecomputeChoice",
     "auto_recompute",
-    "compiles_the_loss",
     "layout_from_config",
     "least_recompute_or_raise",
     "local_batch_size",

@@ -23,7 +23,7 @@ from bloomnative.planner.inputs import (
 def micro_batch_tokens(layout: Layout, workload: Workload) -> int:
     """Tokens of one micro batch on a rank (b*s; b*s/cp with context parallelism: every
     per-token tensor below shrinks by cp)."""
-    return workload.micro_batch * workload.seq_len // layout.cp
+    return workload.micro_batch * workload.seq_len // layout.dims.cp
 
 
 def residual_stream_elements(args: BloomArgs, layout: Layout, workload: Workload) -> int:
@@ -58,14 +58,14 @@ def attention_terms(
     tokens: the ring attention saves q, k, v, the merged output and logsumexp, and recomputes
     its blocks' scores in backward (`rank_estimate.ring_attention_buffers` counts those blocks).
     """
-    b, s, c = workload.micro_batch, workload.seq_len // layout.cp, prec.compute
+    b, s, c = workload.micro_batch, workload.seq_len // layout.dims.cp, prec.compute
     tokens = micro_batch_tokens(layout, workload)
-    h_local = args.hidden_size // layout.tp
-    heads = args.n_head // layout.tp
+    h_local = args.hidden_size // layout.dims.tp
+    heads = args.n_head // layout.dims.tp
     qkv = ActivationTerm("q, k, v", 3 * tokens * h_local, c, "K22: QK^T 4sbh + V 2sbh")
     lse = ActivationTerm("softmax logsumexp (fp32)", b * heads * s, FP32, "replaces 2as^2b")
     proj = ActivationTerm("output projection input", tokens * h_local, c, "K22: 2sbh")
-    kind = "flash" if layout.cp > 1 else workload.attention
+    kind = "flash" if layout.dims.cp > 1 else workload.attention
     if kind == "flash":
         kept_output = ActivationTerm(
             "attention output kept by the kernel",
@@ -130,7 +130,7 @@ def block_activation_terms(
     h, c = args.hidden_size, prec.compute
     tokens = micro_batch_tokens(layout, workload)
     stream = residual_stream_elements(args, layout, workload)
-    h4_local = 4 * h // layout.tp
+    h4_local = 4 * h // layout.dims.tp
     stats = layernorm_stat_elements(layout, workload)
     masks = []
     if workload.dropout:
@@ -200,7 +200,8 @@ _FUSED_LOSS_CHUNK_BYTES = 256 * 2**20
 
 def local_vocab(args: BloomArgs, layout: Layout) -> int:
     """Logit columns per rank: sharded over tp with loss parallelism, else all-gathered."""
-    return args.vocab_size // layout.tp if layout.loss_parallel else args.vocab_size
+    tp = layout.dims.tp if layout.parallelism.loss_parallel else 1
+    return args.vocab_size // tp
 
 
 def fused_loss_chunk_rows(vocab: int, compute_bytes: int) -> int:
@@ -229,12 +230,14 @@ def loss_saved_terms(
         ]
     if workload.compiled_loss:
         row_stats = ActivationTerm("compiled loss row max and logsumexp", 2 * tokens, FP32, "2*b*s")
-        logits = "logits (pipeline stage output)" if layout.pp > 1 else "logits (compiled loss)"
+        logits = (
+            "logits (pipeline stage output)" if layout.dims.pp > 1 else "logits (compiled loss)"
+        )
         return [ActivationTerm(logits, tokens * vocab, c, "b*s*V/t"), row_stats]
     terms = [
         ActivationTerm("log-probabilities (fp32)", tokens * vocab, FP32, "fp32 upcast in loss")
     ]
-    if layout.pp > 1:
+    if layout.dims.pp > 1:
         terms.insert(
             0, ActivationTerm("logits (pipeline stage output)", tokens * vocab, c, "b*s*V/t")
         )
@@ -263,7 +266,7 @@ def loss_transient(
             "b*s*V/t in the compute dtype",
         )
     if not workload.fused_loss:
-        buffers = 3 if layout.tp > 1 and layout.loss_parallel else 2
+        buffers = 3 if layout.dims.tp > 1 and layout.parallelism.loss_parallel else 2
         return Component(
             "loss backward buffers (fp32 grads of log-probs and logits)",
             buffers * FP32 * tokens * vocab,

@@ -9,22 +9,21 @@ from dataclasses import dataclass
 
 from bloomnative.config import Config, ParallelismConfig, RecomputeMode, model_args_from_config
 from bloomnative.model.args import ATTENTION_BACKENDS, BloomArgs
+from bloomnative.model.attention import attention_for_planning
 from bloomnative.parallel.dims import ParallelDims
 from bloomnative.parallel.layout_check import check_layout, pipeline_microbatches
 from bloomnative.planner.inputs import GiB, Layout, Overhead, PlanError, Workload
 from bloomnative.planner.rank_estimate import Plan, least_recompute_that_fits
 
 
-def attention_memory_kind(
-    backend: str, device_type: str, cp: int = 1, segments: bool = False
-) -> str:
-    """The memory behaviour of a model.attention backend on a device type. With context
-    parallelism "auto" is the Triton ring on a GPU (train.attention_choice). On CPU, SDPA takes
-    its math path for the [heads, s, s] bias, and its flash kernel, which keeps the bias, for the
-    [b, heads, s, s] one of samples cut into `segments`."""
-    if backend in ("triton", "flex") or (backend == "auto" and cp > 1 and device_type == "cuda"):
+def attention_memory_kind(backend: str, device_type: str, segments: bool = False) -> str:
+    """The memory behaviour of a model.attention backend (not "auto":
+    `model.attention.attention_for_planning` says what it stands for) on a device type. On
+    CPU, SDPA takes its math path for the [heads, s, s] bias, and its flash kernel, which keeps
+    the bias, for the [b, heads, s, s] one of samples cut into `segments`."""
+    if backend in ("triton", "flex"):
         return "flash"
-    if backend in ("sdpa", "auto"):  # "auto" may resolve to sdpa: plan for its footprint
+    if backend == "sdpa":
         return "sdpa_efficient" if device_type == "cuda" or segments else "cpu_math"
     valid = ", ".join((*ATTENTION_BACKENDS, "auto"))
     raise PlanError(f"unknown attention backend {backend!r}; valid: {valid}")
@@ -36,18 +35,12 @@ def layout_from_config(par: ParallelismConfig, world_size: int = 0) -> Layout:
     if not world_size:
         fixed = par.dp_replicate * par.cp * par.tp * par.pp
         world_size = fixed * (par.dp_shard if par.dp_shard > 0 else 1)
-    return Layout.of(ParallelDims.from_config(par, world_size), par)
-
-
-def compiles_the_loss(config: Config, tp: int) -> bool:
-    """Whether the trainer compiles its unfused loss: with `compile.enable`, unless the loss is
-    the fused kernel or the logits are a tensor-parallel DTensor."""
-    return config.compile.enable and not config.model.fused_loss and tp == 1
+    return Layout(ParallelDims.from_config(par, world_size), par)
 
 
 def local_batch_size(config: Config, layout: Layout) -> int:
     """Samples per data-parallel rank per step, at the final (largest) global batch size."""
-    return config.training.global_batch_size // layout.dp
+    return config.training.global_batch_size // layout.dims.dp
 
 
 def workload_from_config(
@@ -56,22 +49,23 @@ def workload_from_config(
     device_type: str = "cuda",
     attention: str | None = None,
     dropout: bool = False,
+    *,
+    compiled_loss: bool,
 ) -> Workload:
     """What the trainer runs for `config` at its final batch size: its micro batches (the
     pipeline's when pp_microbatches is set), dtype, recompute, attention kernel on `device_type`
     (or the given attention memory kind), dropout (the config's, or forced on by `dropout`), loss
-    and AdamW implementation. Raises LayoutError for a run the trainer would refuse
-    (`layout_check.check_layout`, every rampup batch size)."""
-    t, par = config.training, config.parallelism
-    dims = ParallelDims(
-        layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.world_size, layout.cp
-    )
+    (`compiled_loss`: the run's `ResolvedRun.compile_loss`) and AdamW implementation. Raises
+    LayoutError for a run the trainer would refuse (`layout_check.check_layout`, every rampup
+    batch size)."""
+    t, par, dims = config.training, config.parallelism, layout.dims
     args = model_args_from_config(config.model)
     check_layout(dims, args, par, t, config.model.fused_loss, config.validation)
     samples = local_batch_size(config, layout)
-    pp_microbatches = par.pp_microbatches if layout.pp > 1 else 0
+    pp_microbatches = par.pp_microbatches if dims.pp > 1 else 0
     microbatches = pipeline_microbatches(pp_microbatches, samples, t.micro_batch_size)
     recompute = config.activation_checkpoint.mode
+    backend = attention_for_planning(config.model.attention, dims.cp, device_type)
     return Workload(
         micro_batch=samples // microbatches,
         seq_len=t.seq_len,
@@ -80,14 +74,11 @@ def workload_from_config(
         # "auto" is what choose_recompute picks, starting from this workload without any
         recompute="none" if recompute == "auto" else recompute,
         recompute_every=config.activation_checkpoint.every,
-        attention=attention
-        or attention_memory_kind(
-            config.model.attention, device_type, layout.cp, config.data.segmented
-        ),
+        attention=attention or attention_memory_kind(backend, device_type, config.data.segmented),
         segments=config.data.segmented,
         fused_loss=config.model.fused_loss,
-        compiled_loss=compiles_the_loss(config, layout.tp),
-        dropout=dropout or config.model.hidden_dropout > 0 or config.model.attention_dropout > 0,
+        compiled_loss=compiled_loss,
+        dropout=dropout or args.uses_dropout,
         optimizer=config.optimizer.kernel(device_type),
     )
 
@@ -133,16 +124,18 @@ def least_recompute_or_raise(
 def choose_recompute(
     config: Config,
     args: BloomArgs,
-    world_size: int,
+    layout: Layout,
     device_type: str,
     capacity_bytes: int,
+    compiled_loss: bool,
 ) -> RecomputeChoice:
     """The activation checkpointing with the least recomputation whose worst rank fits in
-    `capacity_bytes` for the run `config` describes on `world_size` devices (the default
-    framework overhead on CUDA, none on CPU)."""
-    layout = layout_from_config(config.parallelism, world_size)
+    `capacity_bytes` for the run `config` describes on `layout` (the default framework overhead
+    on CUDA, none on CPU)."""
     workload = dataclasses.replace(
-        workload_from_config(config, layout, device_type), recompute="none", recompute_every=1
+        workload_from_config(config, layout, device_type, compiled_loss=compiled_loss),
+        recompute="none",
+        recompute_every=1,
     )
     overhead = Overhead() if device_type == "cuda" else Overhead.none()
     chosen, plan = least_recompute_or_raise(
@@ -160,9 +153,10 @@ def choose_recompute(
 def auto_recompute(
     config: Config,
     args: BloomArgs,
-    world_size: int,
+    layout: Layout,
     device_type: str,
     device_memory: Callable[[], int],
+    compiled_loss: bool,
 ) -> RecomputeChoice | None:
     """What `activation_checkpoint.mode = "auto"` stands for: the planner's least recomputation
     within memory_budget_gib or, without one, `device_memory()` (the smallest device of the job;
@@ -177,4 +171,4 @@ def auto_recompute(
         capacity = device_memory()
     else:
         return None
-    return choose_recompute(config, args, world_size, device_type, capacity)
+    return choose_recompute(config, args, layout, device_type, capacity, compiled_loss)

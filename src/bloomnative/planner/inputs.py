@@ -25,75 +25,46 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """How the model is split over devices (the [parallelism] section, plus zero_stage 1)."""
+    """How the model is split over devices: a [parallelism] section at a world size. Its degrees
+    are read from `dims` only (a layout may be varied by replacing them), everything else from
+    `parallelism`."""
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    """Context parallelism: every sequence split over cp ranks (ring attention); FSDP shards
-    over dp_shard x cp."""
-    tp: int = 1
-    pp: int = 1
-    pp_schedule: str = "1F1B"
-    pp_stages_per_rank: int = 1
-    pp_embedding_as_layer: bool = True
-    pp_layers_per_stage: tuple[int, ...] = ()
-    sequence_parallel: bool = True
-    loss_parallel: bool = True
-    cpu_offload: bool = False
-    """FSDP2's CPUOffloadPolicy: sharded weights, gradients and AdamW moments (and the optimizer
-    step) live in host memory; counted as "host", not as device memory."""
+    dims: ParallelDims
+    """dp_replicate x dp_shard x cp x tp x pp, and what follows from them (dp, fsdp_shards)."""
+    parallelism: ParallelismConfig
+    """The section's options: pipeline schedule and split, sequence and loss parallelism,
+    cpu_offload (FSDP2's CPUOffloadPolicy: sharded weights, gradients and AdamW moments, and
+    the optimizer step, in host memory, counted as "host"), and zero_stage: 2 and 3 are FSDP2
+    (weights, gradients and optimizer states sharded over dp_shard; 3 frees gathered weights
+    after each block's forward); 1, which only the planner takes, is Megatron-DeepSpeed as
+    BLOOM-176B ran (`deepspeed`)."""
     pp_keeps_outputs: bool = False
     """torch.distributed.pipelining's `step(return_outputs=True)` default: the last stage keeps
     every micro batch's logits and concatenates them at the end of the step. The trainer passes
     return_outputs=False; True models code that keeps the default."""
-    zero_stage: int = 3
-    """2 and 3: FSDP2 (weights, gradients and optimizer states sharded over dp_shard; 3 frees
-    gathered weights after each block's forward). 1: Megatron-DeepSpeed as BLOOM-176B ran
-    (estimator only, the trainer does not implement it): the model in bf16, DeepSpeed's
-    BF16Optimizer (bf16 weights, bf16 and fp32 gradients replicated; fp32 master weights and
-    AdamW moments sharded over all data-parallel ranks) and DeepSpeed's pipeline buffers."""
-
-    @classmethod
-    def of(cls, dims: ParallelDims, par: ParallelismConfig) -> Layout:
-        """The layout of resolved degrees `dims` with the rest of their [parallelism] section."""
-        return cls(
-            dp_replicate=dims.dp_replicate,
-            dp_shard=dims.dp_shard,
-            cp=dims.cp,
-            tp=dims.tp,
-            pp=dims.pp,
-            pp_schedule=par.pp_schedule,
-            pp_stages_per_rank=par.pp_stages_per_rank,
-            pp_embedding_as_layer=par.pp_embedding_as_layer,
-            pp_layers_per_stage=tuple(par.pp_layers_per_stage),
-            sequence_parallel=par.sequence_parallel,
-            loss_parallel=par.loss_parallel,
-            cpu_offload=par.cpu_offload,
-            zero_stage=par.zero_stage,
-        )
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
-
-    @property
-    def fsdp_shards(self) -> int:
-        """Ranks each FSDP unit is sharded over: dp_shard x cp."""
-        return self.dp_shard * self.cp
 
     @property
     def num_stages(self) -> int:
-        return self.pp * self.pp_stages_per_rank
+        return self.dims.pp * self.parallelism.pp_stages_per_rank
 
     @property
     def sequence_shards(self) -> int:
         """Shards of the residual stream along the sequence (tp with sequence parallelism)."""
-        return self.tp if self.tp > 1 and self.sequence_parallel else 1
+        return self.dims.tp if self.dims.tp > 1 and self.parallelism.sequence_parallel else 1
+
+    @property
+    def deepspeed(self) -> bool:
+        """zero_stage 1: the model in bf16, DeepSpeed's BF16Optimizer (bf16 weights, bf16 and
+        fp32 gradients replicated; fp32 master weights and AdamW moments sharded over all
+        data-parallel ranks) and DeepSpeed's pipeline buffers. Estimated only: the trainer does
+        not implement it."""
+        return self.parallelism.zero_stage == 1
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """zero_stage 3: FSDP2 frees each block's gathered weights after its forward and gathers
+        them again for its backward (2 keeps them until the backward)."""
+        return self.parallelism.zero_stage == 3
 
 
 @dataclass(frozen=True)
@@ -167,7 +138,7 @@ class Precision:
     @classmethod
     def of(cls, layout: Layout, workload: Workload) -> Precision:
         bf16 = workload.precision == "bf16"
-        fsdp = layout.zero_stage in (2, 3) and uses_fsdp(layout.dp * layout.cp, bf16)
+        fsdp = not layout.deepspeed and uses_fsdp(layout.dims.dp * layout.dims.cp, bf16)
         return cls(compute=BF16 if bf16 else FP32, fsdp=fsdp)
 
 

@@ -67,8 +67,8 @@ def stage_blocks(args: BloomArgs, layout: Layout, stage_id: int) -> range:
     counts = stage_layer_counts(
         args.n_layer,
         layout.num_stages,
-        layout.pp_embedding_as_layer,
-        list(layout.pp_layers_per_stage) or None,
+        layout.parallelism.pp_embedding_as_layer,
+        layout.parallelism.pp_layers_per_stage or None,
     )
     first = sum(counts[:stage_id])
     return range(first, first + counts[stage_id])
@@ -77,7 +77,7 @@ def stage_blocks(args: BloomArgs, layout: Layout, stage_id: int) -> range:
 def stage_parameters(args: BloomArgs, layout: Layout, stage_id: int) -> list[ParamTensor]:
     """What stage `stage_id` holds: its blocks, the embedding (first stage), the final LayerNorm
     and the head (last stage; its own copy of the tied weight unless it is also the first)."""
-    h, tp = args.hidden_size, layout.tp
+    h, tp = args.hidden_size, layout.dims.tp
     vocab_shard = args.vocab_size // tp
     first, last = stage_id == 0, stage_id == layout.num_stages - 1
     params: list[ParamTensor] = []
@@ -98,9 +98,10 @@ def stage_parameters(args: BloomArgs, layout: Layout, stage_id: int) -> list[Par
 
 
 def rank_stage_ids(layout: Layout, pp_rank: int) -> list[int]:
-    if layout.pp == 1:
+    if layout.dims.pp == 1:
         return [0]
-    return stage_ids_of_rank(pp_rank, layout.pp, layout.pp_stages_per_rank, layout.pp_schedule)
+    par = layout.parallelism
+    return stage_ids_of_rank(pp_rank, layout.dims.pp, par.pp_stages_per_rank, par.pp_schedule)
 
 
 def rank_parameters(args: BloomArgs, layout: Layout, pp_rank: int) -> list[ParamTensor]:
@@ -132,7 +133,7 @@ def model_state_components(
     gradient-accumulation buffer, fp32 master weights and moments partitioned over all dp ranks.
     """
     grad_phase = "resident" if gradients_persist(layout, workload) else "step_end"
-    if layout.zero_stage == 1:
+    if layout.deepspeed:
         return _zero1_states(sum(p.numel for p in params), layout, workload, grad_phase)
     if prec.fsdp:
         return _fsdp_states(params, layout, workload, prec, grad_phase)
@@ -144,8 +145,8 @@ def gradients_persist(layout: Layout, workload: Workload) -> bool:
     them: gradient accumulation, or a pipeline that interleaves forwards and backwards. With one
     micro batch, or GPipe (all forwards first), they appear only as the backward frees
     activations (zero_grad sets them to None)."""
-    if layout.pp > 1:
-        return layout.pp_schedule != "GPipe"
+    if layout.dims.pp > 1:
+        return layout.parallelism.pp_schedule != "GPipe"
     return workload.microbatches > 1
 
 
@@ -166,12 +167,12 @@ def _optimizer_step_temporary(
 def _fsdp_states(
     params: list[ParamTensor], layout: Layout, workload: Workload, prec: Precision, grad_phase: str
 ) -> list[Component]:
-    shards = layout.fsdp_shards
+    shards = layout.dims.fsdp_shards
     sharded = sum(p.shard_numel(shards) for p in params)
     units = unit_numels(params)
     root = units.get("root", 0)
     blocks = sorted((n for u, n in units.items() if u != "root"), reverse=True)
-    if layout.zero_stage == 2:
+    if not layout.reshards_after_forward:
         gathered = root + sum(blocks)
         gathered_formula = f"{prec.compute} x all units (zero 2 keeps blocks gathered to backward)"
     else:
@@ -180,7 +181,7 @@ def _fsdp_states(
             f"{prec.compute} x root unit (embedding/head, kept gathered); zero 3 reshards blocks "
             "after forward and re-gathers two in backward (see the backward working set)"
         )
-    states = "host" if layout.cpu_offload else "resident"
+    states = "host" if layout.parallelism.cpu_offload else "resident"
     step = _optimizer_step_temporary(workload, sharded, max(p.shard_numel(shards) for p in params))
     return [
         Component("fp32 master weights (sharded)", FP32 * sharded, states, "4 x P/(dp_shard cp)"),
@@ -188,7 +189,7 @@ def _fsdp_states(
         Component(
             "fp32 gradients (sharded, reduce dtype)",
             FP32 * sharded,
-            "host" if layout.cpu_offload else grad_phase,
+            "host" if layout.parallelism.cpu_offload else grad_phase,
             "4 x P/(dp_shard cp)",
         ),
         Component(
@@ -197,7 +198,7 @@ def _fsdp_states(
             "fwd_bwd",
             gathered_formula,
         ),
-        dataclasses.replace(step, phase="host") if layout.cpu_offload else step,
+        dataclasses.replace(step, phase="host") if layout.parallelism.cpu_offload else step,
     ]
 
 
@@ -218,7 +219,7 @@ def _unsharded_states(
 def _zero1_states(
     n_local: int, layout: Layout, workload: Workload, grad_phase: str
 ) -> list[Component]:
-    partition = math.ceil(n_local / layout.dp)
+    partition = math.ceil(n_local / layout.dims.dp)
     if workload.precision == "fp32":
         return [
             Component("fp32 weights (replicated)", FP32 * n_local, "resident", "4 x P"),

@@ -28,10 +28,10 @@ def in_flight_microbatches(layout: Layout, microbatches: int, pp_rank: int) -> l
     over the local stages in warm-up order. ZBVZeroBubble: 2pp - rank - 1 forwards of the
     first local stage and rank + 1 of the second (its warm-up).
     """
-    pp, v, n = layout.pp, layout.pp_stages_per_rank, microbatches
+    pp, v, n = layout.dims.pp, layout.parallelism.pp_stages_per_rank, microbatches
     if pp == 1:
         return [1]
-    schedule = layout.pp_schedule
+    schedule = layout.parallelism.pp_schedule
     if schedule == "GPipe":
         return [n] * v
     if schedule == "1F1B":
@@ -66,12 +66,12 @@ def pipeline_buffer_components(
     DeepSpeed's pipeline engine (zero_stage 1) receives into one buffer of each kind and clones
     the in-flight inputs. Both keep each in-flight micro batch's stage output for its backward.
     """
-    if layout.pp == 1:
+    if layout.dims.pp == 1:
         return []
     n = workload.microbatches
     boundary = residual_stream_elements(args, layout, workload) * prec.compute
     first, last = stage_id == 0, stage_id == layout.num_stages - 1
-    deepspeed = layout.zero_stage == 1
+    deepspeed = layout.deepspeed
     name = f"pipeline stage {stage_id}"
     components = []
     if not first:

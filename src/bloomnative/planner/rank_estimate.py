@@ -105,7 +105,7 @@ def stage_activation_components(
         )
         # In a pipeline the logits are the stage's output, held by the schedule (see
         # `pipeline_buffers.pipeline_buffer_components`); without one, the trainer holds them.
-        loss_terms = [t for t in terms["loss"] if layout.pp == 1 or t.name != "logits"]
+        loss_terms = [t for t in terms["loss"] if layout.dims.pp == 1 or t.name != "logits"]
         components.append(
             Component(
                 "loss: " + " + ".join(t.name for t in loss_terms),
@@ -128,10 +128,10 @@ def block_backward_buffers(
     materialized attention), or the ring attention's buffers with context parallelism, and the
     residual-stream gradient in and out."""
     tokens = micro_batch_tokens(layout, workload)
-    mlp = 2 * tokens * (4 * args.hidden_size // layout.tp) * prec.compute
-    heads = args.n_head // layout.tp
+    mlp = 2 * tokens * (4 * args.hidden_size // layout.dims.tp) * prec.compute
+    heads = args.n_head // layout.dims.tp
     scores = 2 * workload.micro_batch * heads * workload.seq_len**2 * prec.compute
-    materialized = layout.cp == 1 and workload.attention in ("materialized", "cpu_math")
+    materialized = layout.dims.cp == 1 and workload.attention in ("materialized", "cpu_math")
     ring = ring_attention_buffers(args, layout, workload, prec)
     widest = max(mlp, scores if materialized else 0, ring)
     stream = 2 * tokens * args.hidden_size // layout.sequence_shards * prec.compute
@@ -148,13 +148,13 @@ def ring_attention_buffers(
     dtype) and the kernel's fp32 dQ buffer for it (2Th/t). The "sdpa" backend's blocks also
     materialise fp32 scores, probabilities and their gradients, 4 x [b, heads/t, C, C] with
     C = s/(2cp), plus the bias block. 0 without context parallelism."""
-    if layout.cp == 1:
+    if layout.dims.cp == 1:
         return 0
-    width = micro_batch_tokens(layout, workload) * args.hidden_size // layout.tp
+    width = micro_batch_tokens(layout, workload) * args.hidden_size // layout.dims.tp
     total = int((5.5 * prec.compute + 22) * width)
     if workload.attention != "flash":
-        chunk = workload.seq_len // (2 * layout.cp)
-        heads = args.n_head // layout.tp
+        chunk = workload.seq_len // (2 * layout.dims.cp)
+        heads = args.n_head // layout.dims.tp
         total += FP32 * (4 * workload.micro_batch + 1) * heads * chunk * chunk
     return total
 
@@ -173,7 +173,7 @@ def backward_transient(
     latter also holds the root unit's gradients (produced by the head, first in backward) and,
     under FSDP, one block's unsharded gradient plus its fp32 reduce-scatter input."""
     units = unit_numels(params)
-    root_grad_bytes = prec.compute if prec.fsdp or layout.zero_stage == 1 else FP32
+    root_grad_bytes = prec.compute if prec.fsdp or layout.deepspeed else FP32
     working = block_working
     parts = ["block backward buffers"]
     if prec.fsdp or not gradients_persist(layout, workload):
@@ -183,7 +183,7 @@ def backward_transient(
         largest_block = max((n for u, n in units.items() if u != "root"), default=0)
         working += (prec.compute + FP32) * largest_block
         parts.append("one block's unsharded grad + fp32 reduce-scatter input")
-        if layout.zero_stage == 3:
+        if layout.reshards_after_forward:
             working += 2 * prec.compute * largest_block
             parts.append("current + prefetched block re-gathered")
     candidates = [Component("backward working set", working, "fwd_bwd", " + ".join(parts))]
@@ -255,13 +255,14 @@ def activation_terms_for(
 def validate_plan(args: BloomArgs, layout: Layout, workload: Workload) -> None:
     """Rejects what the estimate cannot describe, with what to change: the layout checks are
     the trainer's (`layout_check`, raising LayoutError), the rest the planner's own."""
-    check_tensor_parallel(args, layout.tp, workload.fused_loss)
-    check_context_parallel(args, layout.cp, {"seq_len": workload.seq_len})
+    dims, par = layout.dims, layout.parallelism
+    check_tensor_parallel(args, dims.tp, workload.fused_loss)
+    check_context_parallel(args, dims.cp, {"seq_len": workload.seq_len})
     check_pipeline_split(
-        args, layout.pp, layout.pp_schedule, layout.pp_stages_per_rank, layout.pp_layers_per_stage
+        args, dims.pp, par.pp_schedule, par.pp_stages_per_rank, par.pp_layers_per_stage
     )
-    if layout.zero_stage not in (1, 2, 3):
-        raise PlanError(f"zero_stage = {layout.zero_stage}; valid: 1, 2, 3")
+    if par.zero_stage not in (1, 2, 3):
+        raise PlanError(f"zero_stage = {par.zero_stage}; valid: 1, 2, 3")
     if workload.precision not in ("bf16", "fp32"):
         raise PlanError(f"precision = {workload.precision!r}; valid: bf16, fp32")
     if workload.recompute not in RECOMPUTE_MODES:
@@ -272,8 +273,8 @@ def validate_plan(args: BloomArgs, layout: Layout, workload: Workload) -> None:
         raise PlanError(f"optimizer = {workload.optimizer!r}; valid: {', '.join(OPTIMIZER_IMPLS)}")
     if workload.micro_batch < 1 or workload.seq_len < 1 or workload.microbatches < 1:
         raise PlanError("micro_batch, seq_len and microbatches must be positive")
-    check_pipeline_microbatches(workload.microbatches, layout.pp, layout.pp_schedule)
-    if layout.cp > 1 and layout.zero_stage == 1:
+    check_pipeline_microbatches(workload.microbatches, dims.pp, par.pp_schedule)
+    if dims.cp > 1 and layout.deepspeed:
         raise PlanError("zero_stage 1 (Megatron-DeepSpeed) is planned without context parallelism")
 
 
@@ -329,7 +330,10 @@ def estimate(
 ) -> Plan:
     """The estimate of every pipeline rank."""
     return Plan(
-        [estimate_rank(args, layout, workload, r, overhead, device_type) for r in range(layout.pp)]
+        [
+            estimate_rank(args, layout, workload, r, overhead, device_type)
+            for r in range(layout.dims.pp)
+        ]
     )
 
 
@@ -349,7 +353,9 @@ def largest_fitting_micro_batch(
         if local_batch % micro:
             continue
         try:
-            check_pipeline_microbatches(local_batch // micro, layout.pp, layout.pp_schedule)
+            check_pipeline_microbatches(
+                local_batch // micro, layout.dims.pp, layout.parallelism.pp_schedule
+            )
         except LayoutError:
             continue
         candidate = dataclasses.replace(

@@ -201,17 +201,6 @@ def choose_attention(
     return choice
 
 
-def context_parallel_attention(
-    device_type: str, log: Callable[[str], None] = _log.info
-) -> AttentionBackend:
-    """What "auto" means with parallelism.cp > 1, without timing: the ring runs the Triton
-    kernels' blocks on a GPU ("flex" has no ring form; "sdpa"'s materialises each block's
-    scores) and the portable blocks on CPU."""
-    choice: AttentionBackend = "triton" if device_type == "cuda" else PORTABLE_BACKEND
-    log(f'model.attention = "auto" with context parallelism: "{choice}"')
-    return choice
-
-
 def resolve_auto_attention(
     shape: AttentionShape,
     device: torch.device,

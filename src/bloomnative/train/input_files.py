@@ -52,7 +52,7 @@ def check_initial_hf(hf_dir: str, args: BloomArgs) -> None:
         hf_weight_files(folder)
     except CheckpointFormatError as e:
         raise ConfigError(f"checkpoint.initial_hf: {e}") from None
-    for key in ("n_layer", "hidden_size", "n_head", "vocab_size"):
+    for key in BloomArgs.SHAPE_FIELDS:
         if getattr(args, key) != getattr(theirs, key):
             raise ConfigError(
                 f"checkpoint.initial_hf = {hf_dir}: its {key} is {getattr(theirs, key)} but "

@@ -1,9 +1,9 @@
 """A run, worked out once: `resolve_run(config, world_size, device)` derives every fact the
 trainer, preflight and the tools need from a config — the parallel layout, the model's shape with
 every "auto" replaced by what it stands for (attention backend, activation checkpointing, AdamW
-kernel), the EOD whose positions carry no loss, the EOD that cuts attention segments, the pad
-token of packed samples, the batch-size schedule and how the data is cut —
-and checks the layout. Nothing else derives these; the config itself is never changed (the
+kernel), whether the loss is compiled, the EOD whose positions carry no loss, the EOD that cuts
+attention segments, the pad token of packed samples, the batch-size schedule and how the data is
+cut — and checks the layout. Nothing else derives these; the config itself is never changed (the
 resolved copy is `ResolvedRun.config`, what the trainer writes to config.toml).
 
 The parts that need a process group or a GPU are injected: timing the attention backends on
@@ -24,11 +24,22 @@ import torch
 from bloomnative.config import Config, ConfigError, DataConfig, model_args_from_config
 from bloomnative.data.rampup import BatchSizeSchedule
 from bloomnative.model import BloomArgs
-from bloomnative.model.attention import PORTABLE_BACKEND, TRAITS, AttentionBackend, backends_with
+from bloomnative.model.attention import (
+    TRAITS,
+    AttentionBackend,
+    attention_for_planning,
+    backends_with,
+)
 from bloomnative.parallel.dims import ParallelDims
 from bloomnative.parallel.layout_check import check_layout
-from bloomnative.planner import Layout, RecomputeChoice, auto_recompute
-from bloomnative.train.attention_choice import AttentionShape, context_parallel_attention
+from bloomnative.planner import (
+    Layout,
+    RecomputeChoice,
+    Workload,
+    auto_recompute,
+    workload_from_config,
+)
+from bloomnative.train.attention_choice import AttentionShape
 from bloomnative.train.spikes import data_reserve
 
 AttentionChooser = Callable[[AttentionShape], AttentionBackend]
@@ -71,6 +82,10 @@ class ResolvedRun:
     device_type: str
     dims: ParallelDims
     model_args: BloomArgs
+    compile_loss: bool
+    """The trainer compiles its cross-entropy (compile.enable), unless the loss is the fused
+    kernel (model.fused_loss) or the logits are a tensor-parallel DTensor (tp > 1); the
+    planner counts the compiled loss's memory then (`Workload.compiled_loss`)."""
     recompute: RecomputeChoice | None
     """What the planner chose for activation_checkpoint.mode = "auto" (None: not "auto", or
     "auto" on CPU without a memory budget, which recomputes nothing)."""
@@ -79,7 +94,19 @@ class ResolvedRun:
 
     def planner_layout(self) -> Layout:
         """The memory planner's description of this run's layout."""
-        return Layout.of(self.dims, self.config.parallelism)
+        return Layout(self.dims, self.config.parallelism)
+
+    def planner_workload(self, attention: str | None = None, dropout: bool = False) -> Workload:
+        """The memory planner's description of what one data-parallel rank of this run computes
+        per step (`planner.workload_from_config`, whose `attention` and `dropout` these are)."""
+        return workload_from_config(
+            self.config,
+            self.planner_layout(),
+            self.device_type,
+            attention,
+            dropout,
+            compiled_loss=self.compile_loss,
+        )
 
 
 def resolve_run(
@@ -134,8 +161,14 @@ def resolve_run(
         model=dataclasses.replace(config.model, attention=args.attention),
         optimizer=optimizer,
     )
+    compile_loss = config.compile.enable and not config.model.fused_loss and dims.tp == 1
     recompute = auto_recompute(
-        resolved, args, world_size, device_type, device_memory or _this_machines_device_memory
+        resolved,
+        args,
+        Layout(dims, resolved.parallelism),
+        device_type,
+        device_memory or _this_machines_device_memory,
+        compile_loss,
     )
     ac = config.activation_checkpoint
     if ac.mode == "auto":
@@ -156,6 +189,7 @@ def resolve_run(
         device_type=device_type,
         dims=dims,
         model_args=args,
+        compile_loss=compile_loss,
         recompute=recompute,
         batch_size=BatchSizeSchedule(
             t.global_batch_size,
@@ -228,11 +262,14 @@ def _auto_attention(
     choose_attention: AttentionChooser | None,
     log: Callable[[str], None],
 ) -> AttentionBackend:
-    """What model.attention = "auto" stands for on this run (train/attention_choice.py)."""
+    """What model.attention = "auto" stands for on this run: timed by `choose_attention`
+    (train/attention_choice.py), except with context parallelism or without a chooser."""
     if dims.cp > 1:
-        return context_parallel_attention(device_type, log)
+        choice = attention_for_planning("auto", dims.cp, device_type)
+        log(f'model.attention = "auto" with context parallelism: "{choice}"')
+        return choice
     if choose_attention is None:
-        return PORTABLE_BACKEND
+        return attention_for_planning("auto")
     t = config.training
     return choose_attention(
         AttentionShape(

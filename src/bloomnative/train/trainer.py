@@ -38,7 +38,6 @@ from bloomnative.parallel.pipeline import (
     pipeline_forward_loss,
     split_for_pipeline,
 )
-from bloomnative.planner import compiles_the_loss
 from bloomnative.train.attention_choice import resolve_auto_attention
 from bloomnative.train.distributed import init_distributed
 from bloomnative.train.faults import StopRequest
@@ -237,9 +236,7 @@ class Trainer:
         # one-pass backward, instead of two fp32 [tokens, vocab] copies
         # (planner.loss_transient).
         self._cross_entropy_sum = (
-            torch.compile(cross_entropy_sum)
-            if compiles_the_loss(cfg, self.dims.tp)
-            else cross_entropy_sum
+            torch.compile(cross_entropy_sum) if self.resolved.compile_loss else cross_entropy_sum
         )
         self._pipeline: Pipeline | None = None
         self.pipeline_stages: PipelineStages | None = None

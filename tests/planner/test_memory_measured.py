@@ -4,7 +4,6 @@ memory_measurement.py for what each measurement sees)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bloomnative import planner
-from harness.launching import SCENARIO_DIR, python_command, run
+from harness.launching import SCENARIO_DIR, python_command, run, train_env
 from harness.memory_measurement import (
     MICRO_BATCH,
     MICRO_BATCHES,
@@ -84,7 +83,7 @@ def test_pipeline_ranks_peaks_match_the_estimate(tmp_path):
     ]
     scenario = str(SCENARIO_DIR / "memory_scenario.py")
     command = python_command([scenario, str(tmp_path), *overrides], 2)
-    run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    run(command, env=train_env(), timeout=120)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         error = relative_error(result["predicted"], result["measured"])

@@ -18,6 +18,7 @@ import xxhash
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint import integrity
 from bloomnative.checkpoint.integrity import RECORD
+from bloomnative.checkpoint.resume import VerifiedCheck, plan_start
 from bloomnative.interop import save_native_checkpoint
 from bloomnative.model import Bloom, BloomArgs
 from harness.training import flip_bytes, load_tool
@@ -39,8 +40,8 @@ def state(seed: int = 0) -> dict:
     }
 
 
-def save(folder: Path, steps, keep_latest_k: int = 0, async_mode: bool = False):
-    checkpointer = ckpt.Checkpointer(folder, keep_latest_k, async_mode, min_free_gib=0)
+def save(folder: Path, steps, keep_latest_k: int = 0, async_mode: bool = False, **hooks):
+    checkpointer = ckpt.Checkpointer(folder, keep_latest_k, async_mode, min_free_gib=0, **hooks)
     for step in steps:
         checkpointer.save(step, state(step))
     checkpointer.wait()
@@ -124,7 +125,7 @@ def test_a_damaged_checkpoint_is_skipped_and_set_aside_never_deleted(tmp_path, c
     )
     assert warnings[0].endswith("; skipped, left as step-3.corrupt")
     with pytest.raises(ckpt.BadCheckpointError, match="no complete checkpoint.*step 1"):
-        checkpointer.require(3)
+        plan_start(tmp_path, VerifiedCheck(checkpointer, None, {}), load_step=3)
 
 
 def test_when_no_checkpoint_verifies_none_is_renamed(tmp_path):
@@ -149,18 +150,12 @@ def test_rotation_keeps_the_newest_verified_checkpoint_while_newer_ones_are_unve
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-4", "step-9"]
 
 
-def test_a_save_that_reads_back_wrong_is_set_aside_and_the_last_good_one_kept(
-    tmp_path, monkeypatch, capsys
-):
-    read_back = ckpt._read_back
+def test_a_save_that_reads_back_wrong_is_set_aside_and_the_last_good_one_kept(tmp_path, capsys):
+    def disk_corrupts_step_3(step: int) -> None:  # after the record's sums were taken
+        if step == 3:
+            flip_bytes(tmp_path / "step-3.partial" / "__0_0.distcp")
 
-    def disk_corrupts_step_3(folder, sums):
-        if folder.name.startswith("step-3"):
-            flip_bytes(folder / "__0_0.distcp")
-        return read_back(folder, sums)
-
-    monkeypatch.setattr(ckpt, "_read_back", disk_corrupts_step_3)
-    checkpointer = save(tmp_path, [1, 2, 3], keep_latest_k=1)
+    checkpointer = save(tmp_path, [1, 2, 3], keep_latest_k=1, before_complete=disk_corrupts_step_3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-3.corrupt"]
     assert checkpointer.verified == {1, 2}
     assert "reading it back after the save" in capsys.readouterr().err

@@ -119,6 +119,17 @@ def test_a_load_step_that_does_not_exist(tiny, tmp_path, capsys):
     )
 
 
+def test_load_step_0_starts_afresh_as_the_workers_do(tiny, tmp_path, capsys):
+    """With no step-0 the workers start afresh (the folder's checkpoints set aside), from
+    checkpoint.initial_hf if given; preflight takes that branch too (checkpoint/resume.py)."""
+    assert preflight(["--world-size=1", *tiny, "--checkpoint.load_step=0"]) == 0
+    capsys.readouterr()
+    wider = hf_folder(tmp_path / "wider", hidden_size=64)
+    argv = ["--world-size=1", *tiny, "--checkpoint.load_step=0", f"--checkpoint.initial_hf={wider}"]
+    assert preflight(argv) == 2
+    assert "its hidden_size is 64 but the configured model has 32" in one_line(capsys)
+
+
 @pytest.mark.multiprocess
 def test_a_worker_launched_without_preflight_fails_final_on_an_empty_split(tiny):
     """The same mistake reaching a worker is still a one-line error with the code (2) that the

@@ -11,8 +11,9 @@ before a resume the ranks split the record's files and verify them, and only the
 of the folder read, through checkpoint/reading.py (no code in a checkpoint ever runs). A
 checkpoint that cannot be loaded (corrupt, unverifiable here, or of another model) is never
 deleted: when an older one is resumed instead it is renamed step-<N>.<why> and reported; when
-none can be, nothing is renamed and the resume is refused. Rotation (`keep_latest_k`) always
-keeps the newest checkpoint that has verified.
+none can be, nothing is renamed and the resume is refused (checkpoint/resume.py decides which
+checkpoint a run starts from). Rotation (`keep_latest_k`) always keeps the newest checkpoint
+that has verified.
 
 A save that fails while writing (a full disk, an I/O error) raises CheckpointWriteError at
 that step (an async save's at the first step after its background write failed), naming the
@@ -30,7 +31,7 @@ layout that wrote it and loads under any other.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,6 +122,20 @@ class Rejection:
 
 Fits = Callable[[CheckpointReader], str | None]
 """Why a verified checkpoint cannot be loaded into this run (another model shape, ...), or None."""
+
+
+def first_usable(
+    steps: Iterable[int], rejection: Callable[[int], Rejection | None]
+) -> tuple[int | None, list[Rejection]]:
+    """The first of `steps` that `rejection` passes, and the rejections of those before it (None,
+    and every rejection, when it passes none)."""
+    rejected: list[Rejection] = []
+    for step in steps:
+        why = rejection(step)
+        if why is None:
+            return step, rejected
+        rejected.append(why)
+    return None, rejected
 
 
 def optimizer_state(
@@ -277,9 +292,20 @@ class Checkpointer:
     `wait`. Either way each rank then reads its files back (from the disk, not the page cache,
     where the OS allows) on a background thread; the verdict is collected by the next `save` or
     `wait`, which also prunes.
+
+    `before_complete`, if given, is called with the step on every rank once a save's files are
+    written, just before the save is marked complete (a test holds saves there, so that a
+    signal or a kill lands inside one).
     """
 
-    def __init__(self, folder: Path, keep_latest_k: int, async_mode: bool, min_free_gib: float):
+    def __init__(
+        self,
+        folder: Path,
+        keep_latest_k: int,
+        async_mode: bool,
+        min_free_gib: float,
+        before_complete: Callable[[int], None] | None = None,
+    ):
         self.folder = folder
         self.keep_latest_k = keep_latest_k
         self.min_free_gib = min_free_gib
@@ -289,6 +315,7 @@ class Checkpointer:
         # Collective when distributed: every rank constructs its Checkpointer at the same point.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self.async_mode = async_mode
+        self.before_complete = before_complete
         self._stager = host_stager() if async_mode else None
         self.verified: set[int] = set()
         """Steps whose files matched their record in this process (after saving or loading)."""
@@ -374,6 +401,8 @@ class Checkpointer:
     def _complete(self, step: int, sums: dict[str, FileSum], files: Mapping[str, dict]) -> None:
         """Rank 0 writes `files` and the completion record from every rank's file sums, then
         renames step-<N>.partial to step-<N>."""
+        if self.before_complete is not None:
+            self.before_complete(step)
         merged = gather_sums(sums, self.group)
         if merged is not None:
             partial, final = self.folder / f"step-{step}.partial", self.path(step)
@@ -420,7 +449,7 @@ class Checkpointer:
         merged = self._all_problems(problems)
         if merged:
             reason = f"{when}: {_describe(merged, self.path(step))}"
-            self._set_aside(Rejection(step, "corrupt", reason))
+            self.set_aside(Rejection(step, "corrupt", reason))
         else:
             self.verified.add(step)
 
@@ -525,43 +554,12 @@ class Checkpointer:
         that verifies and `fits`, and the newer ones that do not. When one is found, those are
         set aside (renamed step-<N>.<kind>, a warning each) so that this run's own saves and
         rotation never meet them; when none is, nothing is renamed."""
-        rejected: list[Rejection] = []
-        for step in reversed(complete_steps(self.folder)):
-            if before is not None and step >= before:
-                continue
-            rejection = self.usable(step, fits)
-            if rejection is None:
-                for passed_over in rejected:
-                    self._set_aside(passed_over)
-                return step, rejected
-            rejected.append(rejection)
-        return None, rejected
-
-    def require(self, step: int, fits: Fits | None = None) -> None:
-        """Collective: raises BadCheckpointError unless checkpoint `step` exists, verifies and
-        `fits`. The message names the problem and the newest checkpoint that is usable."""
-        if not self.path(step).is_dir():
-            problem = f"no complete checkpoint at {self.path(step)}"
-        elif (rejection := self.usable(step, fits)) is None:
-            return
-        else:
-            problem = rejection.describe()
-        good = next(
-            (
-                s
-                for s in reversed(complete_steps(self.folder))
-                if s != step and self.usable(s, fits) is None
-            ),
-            None,
-        )
-        hint = (
-            f"the newest checkpoint that can be loaded is step {good} (set checkpoint.load_step "
-            f"= {good}, or -1 to take the newest usable one)"
-            if good is not None
-            else "no checkpoint in the folder can be loaded (set checkpoint.load_step = 0 to "
-            "start afresh)"
-        )
-        raise BadCheckpointError(f"checkpoint.load_step = {step}: {problem}; {hint}")
+        steps = [s for s in reversed(complete_steps(self.folder)) if before is None or s < before]
+        step, rejected = first_usable(steps, lambda s: self.usable(s, fits))
+        if step is not None:
+            for passed_over in rejected:
+                self.set_aside(passed_over)
+        return step, rejected
 
     def set_aside_after(self, step: int, tag: str) -> None:
         """Collective: renames every complete checkpoint newer than `step` to
@@ -573,7 +571,7 @@ class Checkpointer:
         self.verified.difference_update(newer)
         self._barrier()
 
-    def _set_aside(self, rejection: Rejection) -> None:
+    def set_aside(self, rejection: Rejection) -> None:
         """Collective: renames step-<N> to step-<N>.<kind> (never deletes it) and says why."""
         if self.rank == 0:
             name = self._rename_aside(rejection.step, rejection.kind)

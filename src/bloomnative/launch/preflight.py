@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from bloomnative.checkpoint.checkpointer import BadCheckpointError
+from bloomnative.checkpoint.resume import CompleteCheck, FromHF, plan_start
 from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.data import IndexedDatasetError
 from bloomnative.device import pick_device
@@ -109,39 +111,25 @@ def checkpoint_folder(config: Config) -> Path:
     return Path(config.job.dump_folder) / config.checkpoint.folder
 
 
-def check_load_step(config: Config) -> None:
-    """`checkpoint.load_step` names a complete checkpoint of the dump folder (the workers then
-    verify its checksums)."""
-    from bloomnative.checkpoint.integrity import complete_steps
-
+def check_start(config: Config, run: ResolvedRun) -> None:
+    """How the run will start, by the workers' rule (`plan_start`, checkpoint/resume.py), each
+    complete checkpoint taken as loadable (the workers verify it): `checkpoint.load_step` must
+    name a complete checkpoint, and the Hugging Face folder of `checkpoint.initial_hf`, when the
+    run starts from it, must hold this model."""
     c = config.checkpoint
-    if not c.enable or c.load_step < 0:
-        return
-    folder = checkpoint_folder(config)
-    steps = complete_steps(folder)
-    if c.load_step in steps:
-        return
-    held = (
-        f"the complete checkpoints there are steps {', '.join(map(str, steps))} (set "
-        "checkpoint.load_step to one of them, or -1 for the newest that verifies)"
-        if steps
-        else f"{folder} holds no complete checkpoint (set checkpoint.load_step = -1 to start "
-        "afresh)"
-    )
-    raise ConfigError(
-        f"checkpoint.load_step = {c.load_step}: no complete checkpoint at "
-        f"{folder / f'step-{c.load_step}'}; {held}"
-    )
-
-
-def _starts_from_initial_hf(config: Config) -> bool:
-    """Whether the trainer would read `checkpoint.initial_hf`: only with no checkpoint to resume."""
-    from bloomnative.checkpoint.integrity import complete_steps
-
-    c = config.checkpoint
-    if not c.initial_hf:
-        return False
-    return not (c.enable and (c.load_step >= 0 or complete_steps(checkpoint_folder(config))))
+    try:
+        plan = plan_start(
+            checkpoint_folder(config),
+            CompleteCheck(),
+            enabled=c.enable,
+            load_step=c.load_step,
+            initial_hf=c.initial_hf,
+            allow_data_change=c.allow_data_change,
+        )
+    except BadCheckpointError as e:
+        raise ConfigError(str(e)) from None
+    if isinstance(plan.start, FromHF):
+        check_initial_hf(plan.start.path, run.model_args)
 
 
 def check_run(config: Config, world_size: int, device: torch.device | str = "cpu") -> ResolvedRun:
@@ -226,9 +214,7 @@ def checked_config(
         run = runs[-1]
         data = check_data(config, run)
         check_output_folders(config, run)
-        check_load_step(config)
-        if _starts_from_initial_hf(config):
-            check_initial_hf(config.checkpoint.initial_hf, run.model_args)
+        check_start(config, run)
     except IndexedDatasetError as e:
         raise PreflightError(f"data error: {e}") from e
     except (ConfigError, LayoutError, PlanError, ValueError) as e:

@@ -1,6 +1,7 @@
-"""What a checkpoint must agree with before a run resumes from it: the model's shape (else the
-checkpoint is another model's, "foreign") and the settings that shape the data (else the
-resumed run would continue another data order under the same step count)."""
+"""What a checkpoint must agree with before a run resumes from it, from the run's config: the
+model's shape (else the checkpoint is another model's, "foreign") and the settings that shape
+the data (else the resumed run would continue another data order under the same step count).
+`bloomnative.checkpoint.resume.plan_start` applies both."""
 
 from __future__ import annotations
 
@@ -9,13 +10,7 @@ import json
 import torch
 
 from bloomnative.checkpoint.reading import CheckpointReader
-from bloomnative.checkpoint.run_record import (
-    ARGS_FILE,
-    DATA_FILE,
-    data_differences,
-    read_json_file,
-    shape_differences,
-)
+from bloomnative.checkpoint.run_record import ARGS_FILE, read_json_file, shape_differences
 from bloomnative.config import Config
 from bloomnative.interop.native_checkpoint import MODEL_KEY, expected_shapes
 from bloomnative.model import BloomArgs
@@ -35,13 +30,6 @@ def data_settings(config: Config) -> dict:
         if value is not None:
             settings[key] = json.loads(json.dumps(value))
     return settings
-
-
-def data_mismatch(reader: CheckpointReader, config: Config) -> list[str]:
-    """The data settings that differ between the checkpoint and the run (nothing for a
-    checkpoint that records none: a model-only one, or one saved before they were recorded)."""
-    saved = read_json_file(reader.folder, reader.record, DATA_FILE)
-    return data_differences(saved, data_settings(config)) if saved else []
 
 
 def model_mismatch(reader: CheckpointReader, args: BloomArgs) -> str | None:

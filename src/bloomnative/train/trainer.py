@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint.reading import CheckpointReader, UnsafeCheckpointError
+from bloomnative.checkpoint.resume import FromHF, ModelOnly, Resume, VerifiedCheck, plan_start
 from bloomnative.checkpoint.run_record import ARGS_FILE, DATA_FILE, model_fields
 from bloomnative.config import Config
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, build_mtf_datasets
@@ -67,7 +68,7 @@ from bloomnative.train.nonfinite import NonFiniteGuard
 from bloomnative.train.optimizer import build_optimizer
 from bloomnative.train.profiling import StepProfiler
 from bloomnative.train.resolved import resolve_run
-from bloomnative.train.resume_checks import data_mismatch, data_settings, model_mismatch
+from bloomnative.train.resume_checks import data_settings, model_mismatch
 from bloomnative.train.run_lock import lock_dump_folder
 from bloomnative.train.spikes import (
     Rollback,
@@ -177,7 +178,7 @@ class Trainer:
             self.spike_detector = SpikeDetector(self.config.spikes, self.device)
         elif self.config.spikes.enable:
             _log.info("spikes.enable is ignored: checkpoint.enable = false")
-        self._maybe_resume()
+        self._start()
 
         sinks = self._scalar_sinks() if self.rank == 0 else []
         self.metrics = MetricsLogger(self.dump, sinks, self.rank == 0)
@@ -356,67 +357,43 @@ class Trainer:
             components["spikes"] = self.spike_detector
         return components
 
-    def _maybe_resume(self) -> None:
-        """Resumes from the newest checkpoint that verifies and holds this run's model (or
-        `load_step`, which must), refusing one trained on other data settings; a model-only
-        one (from tools/convert_hf.py) or `initial_hf` gives the starting weights of a fresh
-        run. A folder holding checkpoints none of which can be loaded stops the run
-        (BadCheckpointError), unless `load_step = 0` asks to start afresh."""
+    def _start(self) -> None:
+        """Starts as `plan_start` decides (checkpoint/resume.py): the checkpoints it passed over
+        are set aside, then the weights, or every component's state, are loaded. Raises
+        BadCheckpointError when the run cannot start as configured."""
         cfg = self.config.checkpoint
-        step = None
-        if cfg.enable and cfg.load_step == 0 and not self.checkpointer.path(0).is_dir():
-            self.checkpointer.set_aside_after(0, "replaced")  # checkpoint.load_step = 0: afresh
-        elif cfg.enable and cfg.load_step >= 0:
-            self.checkpointer.require(cfg.load_step, self._fits)
-            step = cfg.load_step
-        elif cfg.enable:
-            step, rejected = self.checkpointer.newest_usable(self._fits)
-            if step is None and rejected:
-                count = f"{len(rejected)} checkpoint{'s' if len(rejected) > 1 else ''}"
-                raise ckpt.BadCheckpointError(
-                    f"{self.ckpt_folder} holds {count} and none can be loaded: "
-                    f"{'; '.join(r.describe() for r in rejected)}; nothing was renamed or "
-                    "loaded; set checkpoint.load_step = 0 to start afresh from step 0 (the "
-                    "checkpoints are then renamed step-<N>.replaced)"
-                )
-        if step is None:
-            if cfg.initial_hf:
-                self._load_initial_hf(cfg.initial_hf)
-            return
-        reader = self.checkpointer.reader(step)
+        check = VerifiedCheck(self.checkpointer, self._fits, data_settings(self.config))
+        plan = plan_start(
+            self.ckpt_folder,
+            check,
+            enabled=cfg.enable,
+            load_step=cfg.load_step,
+            initial_hf=cfg.initial_hf,
+            allow_data_change=cfg.allow_data_change,
+        )
+        if plan.replaces_checkpoints:
+            self.checkpointer.set_aside_after(0, "replaced")
+        for rejection in plan.passed_over:
+            self.checkpointer.set_aside(rejection)
         try:
-            if ckpt.is_model_only(reader):
-                model = {"model": ckpt.ModelState(self.model_parts)}
-                ckpt.load_components(reader, model, complete=("model",))
-                _log.info(f"initial weights from model-only checkpoint {reader.folder}")
-                return
-            self._check_data_settings(reader)
-            self.load_training_state(reader)
+            match plan.start:
+                case FromHF(path):
+                    self._load_initial_hf(path)
+                case ModelOnly(step):
+                    reader = self.checkpointer.reader(step)
+                    model = {"model": ckpt.ModelState(self.model_parts)}
+                    ckpt.load_components(reader, model, complete=("model",))
+                    _log.info(f"initial weights from model-only checkpoint {reader.folder}")
+                case Resume(step):
+                    reader = self.checkpointer.reader(step)
+                    self.load_training_state(reader)
+                    _log.info(f"resumed from {reader.folder} at step {self.step}")
         except UnsafeCheckpointError as e:
             raise ckpt.BadCheckpointError(str(e)) from None
-        _log.info(f"resumed from {reader.folder} at step {self.step}")
 
     def _fits(self, reader: CheckpointReader) -> str | None:
         """Why a verified checkpoint holds another model than this run's, or None."""
         return model_mismatch(reader, self.resolved.model_args)
-
-    def _check_data_settings(self, reader: CheckpointReader) -> None:
-        """Refuses a resume whose data settings differ from the checkpoint's, unless
-        checkpoint.allow_data_change says to go on (with a warning)."""
-        differences = data_mismatch(reader, self.config)
-        if not differences:
-            return
-        what = (
-            f"resuming from {reader.folder} with other data settings than it was trained "
-            f"with: {'; '.join(differences)}"
-        )
-        if not self.config.checkpoint.allow_data_change:
-            raise ckpt.BadCheckpointError(
-                f"{what}; the samples after the resume would not continue its data order; "
-                "restore the settings, start another job.dump_folder, or set "
-                "checkpoint.allow_data_change = true to resume anyway"
-            )
-        _log.warning(f"{what} (checkpoint.allow_data_change = true)")
 
     def load_training_state(self, reader: CheckpointReader) -> None:
         """Every component of a verified checkpoint (`_checkpointed`). The loader skips the data

@@ -65,11 +65,15 @@ def pairs_from_documents(
     return out_prefix
 
 
-def packed_fill(batches: list, pad_id: int) -> dict:
-    """How full the served packed samples were: the share of input positions that are not
-    padding, and the share of labels that count in the loss."""
+def packed_fill(served: RecordingLoader) -> dict:
+    """How full the packed samples `served` has served were: the share of input positions that
+    are not padding (segment id 0, after a sample's last pair: found by its place, as the loss
+    mask finds it, not by the pad's id, which a target may hold too), and the share of labels
+    that count in the loss."""
+    batches = served.batches
     positions = sum(mb.input_ids.numel() for batch in batches for mb in batch)
-    padding = sum(int((mb.input_ids == pad_id).sum()) for batch in batches for mb in batch)
+    samples = (served.dataset[served.position(k)] for k in range(served.consumed_samples))
+    padding = sum(int((sample["segment_ids"][:-1] == 0).sum()) for sample in samples)
     counted = sum(int((mb.labels != -100).sum()) for batch in batches for mb in batch)
     return {"non_pad_share": 1 - padding / positions, "counted_label_share": counted / positions}
 
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 "step_times_s": times[name],
             }
         mtf_trainer = trainers["mtf"]
-        runs["mtf"] |= packed_fill(served.batches, mtf_trainer.resolved.data.pad_id)
+        runs["mtf"] |= packed_fill(served)
         ratio = runs["mtf"]["tokens_per_sec_median"] / runs["gpt"]["tokens_per_sec_median"]
         report = {
             "tool": "bench_packed",
@@ -157,10 +161,10 @@ def mtf_overrides(gpt: Config, input_len: int, target_len: int, scratch: str) ->
     pairs = pairs_from_documents(prefix, f"{scratch}/pairs", input_len, target_len, vocab)
     overrides = ["--data.format=mtf", f"--data.blend={pairs}", "--data.norm_target_loss=true"]
     try:
-        pad_token_id(gpt.data.tokenizer, gpt.data.pad_token or None)
+        pad_token_id(gpt.data.tokenizer)
     except ValueError:
-        eod = load_tokenizer(gpt.data.tokenizer, gpt.data.eod_token or None).eod_token
-        overrides.append(f"--data.pad_token={eod}")
+        eod = load_tokenizer(gpt.data.tokenizer, gpt.data.eod_token or None).eod_id
+        overrides.append(f"--data.pad_token={eod}")  # an id
     return overrides
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -176,10 +177,16 @@ class DataConfig:
     eod_mask_loss: bool = False
     """No loss at positions whose input token is the EOD, i.e. on predicting the first token of
     the next document (Megatron's --eod-mask-loss)."""
-    pad_token: str = ""
-    """With format = "mtf": the token that pads a sample after its last pair, whose labels count
-    in no loss; empty: the tokenizer's pad (its padding settings, else the first of <pad>,
-    <|pad|>, [PAD], <|padding|> it has; BLOOM's is <pad>)."""
+    pad_token: int | str = ""
+    """With format = "mtf": the token that fills a sample after its last pair. An integer is a
+    token id (pad_token = 3, --data.pad_token=3: BLOOM's <pad>); a string is a token's text,
+    looked up in data.tokenizer (pad_token = "<pad>"; on the command line text that is not an
+    integer, or a TOML string in double quotes: --data.pad_token='"3"' is the token whose text
+    is 3). An id must be one of data.tokenizer's and below model.vocab_size. Empty: the
+    tokenizer's pad (its padding settings, else the first of <pad>, <|pad|>, [PAD], <|padding|>
+    it has). Padding counts in no loss by its place (after the last pair), not by its id: a
+    target token with the pad's id counts (docs/data.md). The dump folder's config.toml
+    records the id used."""
     norm_target_loss: bool = False
     """With format = "mtf": every target sequence weighs the same in the loss, each of its
     tokens 1 / its length (Megatron-DeepSpeed's --norm-target-loss), instead of every token."""
@@ -501,6 +508,8 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
         raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp == int | str:
+        return _id_or_text(key, value, from_cli)
     if tp is str or origin is Literal:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -510,6 +519,34 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
             raise ConfigError(f"{key}: {value!r} is not valid UTF-8 text") from None
         return value  # a Literal's choices are checked by validate, also for configs in code
     raise AssertionError(f"{key}: unsupported field type {tp}")
+
+
+def _id_or_text(key: str, value: Any, from_cli: bool) -> int | str:
+    """A token given by its id (a TOML integer) or its text (a TOML string). On the command line
+    an integer is an id, text in double quotes a TOML string (so '"3"' is the text 3), and any
+    other text is the text itself."""
+    if from_cli and isinstance(value, str):
+        if _INTEGER.fullmatch(value):
+            return int(value)
+        if len(value) >= 2 and value[0] == value[-1] == '"' and "\n" not in value:
+            try:
+                value = tomllib.loads(f"text = {value}")["text"]
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{key}: {value} is not a TOML string ({e})") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # bytes of a command line that are not UTF-8
+            raise ConfigError(f"{key}: {value!r} is not valid UTF-8 text") from None
+        return value
+    raise ConfigError(
+        f"{key}: expected a token id (an integer) or a token's text (a string), got {value!r}"
+    )
+
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 def _set(config: Config, section: str, key: str, value: Any, from_cli: bool, where: str) -> None:
@@ -754,7 +791,7 @@ def _validate_data_format(data: DataConfig) -> None:
         return
     for key, value in (("norm_target_loss", data.norm_target_loss), ("pad_token", data.pad_token)):
         _check(
-            not value,
+            value is False or value == "",  # pad_token = 0 is an id: set
             f'data.{key} = {value!r} applies only to packed pairs; set data.format = "mtf" '
             f"or leave data.{key} unset",
         )

@@ -1,6 +1,6 @@
-"""The loader on packed (input, target) samples: Megatron-DeepSpeed's loss mask and
---norm-target-loss weights on hand-made samples, segment ids, DP slices, resume, rollback
-windows and context-parallel shards."""
+"""The loader on packed (input, target) samples: the loss mask (padding found by its place, a
+target token with the pad's id counted) and --norm-target-loss weights on hand-made samples,
+segment ids, DP slices, resume, rollback windows and context-parallel shards."""
 
 from __future__ import annotations
 
@@ -52,13 +52,14 @@ SAMPLE = (
 )
 
 
-def test_labels_count_only_on_target_tokens_that_are_not_padding():
-    loader = PretrainingLoader(HandMadeSamples([SAMPLE]), 1, 0, 1, prefetch=False, pad_id=P)
+def test_labels_count_only_on_target_tokens_of_pairs():
+    loader = PretrainingLoader(HandMadeSamples([SAMPLE]), 1, 0, 1, prefetch=False)
     (batch,) = loader.next_batch(1)
     assert isinstance(batch, MicroBatch) and batch.loss_weights is None
     assert batch.input_ids.tolist() == [[11, 12, 13, 14, 15, 21, 22, P]]
-    # Label i is token i + 1; it counts where token i + 1 is a target and not padding: 13, 14,
-    # 15 (predicted from 12, 13, 14) and 22 (from 21). 21 is an input, the rest padding.
+    # Label i is token i + 1; it counts where token i + 1 is a target of a pair (segment id
+    # > 0): 13, 14, 15 (predicted from 12, 13, 14) and 22 (from 21). 21 is an input, the rest
+    # padding.
     assert batch.labels.tolist() == [[X, 13, 14, 15, X, 22, X, X]]
     # The inputs' segments: pair 1 is positions 0-4, pair 2 positions 5-6, padding from 7.
     assert batch.segment_start.tolist() == [[0, 0, 0, 0, 0, 5, 5, 7]]
@@ -67,7 +68,7 @@ def test_labels_count_only_on_target_tokens_that_are_not_padding():
 
 def test_norm_target_loss_weighs_each_target_run_by_one_over_its_length():
     samples = HandMadeSamples([SAMPLE])
-    loader = PretrainingLoader(samples, 1, 0, 1, prefetch=False, pad_id=P, norm_target_loss=True)
+    loader = PretrainingLoader(samples, 1, 0, 1, prefetch=False, norm_target_loss=True)
     (batch,) = loader.next_batch(1)
     third = 1 / 3
     assert torch.equal(batch.loss_weights, float32([[0, third, third, third, 0, 1, 0, 0]]))
@@ -83,22 +84,39 @@ def test_target_runs_end_at_the_end_of_a_row():
     assert target_run_weights(torch.zeros(2, 3, dtype=torch.bool)).sum() == 0
 
 
-def test_a_target_token_equal_to_the_pad_id_and_the_eod_mask_count_as_megatron_deepspeed():
-    # Megatron-DeepSpeed masks every label equal to the pad id (also inside a target), and with
-    # --eod-mask-loss every label whose input is the EOD; the runs are measured after both.
-    sample = ([5, 6, 7, P, 8, 9, 2, 4], [1] * 8, [1, 0, 0, 0, 0, 0, 0, 0])
+def test_a_target_token_with_the_pad_id_counts_and_the_eod_mask_is_megatron_deepspeeds():
+    # Padding is where it is (segment 0), not a token: a target token with the pad's id (P at
+    # position 3) counts, where Megatron-DeepSpeed's labels != pad would drop it and cut the
+    # target run in two. With --eod-mask-loss every label whose input is the EOD (2) is masked,
+    # as there; the runs are measured after it.
+    sample = ([5, 6, 7, P, 8, 9, 2, 4, P], [1] * 8 + [0], [1, 0, 0, 0, 0, 0, 0, 0, 0])
     loader = PretrainingLoader(
-        HandMadeSamples([sample]), 1, 0, 1, prefetch=False, pad_id=P, eod_mask_id=2,
-        norm_target_loss=True,
-    )  # fmt: skip
+        HandMadeSamples([sample]), 1, 0, 1, prefetch=False, eod_mask_id=2, norm_target_loss=True
+    )
     (batch,) = loader.next_batch(1)
-    assert batch.labels.tolist() == [[6, 7, X, 8, 9, 2, X]]
-    assert torch.equal(batch.loss_weights, float32([[0.5, 0.5, 0, 1 / 3, 1 / 3, 1 / 3, 0]]))
+    assert batch.labels.tolist() == [[6, 7, P, 8, 9, 2, X, X]]
+    assert torch.equal(batch.loss_weights, float32([[1 / 6] * 6 + [0, 0]]))
 
 
-def test_packed_samples_need_the_pad_id():
-    with pytest.raises(ValueError, match="packed samples.*give the loader pad_id"):
-        PretrainingLoader(HandMadeSamples([SAMPLE]), 1, 0, 1, prefetch=False)
+def test_with_the_pad_equal_to_the_eod_every_eod_ending_a_target_counts(tmp_path):
+    """The common habit pad = end-of-document, with targets preprocessed with --append-eod:
+    every target's EOD counts, so the model learns to stop; only the padding after the last
+    pair of a sample counts in no loss."""
+    eod = 0
+    rng = np.random.default_rng(5)
+    lengths = random_pair_lengths(60, seed=5, longest=6)
+    inputs = [rng.integers(1, 100, n) for n, _ in lengths]
+    targets = [np.append(rng.integers(1, 100, n), eod) for _, n in lengths]
+    pairs = write_pairs(tmp_path / "eod", inputs, targets)
+    dataset = build_mtf_datasets(pairs, "1", 16, seed=1, num_samples=(8, 0, 0), pad_id=eod)[0]
+    (batch,) = PretrainingLoader(dataset, 8, 0, 1, prefetch=False).next_batch(8)
+    samples = [dataset[k] for k in range(8)]
+    pairs_served = sum(int(s["segment_ids"].max()) for s in samples)
+    padded = sum(int((s["segment_ids"] == 0).sum()) for s in samples)
+    assert padded > 0  # the pad fills samples too: only its place tells it from the EODs
+    assert int((batch.labels == eod).sum()) == pairs_served  # one EOD per target, each counted
+    targets_served = sum(int((~s["is_inputs"] & (s["segment_ids"] > 0)).sum()) for s in samples)
+    assert int((batch.labels != IGNORE_INDEX).sum()) == targets_served
 
 
 def test_a_micro_batch_is_the_pair_of_inputs_and_labels_with_attributes():
@@ -134,9 +152,7 @@ def test_the_global_batch_of_packed_samples_is_the_same_under_dp_1_and_2(pairs):
     steps = [8, 8, 16]
     per_degree = {}
     for dp in (1, 2):
-        loaders = [
-            PretrainingLoader(dataset, 2, r, dp, prefetch=True, pad_id=999) for r in range(dp)
-        ]
+        loaders = [PretrainingLoader(dataset, 2, r, dp, prefetch=True) for r in range(dp)]
         per_degree[dp] = [
             row
             for gbs in steps
@@ -152,7 +168,7 @@ def test_resume_and_rollback_windows_serve_the_batches_of_an_uninterrupted_run(p
     dataset = _train(pairs)
 
     def loader():
-        return PretrainingLoader(dataset, 2, 0, 1, prefetch=False, pad_id=999)
+        return PretrainingLoader(dataset, 2, 0, 1, prefetch=False)
 
     whole = loader()
     whole.skip(8, 12)  # a rollback window
@@ -178,7 +194,7 @@ def test_context_parallel_ranks_get_their_chunks_of_every_field(pairs):
 
     def batch(shard=None):
         return PretrainingLoader(
-            dataset, 2, 0, 1, prefetch=False, pad_id=999, norm_target_loss=True,
+            dataset, 2, 0, 1, prefetch=False, norm_target_loss=True,
             sequence_shard=shard,
         ).next_batch(2)[0]  # fmt: skip
 

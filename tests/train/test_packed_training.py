@@ -4,7 +4,9 @@
 
 * the logged step-1 loss equals transformers' BloomForCausalLM run on each (input + target) pair
   alone, positions from 0, the loss on its target labels only (fp32, relative 1e-5); with
-  data.norm_target_loss each pair's target weighs the same;
+  data.norm_target_loss each pair's target weighs the same; so does an in-process trainer's
+  whose pad is the EOD that ends every target (and is inside some): padding is found by its
+  place, every target token counts;
 * a pretraining step with reset_attention_mask has the loss of its documents run separately;
 * data, tensor, pipeline (with evaluation) and context parallelism, and regional compilation
   with recomputation, train the packed samples as one process does (relative 1e-5 at every
@@ -13,7 +15,8 @@
 * that bf16 pipeline run, stopped in the middle of its rampup and resumed from its checkpoint,
   continues bit for bit (losses, evaluation, batch sizes).
 
-The scenarios run in two shared worlds, one of one process and one of two.
+The scenarios run in two shared worlds, one of one process and one of two (the in-process
+test runs none of them).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import transformers
 from bloomnative.config import parse_args
 from bloomnative.data import IndexedDatasetBuilder, build_gpt_datasets, build_mtf_datasets
 from bloomnative.train.resolved import resolve_run
+from bloomnative.train.trainer import Trainer
+from harness.mtf_pairs import write_pairs
 from harness.shared_world import SharedWorld
 from harness.training import (
     EOD_ID,
@@ -202,14 +207,14 @@ def hf_target_losses(hf, tokens: np.ndarray, counted: np.ndarray) -> torch.Tenso
 
 def hf_pair_losses(hf, samples) -> list[torch.Tensor]:
     """Each packed pair of `samples` run alone: the losses of its target labels (a label
-    counts where its token is a target token and not padding)."""
+    counts where its token is a target token of the pair, whatever its id)."""
     pairs = []
     for sample in samples:
         tokens, ids, is_inputs = sample["tokens"], sample["segment_ids"], sample["is_inputs"]
         for segment in np.unique(ids[ids > 0]):
             where = np.flatnonzero(ids == segment)
             piece = tokens[where[0] : where[-1] + 1]
-            counted = ~is_inputs[where[0] + 1 : where[-1] + 1] & (piece[1:] != PAD_ID)
+            counted = ~is_inputs[where[0] + 1 : where[-1] + 1]
             if len(piece) > 1 and counted.any():
                 pairs.append(hf_target_losses(hf, piece, counted))
     return pairs
@@ -222,6 +227,47 @@ def test_packed_step_loss_equals_each_pair_run_alone_in_transformers(runs, hf_mo
     expected = torch.cat(pairs).mean().item()
     assert len(pairs) > 8  # several pairs per sample: packing happened
     assert losses_by_step(dump)[1] == pytest.approx(expected, rel=TOLERANCE)
+
+
+def write_eod_pair_corpus(prefix: Path, pairs: int = 80, seed: int = 1) -> str:
+    """Pairs whose targets end in the EOD (`EOD_ID`, as preprocessing's --append-eod leaves
+    them) and hold it inside a third of the time; inputs never do."""
+    rng = np.random.default_rng(seed)
+    inputs, targets = [], []
+    for _ in range(pairs):
+        inputs.append(rng.integers(1, VOCAB, int(rng.integers(1, 10))))
+        target = rng.integers(1, VOCAB, int(rng.integers(1, 6)))
+        target[rng.random(len(target)) < 0.3] = EOD_ID
+        targets.append(np.append(target, EOD_ID))
+    return write_pairs(prefix, inputs, targets, VOCAB)
+
+
+def test_targets_holding_the_pads_id_count_as_transformers_counts_them(tmp_path, hf_model):
+    """pad = EOD, the common habit, given as text: the step-1 loss of an in-process trainer is
+    transformers' on each pair alone with every target token counted, its EODs included
+    (Megatron-DeepSpeed's labels != pad would drop them all), and config.toml records the id."""
+    dump = tmp_path / "run"
+    config = parse_args(
+        [
+            *BASE,
+            f"--job.dump_folder={dump}",
+            f"--checkpoint.initial_hf={hf_model[0]}",
+            "--model.attention=sdpa",
+            "--data.format=mtf",
+            f"--data.blend={write_eod_pair_corpus(tmp_path / 'eod_pairs')}",
+            f"--data.tokenizer={write_word_tokenizer(tmp_path / 'tokenizer.json', VOCAB)}",
+            f"--data.pad_token={PAD_TOKEN}",
+        ]
+    )
+    trainer = Trainer(config)
+    loader, gbs = trainer.train_loader, config.training.global_batch_size
+    samples = [loader.dataset[loader.position(k)] for k in range(gbs)]
+    assert any((sample["segment_ids"] == 0).any() for sample in samples)  # the pad pads
+    pairs = hf_pair_losses(hf_model[1], samples)
+    assert len(pairs) > 8
+    loss = trainer.train_step()[0].item()
+    assert loss == pytest.approx(torch.cat(pairs).mean().item(), rel=TOLERANCE)
+    assert "pad_token = 0" in (dump / "config.toml").read_text().splitlines()
 
 
 @pytest.mark.multiprocess

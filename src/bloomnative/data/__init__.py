@@ -21,7 +21,7 @@ Multitask fine-tuning packs (input, target) pairs, ``<prefix>_inputs_document`` 
 
     train, valid, test = build_mtf_datasets(["data/xp3_en"], "100,0,0", seq_len=2048, seed=1234,
                                             num_samples=(n_train, 0, 0), pad_id=3)
-    loader = PretrainingLoader(train, 2, dp_rank, dp_size, pad_id=3, norm_target_loss=True)
+    loader = PretrainingLoader(train, 2, dp_rank, dp_size, norm_target_loss=True)
     for batch in loader.next_batch(global_batch_size):
         batch.input_ids, batch.labels, batch.segments, batch.loss_weights
 

@@ -55,8 +55,6 @@ class PretrainingLoader:
             on the host, after the masks and weights are made from whole sequences: the part of
             each sequence this rank holds under context parallelism
             (``parallel.context_parallel.shard_sequence``). None: all of it.
-        pad_id: for packed samples: the padding token, whose labels count in no loss
-            (required with them).
         norm_target_loss: for packed samples: serve ``loss_weights``, each target run's
             labels weighted ``1 / its length`` (Megatron-DeepSpeed's ``--norm-target-loss``).
         document_eod_id: for pretraining samples: with a token id (the EOD), each document is
@@ -73,7 +71,6 @@ class PretrainingLoader:
         prefetch: bool = True,
         eod_mask_id: int | None = None,
         sequence_shard: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        pad_id: int | None = None,
         norm_target_loss: bool = False,
         document_eod_id: int | None = None,
     ) -> None:
@@ -88,14 +85,8 @@ class PretrainingLoader:
         self.device = torch.device(device)
         self.eod_mask_id = eod_mask_id
         self.sequence_shard = sequence_shard
-        self.pad_id = pad_id
         self.norm_target_loss = norm_target_loss
         self.document_eod_id = document_eod_id
-        if pad_id is None and len(dataset) and isinstance(dataset[0], dict):
-            raise ValueError(
-                f"{dataset!r} serves packed samples, whose loss mask needs the padding token: "
-                "give the loader pad_id"
-            )
         self._pin = self.device.type == "cuda"
         self.consumed_samples = 0
         self.skipped: list[tuple[int, int]] = []
@@ -196,12 +187,10 @@ class PretrainingLoader:
 
     def _micro_batch(self, samples: dict | torch.Tensor, rows: slice) -> MicroBatch:
         if isinstance(samples, dict):
-            assert self.pad_id is not None  # checked in __init__ for a packed dataset
             return packed_micro_batch(
                 samples["tokens"][rows],
                 samples["segment_ids"][rows],
                 samples["is_inputs"][rows],
-                self.pad_id,
                 self.norm_target_loss,
                 self.eod_mask_id,
             )

@@ -13,9 +13,15 @@ segment per document) add, as attributes:
 * ``loss_weights`` (only with ``norm_target_loss``): float32, per label ``1 / n`` where ``n``
   is the length of the run of counted labels it belongs to, 0 on uncounted labels.
 
-The labels of a packed sample count only on target tokens that are not padding, Megatron-
-DeepSpeed's ``~is_inputs[1:] & (labels != pad)`` (``finetune_t0.py``); the others are
-``IGNORE_INDEX``, so ``labels != IGNORE_INDEX`` is that loss mask.
+The labels of a packed sample count only on target tokens: ``~is_inputs[1:] &
+(segment_ids[1:] != 0)``, where segment 0 is the padding after the last pair; the others are
+``IGNORE_INDEX``, so ``labels != IGNORE_INDEX`` is that loss mask. Padding is found by its
+place, never by its token. Megatron-DeepSpeed's mask (``finetune_t0.py``) is ``~is_inputs[1:] &
+(labels != pad)``: the two differ only where a target token has the pad's id, which it silently
+leaves out of the loss and which counts here. With the common choice pad = end-of-document
+(targets preprocessed with ``--append-eod`` end in it) its mask never counts a target's EOD, so a
+model fine-tuned that way never learns to stop; with a pad that no target holds (BLOOM's
+``<pad>``, id 3, in ordinary text) the two masks are the same.
 """
 
 from __future__ import annotations
@@ -94,18 +100,19 @@ def packed_micro_batch(
     tokens: torch.Tensor,
     segment_ids: torch.Tensor,
     is_inputs: torch.Tensor,
-    pad_id: int,
     norm_target_loss: bool = False,
     eod_mask_id: int | None = None,
 ) -> MicroBatch:
     """The micro batch of packed samples (``[micro batch, seq_len + 1]`` each, as
-    ``MTFDataset`` serves them), with Megatron-DeepSpeed's loss mask folded into the labels.
+    ``MTFDataset`` serves them), with the loss mask folded into the labels: a label counts
+    where its token is a target token of a pair (segment id > 0), whatever its id (the module
+    docstring says how this differs from Megatron-DeepSpeed).
 
     With ``eod_mask_id``, labels whose input is that token are masked too (its
     ``--eod-mask-loss``), before the runs of ``norm_target_loss`` are measured, as there.
     """
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    counted = ~is_inputs[:, 1:] & (labels != pad_id)
+    counted = ~is_inputs[:, 1:] & (segment_ids[:, 1:] != 0)
     if eod_mask_id is not None:
         counted &= inputs != eod_mask_id
     weights = target_run_weights(counted) if norm_target_loss else None

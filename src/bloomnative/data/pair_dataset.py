@@ -91,6 +91,25 @@ def check_pair_datasets(
     )
 
 
+def count_target_token(
+    blend: str | Sequence[str], token_id: int, most_tokens: int = 1 << 26
+) -> tuple[int, int] | None:
+    """(target tokens equal to ``token_id``, target tokens) of the pair prefixes of a blend,
+    over their whole targets datasets (every split and range); None, reading no token, when
+    those hold more than ``most_tokens`` tokens together (2**26 by default: a fraction of a
+    second to read).
+
+    Raises:
+        IndexedDatasetError: a targets dataset is missing or malformed.
+    """
+    prefixes = dict.fromkeys(entry.prefix for entry in parse_blend(blend))
+    targets = [_open_side(prefix, "targets") for prefix in prefixes]
+    total = sum(side.num_tokens for side in targets)
+    if total > most_tokens:
+        return None
+    return sum(int(np.count_nonzero(side._tokens == token_id)) for side in targets), total
+
+
 def require_pair_files(prefix: str) -> None:
     """Both datasets of the pair prefix have their .bin and .idx, without opening them.
 

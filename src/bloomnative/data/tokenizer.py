@@ -63,31 +63,45 @@ def tokenizer_vocab_size(path: str) -> int:
     return _id_count(_read_tokenizer_file(str(path)).get_vocab(with_added_tokens=True))
 
 
-def pad_token_id(path: str, pad_token: str | None = None) -> int:
-    """The id of the padding token of a tokenizer.json: ``pad_token`` when given, else the pad
-    token of its padding settings, else the first of ``PAD_TOKEN_CANDIDATES`` it has (BLOOM's
-    is ``<pad>``, id 3).
+def pad_token_id(path: str, pad_token: int | str | None = None) -> int:
+    """The id of the padding token of a tokenizer.json (``find_pad_token``'s id)."""
+    return find_pad_token(path, pad_token)[0]
+
+
+def find_pad_token(path: str, pad_token: int | str | None = None) -> tuple[int, str]:
+    """(id, text) of the padding token of a tokenizer.json: ``pad_token`` when given, an id (an
+    int) or a token's text (a str, looked up in the vocabulary: ``"3"`` is the token whose text
+    is 3, not id 3); else the pad token of its padding settings, else the first of
+    ``PAD_TOKEN_CANDIDATES`` it has (BLOOM's is ``<pad>``, id 3).
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the token is not in the vocabulary, or none is named and none is found;
-            the message lists the special tokens the vocabulary has.
+        ValueError: no token has that id (the message gives the range of ids), the text is not
+            in the vocabulary, or none is named and none is found; the last two list the
+            special tokens the vocabulary has.
     """
     tokenizer = _read_tokenizer_file(str(path))
     vocab = tokenizer.get_vocab(with_added_tokens=True)
+    if isinstance(pad_token, int):
+        text = tokenizer.id_to_token(pad_token) if pad_token >= 0 else None
+        if text is None:
+            raise ValueError(
+                f"no token of {path} has id {pad_token}; its ids are 0-{_id_count(vocab) - 1}"
+            )
+        return pad_token, text
     if pad_token:
         if pad_token not in vocab:
             raise ValueError(
                 f"pad token {pad_token!r} is not in the vocabulary of {path}; special tokens it "
                 f"has: {_special_looking(vocab)}"
             )
-        return vocab[pad_token]
+        return vocab[pad_token], pad_token
     padding = tokenizer.padding
     if padding and padding.get("pad_token") in vocab:
-        return vocab[padding["pad_token"]]
+        return vocab[padding["pad_token"]], padding["pad_token"]
     for candidate in PAD_TOKEN_CANDIDATES:
         if candidate in vocab:
-            return vocab[candidate]
+            return vocab[candidate], candidate
     raise ValueError(
         f"{path} has no padding token (none of {list(PAD_TOKEN_CANDIDATES)} and no padding "
         f"settings); name one (special tokens it has: {_special_looking(vocab)})"

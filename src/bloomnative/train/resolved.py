@@ -58,8 +58,8 @@ class DataShaping:
     """The EOD that ends each attention segment of a pretraining sample
     (data.reset_attention_mask), or None."""
     pad_id: int | None
-    """format = "mtf": the token padding each packed sample (data.pad_token resolved), whose
-    labels count in no loss; None for "gpt"."""
+    """format = "mtf": the token filling each packed sample after its last pair (data.pad_token
+    resolved); None for "gpt". Padding counts in no loss by its place, not by this id."""
     train_samples: int
     """Samples the training order must hold: every step's batch, plus the windows loss-spike
     rollbacks may skip."""
@@ -77,7 +77,8 @@ class ResolvedRun:
 
     config: Config
     """The config with every "auto" replaced by its choice (model.attention,
-    activation_checkpoint.mode and every, optimizer.implementation)."""
+    activation_checkpoint.mode and every, optimizer.implementation), and for format = "mtf"
+    data.pad_token by the id of the pad used."""
     world_size: int
     device_type: str
     dims: ParallelDims
@@ -116,12 +117,13 @@ def resolve_run(
     *,
     choose_attention: AttentionChooser | None = None,
     device_memory: Callable[[], int] | None = None,
-    log: Callable[[str], None] = lambda message: None,
+    log: Callable[[str], None] | None = None,
 ) -> ResolvedRun:
     """The run `config` describes on `world_size` processes computing on `device` (its type is
     what matters). Raises LayoutError for a layout the trainer cannot run, ConfigError for an
-    attention backend that cannot train on the device or a data.eod_mask_loss without a usable
-    EOD, and PlanError when "auto" recomputation finds nothing that fits.
+    attention backend that cannot train on the device, a data.eod_mask_loss without a usable
+    EOD or a data.pad_token that the tokenizer or the model lacks, and PlanError when "auto"
+    recomputation finds nothing that fits.
 
     choose_attention: what model.attention = "auto" picks by timing (the trainer's: rank 0 times
         the backends and broadcasts the choice). None (preflight, the tools): the portable
@@ -130,13 +132,16 @@ def resolve_run(
     device_memory: bytes of the smallest device of the job, which activation_checkpoint.mode =
         "auto" plans against on CUDA without memory_budget_gib. None: the smallest CUDA device
         of this machine.
-    log: receives one line per "auto" resolved.
+    log: receives one line per "auto" resolved and, with format = "mtf", one naming the pad
+        (its id, its text and, where the targets are small enough to read at once, how many
+        target tokens have its id). None: nothing is logged, and no data is read.
     """
+    say = log or _no_log
     device_type = torch.device(device).type
     dims = ParallelDims.from_config(config.parallelism, world_size)
     args = model_args_from_config(config.model)
     if config.model.attention == "auto":
-        attention = _auto_attention(config, dims, args, device_type, choose_attention, log)
+        attention = _auto_attention(config, dims, args, device_type, choose_attention, say)
         args = dataclasses.replace(args, attention=attention)
     check_layout(
         dims,
@@ -172,7 +177,7 @@ def resolve_run(
     )
     ac = config.activation_checkpoint
     if ac.mode == "auto":
-        log(
+        say(
             recompute.describe()
             if recompute
             else 'activation_checkpoint.mode = "auto" on CPU without memory_budget_gib: '
@@ -182,6 +187,13 @@ def resolve_run(
         resolved = dataclasses.replace(
             resolved, activation_checkpoint=dataclasses.replace(ac, mode=mode, every=every)
         )
+    pad = _pad_token(config.data, args.vocab_size)
+    if pad is not None:
+        resolved = dataclasses.replace(
+            resolved, data=dataclasses.replace(resolved.data, pad_token=pad[0])
+        )
+        if log is not None:  # reads the targets: only where the line is wanted
+            log(_describe_pad(config.data, *pad))
     t = config.training
     return ResolvedRun(
         config=resolved,
@@ -195,8 +207,12 @@ def resolve_run(
             t.global_batch_size,
             (ramp[0], ramp[1], ramp[2]) if (ramp := t.rampup_batch_size) else None,
         ),
-        data=_data_shaping(config, args.vocab_size),
+        data=_data_shaping(config, args.vocab_size, pad[0] if pad else None),
     )
+
+
+def _no_log(message: str) -> None:
+    pass
 
 
 def eod_mask_id(data: DataConfig, vocab_size: int) -> int | None:
@@ -216,23 +232,59 @@ def document_eod_id(data: DataConfig, vocab_size: int) -> int | None:
     )
 
 
-def pad_id(data: DataConfig, vocab_size: int) -> int | None:
-    """With `data.format = "mtf"`, the padding token of packed samples: `data.pad_token`, else
-    the pad of `data.tokenizer` (`bloomnative.data.pad_token_id`); None for "gpt"."""
+def _pad_token(data: DataConfig, vocab_size: int) -> tuple[int, str | None] | None:
+    """With `data.format = "mtf"`, (id, text) of the token that fills packed samples:
+    `data.pad_token` (an id, or a token's text), else the pad of `data.tokenizer`
+    (`bloomnative.data.tokenizer.find_pad_token`); the text is None for an id given without a
+    tokenizer. None for "gpt"."""
     if data.format != "mtf":
         return None
-    from bloomnative.data import pad_token_id
+    from bloomnative.data.tokenizer import find_pad_token
 
-    try:
-        pad = pad_token_id(data.tokenizer, data.pad_token or None)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"data.pad_token (empty: the pad of data.tokenizer): {e}") from e
-    if pad >= vocab_size:
+    given = data.pad_token
+    named = (
+        f"data.pad_token = {given!r}"
+        if given != ""
+        else "data.pad_token (empty: the pad of data.tokenizer)"
+    )
+    pad: tuple[int, str | None]
+    if isinstance(given, int) and not data.tokenizer:
+        pad = (given, None)
+    else:
+        try:
+            pad = find_pad_token(data.tokenizer, given if given != "" else None)
+        except (OSError, ValueError) as e:
+            hint = ""
+            if isinstance(given, str) and given.isdecimal():
+                hint = f"; an id is an integer (pad_token = {given}, --data.pad_token={given})"
+            raise ConfigError(f"{named}: {e}{hint}") from e
+    if not 0 <= pad[0] < vocab_size:
         raise ConfigError(
-            f"data.pad_token: its id {pad} in {data.tokenizer} is outside the model's "
-            f"vocabulary of {vocab_size} (model.vocab_size); name a token the model has"
+            f"{named}: id {pad[0]} is outside the model's vocabulary of {vocab_size} "
+            f"(model.vocab_size); give an id in [0, {vocab_size}) or the text of a token the "
+            'model has (a TOML string, pad_token = "<pad>")'
         )
     return pad
+
+
+def _describe_pad(data: DataConfig, pad_id: int, text: str | None) -> str:
+    """The log line naming the pad of packed samples, with how many target tokens have its id
+    where the targets are small enough to read at once."""
+    from bloomnative.data.pair_dataset import count_target_token
+
+    name = repr(text) if text is not None else "its text unknown: no data.tokenizer"
+    line = (
+        f"data.pad_token: id {pad_id} ({name}) pads packed samples after their last pair; "
+        f"padding is left out of the loss by its place, not its id: target tokens with id "
+        f"{pad_id} count (Megatron-DeepSpeed's labels != pad drops them)"
+    )
+    try:
+        counted = count_target_token(data.blend, pad_id)
+    except (OSError, ValueError):  # the data files' own checks say what is wrong
+        return line
+    if counted is None:
+        return f"{line}; the targets hold over 2**26 tokens, not counted at start"
+    return f"{line}; {counted[0]:,} of the {counted[1]:,} target tokens of data.blend have it"
 
 
 def _eod_id(data: DataConfig, vocab_size: int, needed_by: str) -> int:
@@ -284,7 +336,7 @@ def _auto_attention(
     )
 
 
-def _data_shaping(config: Config, vocab_size: int) -> DataShaping:
+def _data_shaping(config: Config, vocab_size: int, pad_id: int | None) -> DataShaping:
     t, v = config.training, config.validation
     reserve = data_reserve(config.spikes, config.checkpoint, config.metrics.log_freq)
     return DataShaping(
@@ -292,7 +344,7 @@ def _data_shaping(config: Config, vocab_size: int) -> DataShaping:
         micro_batch_size=t.micro_batch_size,
         eod_mask_id=eod_mask_id(config.data, vocab_size),
         document_eod_id=document_eod_id(config.data, vocab_size),
-        pad_id=pad_id(config.data, vocab_size),
+        pad_id=pad_id,
         train_samples=(t.steps + reserve) * t.global_batch_size,
         valid_samples=max(v.steps * t.global_batch_size, 1) if v.freq else 0,
         long_seq_len=v.seq_len if v.freq else 0,

@@ -304,7 +304,6 @@ class Trainer:
             prefetch=data.prefetch,
             eod_mask_id=shaping.eod_mask_id,
             sequence_shard=shard,
-            pad_id=shaping.pad_id,
             norm_target_loss=data.norm_target_loss,
             document_eod_id=shaping.document_eod_id,
         )

@@ -4,12 +4,13 @@ it, exit code 2, before torchrun starts."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
 from bloomnative.launch.preflight import main as preflight
 from harness.launching import run
-from harness.training import REPO, run_training
+from harness.training import REPO, TINY_RUN, build_synthetic_corpus, run_training
 
 BUNDLED = REPO / "assets" / "pydocs" / "pydocs_text_document"
 
@@ -65,3 +66,61 @@ def test_a_tokenizer_or_data_that_does_not_fit_the_model_is_one_line(overrides, 
 def test_a_good_run_reports_what_was_checked(capsys):
     assert preflight(["--world-size", "1"]) == 0
     assert "data: 1 dataset(s), 1,253,183 tokens checked in" in capsys.readouterr().err
+
+
+def _copies(source: Path, folder: Path, count: int) -> list[Path]:
+    """`count` datasets holding the tokens of `source`, at <folder>/d<i>."""
+    folder.mkdir()
+    idx, bin_ = (source.with_suffix(s).read_bytes() for s in (".idx", ".bin"))
+    for i in range(count):
+        (folder / f"d{i}.idx").write_bytes(idx)
+        (folder / f"d{i}.bin").write_bytes(bin_)
+    return [folder / f"d{i}" for i in range(count)]
+
+
+@pytest.mark.multiprocess
+def test_a_blend_of_2000_datasets_trains_under_a_limit_of_1024_open_files(tmp_path):
+    """Each dataset's .bin and .idx, and each cached index array, used to keep a file open
+    (np.memmap's duplicate descriptor): 300 datasets passed preflight, then the trainer died in
+    its set-up with "Too many open files". Now they are mapped with none kept open."""
+    source = Path(build_synthetic_corpus(str(tmp_path / "source"), documents=4))
+    prefixes = _copies(source, tmp_path / "blend", 2000)
+    dump = tmp_path / "run"
+    args = [
+        *TINY_RUN,
+        "--model.n_layer=1",
+        "--training.steps=1",
+        "--checkpoint.enable=false",
+        f"--job.dump_folder={dump}",
+        # Relative to the run's folder: 2,000 absolute paths would pass the 128 KiB that one
+        # argument may hold.
+        f"--data.blend={' '.join(f'1 {p.relative_to(tmp_path)}' for p in prefixes)}",
+    ]
+    limited = ["bash", "-c", 'ulimit -n 1024 && exec "$@"', "bash"]  # soft and hard limit
+    command = [*limited, str(REPO / "run_train.sh"), *args]
+    proc = run(command, cwd=tmp_path, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "preflight ok" in proc.stderr and "data: 2000 dataset(s)" in proc.stderr
+    assert "step 1 |" in proc.stdout + proc.stderr
+
+
+def test_a_blend_the_memory_map_limit_cannot_hold_is_one_line(tmp_path, monkeypatch, capsys):
+    """The maps do grow with the blend: preflight counts those training will hold and refuses
+    a blend that vm.max_map_count cannot take, before any worker."""
+    import bloomnative.data.file_map as file_map
+
+    source = Path(build_synthetic_corpus(str(tmp_path / "source"), documents=20))
+    prefixes = _copies(source, tmp_path / "blend", 3)
+    blend = f"--data.blend={' '.join(f'1 {p}' for p in prefixes)}"
+    args = [*TINY_RUN, blend, f"--job.dump_folder={tmp_path / 'run'}"]
+    # 3 x (.bin + .idx) + the train split's 3 x 3 sample-index arrays + the blend's 2.
+    in_use = file_map.maps_in_use()
+    monkeypatch.setattr(file_map, "max_map_count", lambda: in_use + 16)
+    assert preflight(["--world-size", "1", *args]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(
+        "config error: data.blend: its 3 datasets need 17 memory maps in each training process"
+    )
+    assert "vm.max_map_count = " in line and "sysctl -w vm.max_map_count=" in line
+    monkeypatch.setattr(file_map, "max_map_count", lambda: in_use + 1000)
+    assert preflight(["--world-size", "1", *args]) == 0

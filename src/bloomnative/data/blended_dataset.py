@@ -12,6 +12,8 @@ from bloomnative.data.index_cache import cached_arrays
 
 # Bump when build_blending_indices changes what it returns, so stale caches are not reused.
 BLEND_INDEX_VERSION = 2
+BLEND_ARRAYS = ("dataset_index", "dataset_sample_index")
+"""The arrays of a blend's order, each one `.npy` of its cached index."""
 
 
 class BlendedDataset:
@@ -43,8 +45,8 @@ class BlendedDataset:
         }
 
         def build() -> dict[str, np.ndarray]:
-            index, sample_index = build_blending_indices(self.weights, num_samples)
-            return {"dataset_index": index, "dataset_sample_index": sample_index}
+            arrays = build_blending_indices(self.weights, num_samples)
+            return dict(zip(BLEND_ARRAYS, arrays, strict=True))
 
         arrays = cached_arrays(cache_dir, cache_key, build)
         self.dataset_index = arrays["dataset_index"]

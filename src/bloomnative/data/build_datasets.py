@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from bloomnative.data.blend_spec import BlendEntry, parse_blend
-from bloomnative.data.blended_dataset import BlendedDataset
+from bloomnative.data.blended_dataset import BLEND_ARRAYS, BlendedDataset
 from bloomnative.data.gpt_dataset import GPTDataset
 from bloomnative.data.indexed_dataset import IndexedDataset, check_tokens
 from bloomnative.data.mtf_dataset import MTFDataset
-from bloomnative.data.packing import require_a_fitting_pair
+from bloomnative.data.packing import PackingIndex, require_a_fitting_pair
 from bloomnative.data.pair_dataset import PairDataset
+from bloomnative.data.sample_index import SampleIndex
 from bloomnative.data.splits import SPLIT_NAMES, SplitError, fraction_range, split_boundaries
 
 Dataset = GPTDataset | MTFDataset | BlendedDataset
@@ -83,6 +84,9 @@ class BlendCheck:
     """Per split (train, valid, test): its tokens, or its pairs for packed pairs (`unit`)."""
     unit: str
     """What `splits` counts: "tokens" or "pairs"."""
+    maps: int = 0
+    """The memory maps a process holds once it has built these datasets with a cache: each
+    non-empty `.bin` and `.idx`, and each cached index array of every split (`blend_maps`)."""
 
 
 def check_gpt_datasets(
@@ -100,9 +104,10 @@ def check_gpt_datasets(
     entries, indexed = _open_blend(blend, num_samples, weights)
     tokens = sum(check_tokens(dataset, vocab_size).num_tokens for dataset in indexed.values())
     counts = {prefix: len(dataset) for prefix, dataset in indexed.items()}
-    splits = []
+    splits, built = [], 0
     for i, name in enumerate(SPLIT_NAMES):
         ranges = _split_ranges(entries, counts, split, i, num_samples[i])
+        built += ranges is not None
         splits.append(
             0
             if ranges is None
@@ -111,7 +116,8 @@ def check_gpt_datasets(
                 for entry, documents in zip(entries, ranges, strict=True)
             )
         )
-    return BlendCheck(tokens, (splits[0], splits[1], splits[2]), "tokens")
+    maps = blend_maps(list(indexed.values()), len(entries), built, len(fields(SampleIndex)))
+    return BlendCheck(tokens, (splits[0], splits[1], splits[2]), "tokens", maps)
 
 
 def build_mtf_datasets(
@@ -185,18 +191,34 @@ def check_mtf_datasets(
     datasets = {entry.prefix: PairDataset(entry.prefix) for entry in entries}
     tokens = sum(dataset.check_tokens(vocab_size) for dataset in datasets.values())
     counts = {prefix: len(dataset) for prefix, dataset in datasets.items()}
-    pairs = []
+    pairs, built = [], 0
     for i, name in enumerate(SPLIT_NAMES):
         ranges = _split_ranges(entries, counts, split, i, num_samples[i])
         if ranges is None:  # no pairs, none asked for
             pairs.append(0)
             continue
+        built += 1
         for entry, (first, stop) in zip(entries, ranges, strict=True):
             lengths = datasets[entry.prefix].pair_lengths(first, stop)
             which = f" of {entry.prefix!r} [{first}, {stop}) (the {name} split)"
             require_a_fitting_pair(lengths, seq_len + 1, which)
         pairs.append(sum(stop - first for first, stop in ranges))
-    return BlendCheck(tokens, (pairs[0], pairs[1], pairs[2]), "pairs")
+    sides = [side for dataset in datasets.values() for side in (dataset.inputs, dataset.targets)]
+    maps = blend_maps(sides, len(entries), built, len(fields(PackingIndex)))
+    return BlendCheck(tokens, (pairs[0], pairs[1], pairs[2]), "pairs", maps)
+
+
+def blend_maps(
+    indexed: Sequence[IndexedDataset], components: int, splits: int, index_arrays: int
+) -> int:
+    """The memory maps that building `splits` splits of a blend of `components` entries holds
+    with a cache, once the `indexed` datasets it reads are open: a `.idx` and a non-empty `.bin`
+    each (no file descriptor: `file_map.py`); per split, `index_arrays` cached arrays per
+    component and, for a blend of several, the blend order's. What preflight checks against
+    the kernel's limit (`vm.max_map_count`); a test compares it with the maps counted."""
+    files = sum(1 + (dataset.num_tokens > 0) for dataset in indexed)
+    per_split = components * index_arrays + (len(BLEND_ARRAYS) if components > 1 else 0)
+    return files + splits * per_split
 
 
 def _require_three(num_samples: tuple[int, int, int]) -> None:

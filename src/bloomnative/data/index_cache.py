@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from bloomnative.data.file_map import map_npy
 from bloomnative.log import get_logger
 
 _log = get_logger(__name__)
@@ -47,7 +48,8 @@ def cached_arrays(
         build: computes the arrays (name -> array) on a cache miss.
 
     Returns:
-        The arrays; cached ones are memory-mapped read-only.
+        The arrays; cached ones are memory-mapped read-only, holding no open file
+        (``file_map.map_npy``).
     """
     if not cache_dir:
         return build()
@@ -113,7 +115,4 @@ def _write(folder: str, description: dict, arrays: dict[str, np.ndarray]) -> Non
 def _load(folder: str) -> dict[str, np.ndarray]:
     names = sorted(f for f in os.listdir(folder) if f.endswith(".npy"))
     _log.debug("loading cached index %s", folder)
-    return {
-        name[: -len(".npy")]: np.load(os.path.join(folder, name), mmap_mode="r", allow_pickle=False)
-        for name in names
-    }
+    return {name[: -len(".npy")]: map_npy(os.path.join(folder, name)) for name in names}

@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 
+from bloomnative.data.file_map import map_file
 from bloomnative.data.indexed_format import (
     DTYPE_CODES,
     HEADER,
@@ -63,7 +64,7 @@ class IndexedDataset:
             raise IndexedDatasetError(
                 f"{idx_file}: truncated: {idx_size} bytes, the header alone needs {HEADER.size}"
             )
-        idx_map = np.memmap(idx_file, dtype=np.uint8, mode="r")
+        idx_map = map_file(idx_file)
         magic, version, code, num_sequences, doc_index_length = HEADER.unpack_from(idx_map.data, 0)
         if magic != MAGIC:
             hint = (
@@ -101,11 +102,9 @@ class IndexedDataset:
 
         bin_size = os.path.getsize(bin_file)
         self._validate_bin_size(bin_file, bin_size)
-        # np.memmap cannot map an empty file; an empty dataset has no tokens to view anyway.
-        if bin_size == 0:
-            self._tokens = np.empty(0, self.dtype)
-        else:
-            self._tokens = np.memmap(bin_file, dtype=self.dtype, mode="r")
+        # Mapped with no file descriptor kept open (file_map.py), so a blend of thousands of
+        # datasets fits the usual limit of 1,024 open files.
+        self._tokens = map_file(bin_file).view(self.dtype)
 
     def _validate_index(self, idx_file: str) -> None:
         n, docs = len(self._sizes), self._doc_index

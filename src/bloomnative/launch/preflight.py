@@ -41,7 +41,8 @@ def check_data(config: Config, run: ResolvedRun) -> str:
     by `data.split` as the trainer will (`check_gpt_datasets`, `check_mtf_datasets`: each split
     asked for samples holds documents with tokens, or pairs, in every dataset): a corrupt or
     mismatched file, or a split that leaves training or validation without data, is reported
-    here, naming it, instead of failing inside a rank. Returns what was checked, for the log."""
+    here, naming it, instead of failing inside a rank; so is a blend whose memory maps the
+    kernel's limit cannot hold (`check_map_count`). Returns what was checked, for the log."""
     from bloomnative.data import (
         SplitError,
         check_gpt_datasets,
@@ -74,10 +75,34 @@ def check_data(config: Config, run: ResolvedRun) -> str:
             checked = check_gpt_datasets(data.blend, data.split, asked, vocab_size=args.vocab_size)
     except SplitError as e:
         raise ConfigError(f"data.split: {e}") from None
+    check_map_count(
+        len(parse_blend(data.blend)), checked.maps * (2 if run.data.long_seq_len else 1)
+    )
     return (
         f"{len(parse_blend(data.blend))} dataset(s), {checked.tokens:,} tokens checked in "
         f"{time.perf_counter() - start:.2f} s (train/valid/test splits: "
         f"{'/'.join(f'{n:,}' for n in checked.splits)} {checked.unit})"
+    )
+
+
+def check_map_count(datasets: int, needed: int) -> None:
+    """A training process can hold the `needed` memory maps of its `datasets` datasets (their
+    files and cached sample indices, `BlendCheck.maps`; twice with validation at a second
+    length, which builds them again) beside the maps this process already has, under the
+    kernel's `vm.max_map_count`. The maps keep no file open (data/file_map.py), so the limit of
+    open files does not grow with the blend; this one does."""
+    from bloomnative.data.file_map import maps_in_use, max_map_count
+
+    limit, used = max_map_count(), maps_in_use()
+    if limit is None or used is None or used + needed <= limit:
+        return
+    suggested = -(-2 * (used + needed) // 65536) * 65536
+    raise ConfigError(
+        f"data.blend: its {datasets:,} datasets need {needed:,} memory maps in each training "
+        f"process (each .bin and .idx, and the cached sample index of every split), but "
+        f"vm.max_map_count = {limit:,} leaves {max(limit - used, 0):,} beside the {used:,} a "
+        f"process already has; raise it (sysctl -w vm.max_map_count={suggested}) or blend "
+        "fewer datasets"
     )
 
 

@@ -58,7 +58,9 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     preset: str = "debug"
-    """Shape preset: debug, bloom-560m, bloom-1b1, bloom-1b7, bloom-3b, bloom-7b1, bloom-176b."""
+    """Shape preset: debug, bloom-560m, bloom-1b1, bloom-1b7, bloom-3b, bloom-7b1, bloom-176b.
+    With checkpoint.initial_hf the folder's config.json is the shape instead: the keys below
+    left at 0 are taken from it, and those set must agree with it."""
     n_layer: int = 0
     """Override the preset's number of blocks (0 keeps the preset)."""
     hidden_size: int = 0

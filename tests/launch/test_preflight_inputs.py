@@ -10,8 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bloomnative.config import parse_args
 from bloomnative.data import IndexedDatasetBuilder
 from bloomnative.launch.preflight import main as preflight
+from bloomnative.model import BloomArgs
+from bloomnative.train.resolved import resolve_run
 from harness.training import TINY_RUN, run_training
 
 
@@ -103,11 +106,38 @@ def test_initial_hf_must_exist_and_have_the_models_shape(tiny, tmp_path, capsys)
     wider = hf_folder(tmp_path / "wider", hidden_size=64)
     assert preflight(["--world-size=1", *tiny, f"--checkpoint.initial_hf={wider}"]) == 2
     assert one_line(capsys) == (
-        f"config error: checkpoint.initial_hf = {wider}: its hidden_size is 64 but the "
-        "configured model has 32; set model.preset / model.hidden_size to match"
+        f"config error: checkpoint.initial_hf = {wider} holds another shape than [model] sets: "
+        "model.hidden_size = 32 but its config.json has hidden_size = 64. Leave these keys "
+        "unset (0: the shape is read from the folder) or set them to match"
     )
     same = hf_folder(tmp_path / "same")
     assert preflight(["--world-size=1", *tiny, f"--checkpoint.initial_hf={same}"]) == 0
+
+
+def test_initial_hf_gives_the_shape_and_every_set_key_that_differs_is_in_one_line(
+    tiny, tmp_path, capsys
+):
+    """The folder's config.json is the model's shape: keys [model] leaves unset come from it
+    (model.preset then gives none; 'debug' has 4 layers of 192, 6 heads, 8192 tokens), and
+    every set key that differs is named in the one line, not one per start."""
+    unset = [arg for arg in tiny if not arg.startswith("--model.")]
+    small = hf_folder(tmp_path / "small", n_layer=2, hidden_size=64, vocab_size=256)
+    argv = [*unset, f"--checkpoint.initial_hf={small}"]
+    assert preflight(["--world-size=1", *argv]) == 0
+    assert "preflight ok: debug (0.1M parameters)" in capsys.readouterr().err
+    run = resolve_run(parse_args(argv), 1, "cpu")
+    shape = {key: getattr(run.model_args, key) for key in BloomArgs.SHAPE_FIELDS}
+    assert shape == {"n_layer": 2, "hidden_size": 64, "n_head": 4, "vocab_size": 256}
+    assert (run.config.model.n_layer, run.config.model.hidden_size) == (2, 64)  # config.toml's
+
+    set_keys = [*unset, "--model.n_layer=4", "--model.n_head=4", "--model.vocab_size=128"]
+    assert preflight(["--world-size=1", *set_keys, f"--checkpoint.initial_hf={small}"]) == 2
+    assert one_line(capsys) == (
+        f"config error: checkpoint.initial_hf = {small} holds another shape than [model] sets: "
+        "model.n_layer = 4 but its config.json has n_layer = 2; model.vocab_size = 128 but its "
+        "config.json has vocab_size = 256. Leave these keys unset (0: the shape is read from "
+        "the folder) or set them to match"
+    )
 
 
 def test_a_load_step_that_does_not_exist(tiny, tmp_path, capsys):
@@ -127,7 +157,7 @@ def test_load_step_0_starts_afresh_as_the_workers_do(tiny, tmp_path, capsys):
     wider = hf_folder(tmp_path / "wider", hidden_size=64)
     argv = ["--world-size=1", *tiny, "--checkpoint.load_step=0", f"--checkpoint.initial_hf={wider}"]
     assert preflight(argv) == 2
-    assert "its hidden_size is 64 but the configured model has 32" in one_line(capsys)
+    assert "model.hidden_size = 32 but its config.json has hidden_size = 64" in one_line(capsys)
 
 
 @pytest.mark.multiprocess

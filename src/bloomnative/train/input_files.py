@@ -1,14 +1,16 @@
 """The files a run's config names, checked before anything is built: every dataset of the blend
-and the Hugging Face folder of `checkpoint.initial_hf`. Preflight runs these checks once before
+and the Hugging Face folder of `checkpoint.initial_hf`, whose config.json also gives the model's
+shape (`model_section`, which `resolve_run` applies). Preflight runs these checks once before
 any worker starts (bloomnative.launch.preflight); each worker runs them again, for a worker
-started without the launcher. Nothing is opened: the data are read by preflight's `check_data`
-and by the loaders, the weights by the trainer."""
+started without the launcher. Nothing else is opened: the data are read by preflight's
+`check_data` and by the loaders, the weights by the trainer."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from bloomnative.config import Config, ConfigError
+from bloomnative.config import Config, ConfigError, ModelConfig
 from bloomnative.model import BloomArgs
 
 
@@ -37,25 +39,67 @@ def check_data_files(config: Config) -> None:
                 )
 
 
-def check_initial_hf(hf_dir: str, args: BloomArgs) -> None:
-    """The Hugging Face folder of `checkpoint.initial_hf` is a BLOOM model of the configured
-    shape with its weight files present (read from config.json and the file names; the weights
-    themselves are read by the workers). The trainer runs it too, before loading the folder."""
+def model_section(config: Config) -> ModelConfig:
+    """The [model] section the run builds. With `checkpoint.initial_hf` the folder's config.json
+    is the shape: each shape key the section leaves at 0 is taken from it (model.preset then
+    gives no shape), and the keys it sets must agree with it; without, the section as it is.
+
+    Raises:
+        ConfigError: the folder or its config.json cannot be read, or set keys differ from it
+            (one line listing every difference).
+    """
+    model = config.model
+    hf_dir = config.checkpoint.initial_hf
+    if not hf_dir:
+        return model
+    theirs = _initial_hf_args(hf_dir)
+    set_keys = {key: getattr(model, key) for key in BloomArgs.SHAPE_FIELDS if getattr(model, key)}
+    _require_same_shape(hf_dir, set_keys, theirs)
+    shape = {key: getattr(theirs, key) for key in BloomArgs.SHAPE_FIELDS}
+    return dataclasses.replace(model, **shape)
+
+
+def _initial_hf_args(hf_dir: str) -> BloomArgs:
+    """The model of the folder's config.json (a BLOOM model, its shape readable)."""
     from bloomnative.interop import CheckpointFormatError
-    from bloomnative.interop.hf import bloom_args_from_hf_config, hf_weight_files, read_hf_config
+    from bloomnative.interop.hf import bloom_args_from_hf_config, read_hf_config
 
     folder = Path(hf_dir)
     if not folder.is_dir():
         raise ConfigError(f"checkpoint.initial_hf: {_missing(folder)} as a folder")
     try:
-        theirs = bloom_args_from_hf_config(read_hf_config(folder), folder / "config.json")
-        hf_weight_files(folder)
+        return bloom_args_from_hf_config(read_hf_config(folder), folder / "config.json")
     except CheckpointFormatError as e:
         raise ConfigError(f"checkpoint.initial_hf: {e}") from None
-    for key in BloomArgs.SHAPE_FIELDS:
-        if getattr(args, key) != getattr(theirs, key):
-            raise ConfigError(
-                f"checkpoint.initial_hf = {hf_dir}: its {key} is {getattr(theirs, key)} but "
-                f"the configured model has {getattr(args, key)}; set model.preset / "
-                f"model.{key} to match"
-            )
+
+
+def _require_same_shape(hf_dir: str, ours: dict[str, int], theirs: BloomArgs) -> None:
+    """`ours` (shape keys and values) agree with the folder's model, else one line naming every
+    key that differs."""
+    differences = [
+        f"model.{key} = {value} but its config.json has {key} = {getattr(theirs, key)}"
+        for key, value in ours.items()
+        if value != getattr(theirs, key)
+    ]
+    if differences:
+        raise ConfigError(
+            f"checkpoint.initial_hf = {hf_dir} holds another shape than [model] sets: "
+            f"{'; '.join(differences)}. Leave these keys unset (0: the shape is read from the "
+            "folder) or set them to match"
+        )
+
+
+def check_initial_hf(hf_dir: str, args: BloomArgs) -> None:
+    """The Hugging Face folder of `checkpoint.initial_hf` is a BLOOM model of the run's shape
+    (`args`, resolved through `model_section`) with its weight files present (read from
+    config.json and the file names; the weights themselves are read by the workers). The trainer
+    runs it too, before loading the folder."""
+    from bloomnative.interop import CheckpointFormatError
+    from bloomnative.interop.hf import hf_weight_files
+
+    theirs = _initial_hf_args(hf_dir)
+    try:
+        hf_weight_files(hf_dir)
+    except CheckpointFormatError as e:
+        raise ConfigError(f"checkpoint.initial_hf: {e}") from None
+    _require_same_shape(hf_dir, {k: getattr(args, k) for k in BloomArgs.SHAPE_FIELDS}, theirs)

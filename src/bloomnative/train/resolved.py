@@ -40,6 +40,7 @@ from bloomnative.planner import (
     workload_from_config,
 )
 from bloomnative.train.attention_choice import AttentionShape
+from bloomnative.train.input_files import model_section
 from bloomnative.train.spikes import data_reserve
 
 AttentionChooser = Callable[[AttentionShape], AttentionBackend]
@@ -122,8 +123,9 @@ def resolve_run(
     """The run `config` describes on `world_size` processes computing on `device` (its type is
     what matters). Raises LayoutError for a layout the trainer cannot run, ConfigError for an
     attention backend that cannot train on the device, a data.eod_mask_loss without a usable
-    EOD or a data.pad_token that the tokenizer or the model lacks, and PlanError when "auto"
-    recomputation finds nothing that fits.
+    EOD, a data.pad_token that the tokenizer or the model lacks, or a checkpoint.initial_hf
+    folder whose shape is not what [model] sets (`train.input_files.model_section`: every
+    difference in one line), and PlanError when "auto" recomputation finds nothing that fits.
 
     choose_attention: what model.attention = "auto" picks by timing (the trainer's: rank 0 times
         the backends and broadcasts the choice). None (preflight, the tools): the portable
@@ -137,6 +139,9 @@ def resolve_run(
         target tokens have its id). None: nothing is logged, and no data is read.
     """
     say = log or _no_log
+    # With checkpoint.initial_hf, the shape of its config.json: every later step, and the
+    # resolved config (config.toml), sees it.
+    config = dataclasses.replace(config, model=model_section(config))
     device_type = torch.device(device).type
     dims = ParallelDims.from_config(config.parallelism, world_size)
     args = model_args_from_config(config.model)

@@ -25,6 +25,13 @@ Multitask fine-tuning packs (input, target) pairs, ``<prefix>_inputs_document`` 
     for batch in loader.next_batch(global_batch_size):
         batch.input_ids, batch.labels, batch.segments, batch.loss_weights
 
+A training run's loaders in one call, from its [data] settings and how it cuts samples (what the
+trainer does)::
+
+    loaders = build_loaders(config.data, resolved.data, seed=1234, dp_rank=dp_rank,
+                            dp_size=dp_size, device="cuda")
+    loaders.train.next_batch(global_batch_size); loaders.valid()  # a fresh validation loader
+
 See docs/data.md for the formats and rules.
 """
 
@@ -71,6 +78,10 @@ def __getattr__(name: str):
         from bloomnative.data.micro_batch import MicroBatch
 
         return MicroBatch
+    if name in ("Loaders", "build_loaders"):
+        from bloomnative.data import rank_loaders
+
+        return getattr(rank_loaders, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -82,6 +93,7 @@ __all__ = [
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "IndexedDatasetError",
+    "Loaders",
     "MTFDataset",
     "MicroBatch",
     "PackingIndex",
@@ -92,6 +104,7 @@ __all__ = [
     "TextTokenizer",
     "build_blending_indices",
     "build_gpt_datasets",
+    "build_loaders",
     "build_mtf_datasets",
     "build_packing_index",
     "build_sample_index",

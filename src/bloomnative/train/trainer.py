@@ -21,7 +21,7 @@ from bloomnative.checkpoint.reading import CheckpointReader, UnsafeCheckpointErr
 from bloomnative.checkpoint.resume import FromHF, ModelOnly, Resume, VerifiedCheck, plan_start
 from bloomnative.checkpoint.run_record import ARGS_FILE, DATA_FILE, model_fields
 from bloomnative.config import Config
-from bloomnative.data import PretrainingLoader, build_gpt_datasets, build_mtf_datasets
+from bloomnative.data import build_loaders
 from bloomnative.device import pick_device
 from bloomnative.log import get_logger
 from bloomnative.model import Bloom
@@ -271,50 +271,23 @@ class Trainer:
             return self._cross_entropy_sum(output, target)
         return fused_head_cross_entropy_sum(output, self.head.weight, target)
 
-    def _build_datasets(self, seq_len: int, num_samples: tuple[int, int, int]) -> tuple:
-        """(train, valid, test) of data.format at `seq_len`."""
-        data, shaping = self.config.data, self.resolved.data
-        seed = self.config.job.seed
-        if data.format == "mtf":
-            assert shaping.pad_id is not None  # resolved for "mtf"
-            return build_mtf_datasets(
-                data.blend, data.split, seq_len, seed, num_samples,
-                cache_dir=shaping.cache_dir, pad_id=shaping.pad_id,
-            )  # fmt: skip
-        return build_gpt_datasets(
-            data.blend, data.split, seq_len, seed, num_samples, shaping.cache_dir
-        )
-
     def _build_data(self) -> None:
-        data, shaping = self.config.data, self.resolved.data
-        train_ds, valid_ds, _ = self._build_datasets(
-            shaping.seq_len, (shaping.train_samples, shaping.valid_samples, 0)
-        )
-        dp_rank, dp_size = self.dp_mesh.get_local_rank(), self.dims.dp
+        """This rank's training loader and validation loader makers (`bloomnative.data`)."""
         shard = None
         if self.dims.cp > 1:  # this rank's load-balanced chunks of every sequence
             cp_rank = self.mesh["cp"].get_local_rank()
             shard = partial(shard_sequence, cp_rank=cp_rank, cp=self.dims.cp)
-        loader = lambda ds: PretrainingLoader(
-            ds,
-            shaping.micro_batch_size,
-            dp_rank,
-            dp_size,
-            self.device,
-            prefetch=data.prefetch,
-            eod_mask_id=shaping.eod_mask_id,
+        loaders = build_loaders(
+            self.config.data,
+            self.resolved.data,
+            seed=self.config.job.seed,
+            dp_rank=self.dp_mesh.get_local_rank(),
+            dp_size=self.dims.dp,
+            device=self.device,
             sequence_shard=shard,
-            norm_target_loss=data.norm_target_loss,
-            document_eod_id=shaping.document_eod_id,
         )
-        self.train_loader = loader(train_ds)
-        self.make_valid_loader = (lambda: loader(valid_ds)) if valid_ds is not None else None
-        self.valid_long = None
-        if shaping.long_seq_len:
-            _, long_ds, _ = self._build_datasets(
-                shaping.long_seq_len, (1, shaping.valid_samples, 0)
-            )
-            self.valid_long = lambda: loader(long_ds)
+        self.train_loader = loaders.train
+        self.make_valid_loader, self.valid_long = loaders.valid, loaders.valid_long
 
     def _scalar_sinks(self) -> list[ScalarSink]:
         """What [metrics] asks the logged scalars to be written to besides metrics.jsonl."""

@@ -103,7 +103,7 @@ def test_compiled_loss_memory_matches_the_estimate(tmp_path, dtype):
     logits_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     logits = torch.randn(MICRO_BATCH, SEQ, vocab, dtype=logits_dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (MICRO_BATCH, SEQ))
-    trainer._loss_sum(logits, labels).backward()  # compiles forward and backward
+    trainer.loss_sum(logits, labels).backward()  # compiles forward and backward
 
     saved: dict[int, int] = {}
 
@@ -113,7 +113,7 @@ def test_compiled_loss_memory_matches_the_estimate(tmp_path, dtype):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = trainer._loss_sum(logits, labels)
+        loss = trainer.loss_sum(logits, labels)
     predicted_saved = sum(
         t.bytes
         for t in planner.loss_saved_terms(trainer.resolved.model_args, layout, workload, prec)

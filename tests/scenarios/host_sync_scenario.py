@@ -77,7 +77,7 @@ def record_syncs(argv: list[str]) -> None:
         return wrapped
 
     # What the loop runs at log steps only: metrics are read back there, by design.
-    trainer._log_step = while_reading_metrics(trainer._log_step)
+    trainer.log_step = while_reading_metrics(trainer.log_step)
     trainer.nonfinite.check = while_reading_metrics(trainer.nonfinite.check)
     if trainer.spike_detector is not None:  # read at log steps and checkpoints only
         detector = trainer.spike_detector

@@ -2,7 +2,8 @@
 deadlock is: `python tests/scenarios/stall_scenario.py RANK STEP TRAINER_ARGS...` (under torchrun)
 trains normally, except that rank RANK stops in the loss of its micro batch 1 of step STEP and
 stays there until the launcher ends it, writing nothing. Its peers wait for it in their next
-collective until job.collective_timeout_s."""
+collective until job.collective_timeout_s. Through the trainer's extension point
+`Trainer.loss_sum`."""
 
 from __future__ import annotations
 
@@ -10,34 +11,34 @@ import sys
 import time
 import traceback
 
-from bloomnative.config import parse_args
+import torch
+
+from bloomnative.config import Config, parse_args
 from bloomnative.train.distributed import exit_process
-from bloomnative.train.faults import _Signals, catch_stop_signals
+from bloomnative.train.faults import catch_stop_signals, received_stop_signal
 from bloomnative.train.trainer import Trainer
 
 STALLED_MICRO_BATCH = 1
 
 
-def main(argv: list[str]) -> int:
-    catch_stop_signals()
-    stall_rank, stall_step = int(argv[0]), int(argv[1])
-    trainer = Trainer(parse_args(argv[2:]))
-    real_loss_sum = trainer._loss_sum
+class StallingTrainer(Trainer):
+    def __init__(self, stall_rank: int, stall_step: int, config: Config):
+        self.stall_at = (stall_rank, stall_step, STALLED_MICRO_BATCH)
+        super().__init__(config)
 
-    def loss_sum(output, labels):
-        progress = trainer.progress
-        if (trainer.rank, progress.step, progress.micro_batch) == (
-            stall_rank,
-            stall_step,
-            STALLED_MICRO_BATCH,
-        ):
-            print(f"rank {trainer.rank} stalls at step {stall_step}", flush=True)
-            while _Signals.received is None:  # until torchrun ends the job (SIGTERM)
+    def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        progress = self.progress
+        if (self.rank, progress.step, progress.micro_batch) == self.stall_at:
+            print(f"rank {self.rank} stalls at step {progress.step}", flush=True)
+            while received_stop_signal() is None:  # until torchrun ends the job (SIGTERM)
                 time.sleep(0.05)
             exit_process(143)  # as if killed by that SIGTERM, with no record written
-        return real_loss_sum(output, labels)
+        return super().loss_sum(output, target)
 
-    trainer._loss_sum = loss_sum
+
+def main(argv: list[str]) -> int:
+    catch_stop_signals()
+    trainer = StallingTrainer(int(argv[0]), int(argv[1]), parse_args(argv[2:]))
     try:
         trainer.run()
     except Exception:

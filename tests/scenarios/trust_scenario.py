@@ -13,16 +13,18 @@ world runs them in its own process).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import pickle
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint import integrity, reading
@@ -178,21 +180,35 @@ def train_poisoning_optimizer_state(step: int, argv: list[str]) -> int:
         Trainer.save_checkpoint = real_save
 
 
+class FullDiskFile:
+    """A file on a disk that has filled up: every write fails with ENOSPC."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, data) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+
 def train_with_full_disk(step: int, argv: list[str]) -> int:
     """`main(argv)`, where every write into a file of the checkpoint of `step` fails with
     ENOSPC (what a file system that has filled up raises), in the saving thread or DCP's
-    background one."""
-    real_write = integrity._HashingStream.write
+    background one: DCP's file system (which checkpoints write through) opens those files on
+    a full disk."""
+    real_create_stream = FileSystem.create_stream
     folder = f"step-{step}.partial"
 
-    def write(stream, data) -> int:
-        if folder in Path(getattr(stream._raw, "name", "")).parts:
-            with stream._keeping_errors():
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(stream, data)
+    @contextlib.contextmanager
+    def create_stream(fs: FileSystem, path, mode: str) -> Iterator:
+        with real_create_stream(fs, path, mode) as stream:
+            full = "w" in mode and folder in Path(path).parts
+            yield FullDiskFile(stream) if full else stream
 
-    integrity._HashingStream.write = write
+    FileSystem.create_stream = create_stream
     try:
         return main(argv)
     finally:
-        integrity._HashingStream.write = real_write
+        FileSystem.create_stream = real_create_stream

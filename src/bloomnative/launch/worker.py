@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.data import IndexedDatasetError, SplitError
@@ -16,6 +17,9 @@ from bloomnative.train.distributed import exit_process
 from bloomnative.train.faults import catch_stop_signals
 from bloomnative.train.hang import is_collective_failure
 
+if TYPE_CHECKING:
+    from bloomnative.train.trainer import Trainer
+
 _log = get_logger(__name__)
 
 # The errors of the user's input: restarting the job cannot fix them (the launcher does not).
@@ -23,7 +27,7 @@ _CONFIG_ERRORS = (ConfigError, LayoutError, PlanError)
 _DATA_ERRORS = (IndexedDatasetError, SplitError)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, trainer_class: type[Trainer] | None = None) -> int:
     """Exit codes: 0 trained (or stopped on request, with a checkpoint), 2 configuration or data
     error (reported before any model is built), a dump folder another run is using, or a
     checkpoint that cannot be used (a checkpoint.load_step that is missing or cannot be loaded,
@@ -31,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint.initial_hf folder that cannot be read), 1 a checkpoint that could not be written
     (one line: the cause, the disk and its free space) or any other failure (its traceback
     printed). Under bloomnative.launch.torchrun an exit 2 is final (the job is not restarted) and
-    its one line is printed by the launcher, once; and the process ends when the launcher does."""
+    its one line is printed by the launcher, once; and the process ends when the launcher does.
+
+    `trainer_class`: a subclass of Trainer to run instead, through the trainer's extension
+    points (tests/scenarios/ does)."""
     catch_stop_signals()
     exit_with_launcher()
     try:
@@ -44,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from bloomnative.train.trainer import Trainer
 
     try:
-        trainer = Trainer(config)
+        trainer = (trainer_class or Trainer)(config)
         trainer.run()
         if trainer.rank == 0 and config.validation.sample_tokens:
             print_sample(config)

@@ -40,6 +40,12 @@ def catch_stop_signals() -> dict[int, Any]:
     return {sig: signal.signal(sig, _Signals.on_signal) for sig in STOP_SIGNALS}
 
 
+def received_stop_signal() -> str | None:
+    """The name of the stop signal this process received first, since `catch_stop_signals`, or
+    None."""
+    return _Signals.received
+
+
 class StopRequest:
     """Catches the stop signals (from installation on) and checks for the STOP file."""
 
@@ -54,7 +60,7 @@ class StopRequest:
 
     def should_stop(self) -> bool:
         """Collective: True on every rank if any rank got a signal or sees the STOP file."""
-        local = _Signals.received or (
+        local = received_stop_signal() or (
             f"{self.stop_file} exists" if self.stop_file.exists() else None
         )
         flag = torch.tensor(1.0 if local else 0.0)

@@ -88,8 +88,14 @@ class Trainer:
 
     A checkpoint is the composition of its components' states (`_checkpointed`): the model,
     the optimizers, the trainer's own step (`state_dict`), the data loader, the learning-rate
-    clock, the non-finite guard, the spike detector and the RNG. Subclasses may extend
-    `train_step` and `roll_back` (tests/train/inject_spike.py does).
+    clock, the non-finite guard, the spike detector and the RNG.
+
+    Its extension points, which a subclass may override (calling the trainer's own), and which
+    the scenarios of tests/scenarios/ use to inject faults and probes: `train_step` (one
+    optimizer step), `loss_sum` (the loss of a micro batch, in training and evaluation),
+    `log_step` (the metrics row of a log step, where the host reads the device's metrics) and
+    `roll_back` (a loss-spike rollback). `bloomnative.launch.worker.main` runs a subclass given
+    as its `trainer_class`.
     """
 
     def __init__(self, config: Config):
@@ -263,7 +269,7 @@ class Trainer:
             self.hang.watch_pipeline(self._pipeline.stages)
         return self._pipeline
 
-    def _loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Weighted token-summed cross-entropy (train/loss.py) of the last stage's output:
         logits, or with `model.fused_loss` the final hidden states, to which the loss applies
         the head. `target`: `loss_target` of the micro batch."""
@@ -424,7 +430,7 @@ class Trainer:
         as FSDP sums their gradients (over data- and context-parallel ranks)."""
         total_weight = global_loss_weight(micro_batches, self.batch_groups)
         return self._run_micro_batches(
-            micro_batches, weighted_mean(self._loss_sum, total_weight), True
+            micro_batches, weighted_mean(self.loss_sum, total_weight), True
         )
 
     def _run_micro_batches(self, micro_batches, loss_fn: LossFn, train: bool) -> torch.Tensor:
@@ -517,17 +523,17 @@ class Trainer:
         loader = make_loader()
         for part in self.model_parts:
             part.eval()
-        loss_sum = torch.zeros((), device=self.device)
+        summed = torch.zeros((), device=self.device)
         total_weight = torch.zeros((), device=self.device)
         for _ in range(self.config.validation.steps):
             batch = loader.next_batch(self.config.training.global_batch_size)
-            loss_sum += self._run_micro_batches(batch, self._loss_sum, train=False)
+            summed += self._run_micro_batches(batch, self.loss_sum, train=False)
             total_weight += loss_weight(batch)
         for part in self.model_parts:
             part.train()
         total_weight = sum_over_ranks(total_weight, self.batch_groups)
         total_weight = torch.where(total_weight > 0, total_weight, torch.ones_like(total_weight))
-        return self._global_loss(loss_sum / total_weight).item()
+        return self._global_loss(summed / total_weight).item()
 
     # ------------------------------------------------------------------ the loop
 
@@ -563,19 +569,19 @@ class Trainer:
                 profiler.after_step(self.step)
                 self.interval_losses.append(loss)
                 self.throughput.add_tokens(gbs * t.seq_len)
-                log_step = self._is_log_step()
+                logs_now = self._is_log_step()
                 checkpoint_step = ckpt_cfg.enable and (
                     self.step % ckpt_cfg.interval == 0 or self.step == t.steps
                 )
                 if self.spike_detector and self._rolled_back(
-                    loss, grad_norm, read_now=log_step or checkpoint_step
+                    loss, grad_norm, read_now=logs_now or checkpoint_step
                 ):
                     self.interval_losses = []  # steps that were undone are not logged
                     continue
-                if log_step:
+                if logs_now:
                     self.progress.phase = "log"
                     self.nonfinite.check(self.step)
-                    self._log_step(grad_norm, lr, gbs)
+                    self.log_step(grad_norm, lr, gbs)
                 if v.freq and self.make_valid_loader and self.step % v.freq == 0:
                     self.progress.phase = "evaluate"
                     self._log_eval()
@@ -670,7 +676,7 @@ class Trainer:
         steps = self.config.training.steps
         return self.step % self.config.metrics.log_freq == 0 or self.step in (1, steps)
 
-    def _log_step(self, grad_norm, lr, gbs: int) -> None:
+    def log_step(self, grad_norm: torch.Tensor, lr: torch.Tensor, gbs: int) -> None:
         """One row for the steps since the last: `loss` is their mean (Megatron's logged loss),
         over the steps whose loss is finite; each step's own goes to TensorBoard as loss_step."""
         losses = self._global_loss(torch.stack(self.interval_losses)).tolist()

@@ -42,7 +42,12 @@ from bloomnative.checkpoint.checkpointer import (
     is_model_only,
 )
 from bloomnative.checkpoint.integrity import complete_steps
-from bloomnative.checkpoint.run_record import DATA_FILE, data_differences, read_json_file
+from bloomnative.checkpoint.run_record import (
+    DATA_FILE,
+    DataSettings,
+    data_differences,
+    read_json_file,
+)
 from bloomnative.log import get_logger
 
 _log = get_logger(__name__)
@@ -133,10 +138,15 @@ class VerifiedCheck:
         return ModelOnly(step) if is_model_only(self.checkpointer.reader(step)) else Resume(step)
 
     def data_changes(self, step: int) -> list[str]:
-        """Nothing for a checkpoint that records no data settings (saved before they were)."""
+        """Nothing for a checkpoint that records no data settings (saved before they were);
+        settings that know how to compare themselves (`DataSettings`) do."""
         reader = self.checkpointer.reader(step)
         saved = read_json_file(reader.folder, reader.record, DATA_FILE)
-        return data_differences(saved, self.data_settings) if saved else []
+        if not saved:
+            return []
+        if isinstance(self.data_settings, DataSettings):
+            return self.data_settings.differences(saved)
+        return data_differences(saved, self.data_settings)
 
     def instead(self, folder: Path, steps: list[int]) -> str:
         good, _ = first_usable(steps, self.rejection)

@@ -61,6 +61,17 @@ def shape_differences(recorded: dict, args: BloomArgs) -> list[str]:
     ]
 
 
+class DataSettings(dict):
+    """A run's data settings, as `DATA_FILE` records them (a JSON object, key by key), and how a
+    checkpoint's record differs from them (`differences`): key by key here; the trainer's
+    (`bloomnative.train.resume_checks.RunDataSettings`) compare the datasets of the blend by
+    their files instead of their spelling."""
+
+    def differences(self, saved: dict) -> list[str]:
+        """Each setting of `saved` (a checkpoint's record) that differs from these, in a line."""
+        return data_differences(saved, self)
+
+
 def data_differences(saved: dict, current: dict) -> list[str]:
     """'training.seq_len: 64 in the checkpoint, 32 now' for each setting both record and that
     differs (a setting a checkpoint predates is not compared)."""

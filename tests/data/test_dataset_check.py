@@ -9,7 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bloomnative.data import IndexedDatasetError, build_gpt_datasets, check_indexed_dataset
+from bloomnative.data import (
+    IndexedDataset,
+    IndexedDatasetError,
+    build_gpt_datasets,
+    check_gpt_datasets,
+    check_indexed_dataset,
+)
+from bloomnative.data.indexed_dataset import holds_token
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLED = REPO / "assets" / "pydocs" / "pydocs_text_document"
@@ -85,3 +92,21 @@ def test_the_dataset_api_refuses_sizes_that_overrun_the_bin(tmp_path):
         f"{prefix}.idx: corrupt sequence pointers: sequence 1 starts at byte 60, but the sizes "
         "before it add up to byte 0"
     )
+
+
+@pytest.mark.parametrize("chunk_tokens", [3, 1 << 26])
+def test_holds_token_finds_a_token_anywhere_and_only_one_the_dtype_can_hold(tmp_path, chunk_tokens):
+    sequences = [np.array([5, 6, 7], np.uint16), np.array([8, 9], np.uint16)]
+    dataset = IndexedDataset(write_pair(tmp_path / "d", sequences))
+    for token in (5, 7, 9):
+        assert holds_token(dataset, token, chunk_tokens)
+    for token in (0, 10, -1, 70_000):
+        assert not holds_token(dataset, token, chunk_tokens)
+
+
+def test_check_gpt_datasets_names_the_datasets_without_the_eod(tmp_path):
+    with_eod = write_pair(tmp_path / "a", [np.array([5, 0, 7, 0], np.uint16)] * 5)
+    without = write_pair(tmp_path / "b", [np.array([5, 6, 7], np.uint16)] * 5)
+    checked = check_gpt_datasets(f"1 {with_eod} 1 {without}", "1", (4, 0, 0), eod_id=0)
+    assert checked.without_eod == (without,)
+    assert check_gpt_datasets(with_eod, "1", (4, 0, 0)).without_eod == ()

@@ -6,11 +6,20 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bloomnative.launch.preflight import main as preflight
+from harness.indexed_data import write_documents
 from harness.launching import run
-from harness.training import REPO, TINY_RUN, build_synthetic_corpus, run_training
+from harness.training import (
+    REPO,
+    TINY_RUN,
+    build_eod_heavy_corpus,
+    build_synthetic_corpus,
+    run_training,
+    write_word_tokenizer,
+)
 
 BUNDLED = REPO / "assets" / "pydocs" / "pydocs_text_document"
 
@@ -124,3 +133,48 @@ def test_a_blend_the_memory_map_limit_cannot_hold_is_one_line(tmp_path, monkeypa
     assert "vm.max_map_count = " in line and "sysctl -w vm.max_map_count=" in line
     monkeypatch.setattr(file_map, "max_map_count", lambda: in_use + 1000)
     assert preflight(["--world-size", "1", *args]) == 0
+
+
+@pytest.fixture
+def eod_data(tmp_path) -> tuple[Path, Path, Path]:
+    """(dataset without an EOD, dataset with one after each document, their tokenizer)."""
+    rng = np.random.default_rng(0)
+    without = write_documents(
+        tmp_path / "no_eod", [rng.integers(1, 128, 60) for _ in range(100)], 128
+    )
+    with_eod = build_eod_heavy_corpus(str(tmp_path / "eod"))
+    tokenizer = write_word_tokenizer(tmp_path / "tokenizer.json")
+    return Path(without), Path(with_eod), tokenizer
+
+
+def _reset_attention_run(tmp_path: Path, tokenizer: Path, *blend: Path) -> list[str]:
+    return [
+        "--world-size",
+        "1",
+        *TINY_RUN,
+        f"--data.tokenizer={tokenizer}",
+        "--data.reset_attention_mask=true",
+        f"--data.blend={' '.join(f'1 {prefix}' for prefix in blend)}",
+        f"--job.dump_folder={tmp_path / 'run'}",
+    ]
+
+
+def test_reset_attention_mask_on_data_without_its_eod_is_one_line(tmp_path, eod_data, capsys):
+    """The option cuts samples at the EOD; on data that holds none it did nothing, silently."""
+    without, with_eod, tokenizer = eod_data
+    assert preflight(_reset_attention_run(tmp_path, tokenizer, without)) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(
+        f"config error: data.reset_attention_mask = true: no dataset of data.blend ({without}) "
+        "holds the end-of-document token it cuts samples at (id 0: "
+    )
+    assert line.endswith("or set data.reset_attention_mask = false")
+    # Some datasets of the blend with EODs: the others are named in a warning.
+    assert preflight(_reset_attention_run(tmp_path, tokenizer, with_eod, without)) == 0
+    err = capsys.readouterr().err
+    assert (
+        "data.reset_attention_mask: 1 of the blend's 2 datasets hold no EOD token (id 0): "
+        f"{without}; their samples are not cut into documents"
+    ) in err
+    assert preflight(_reset_attention_run(tmp_path, tokenizer, with_eod)) == 0
+    assert "WARNING" not in capsys.readouterr().err

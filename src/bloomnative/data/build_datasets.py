@@ -11,7 +11,7 @@ import numpy as np
 from bloomnative.data.blend_spec import BlendEntry, parse_blend
 from bloomnative.data.blended_dataset import BLEND_ARRAYS, BlendedDataset
 from bloomnative.data.gpt_dataset import GPTDataset
-from bloomnative.data.indexed_dataset import IndexedDataset, check_tokens
+from bloomnative.data.indexed_dataset import IndexedDataset, check_tokens, holds_token
 from bloomnative.data.mtf_dataset import MTFDataset
 from bloomnative.data.packing import PackingIndex, require_a_fitting_pair
 from bloomnative.data.pair_dataset import PairDataset
@@ -87,6 +87,8 @@ class BlendCheck:
     maps: int = 0
     """The memory maps a process holds once it has built these datasets with a cache: each
     non-empty `.bin` and `.idx`, and each cached index array of every split (`blend_maps`)."""
+    without_eod: tuple[str, ...] = ()
+    """With an `eod_id`: the prefixes of the blend none of whose tokens is that id."""
 
 
 def check_gpt_datasets(
@@ -95,14 +97,21 @@ def check_gpt_datasets(
     num_samples: tuple[int, int, int],
     weights: Sequence[float] | None = None,
     vocab_size: int | None = None,
+    eod_id: int | None = None,
 ) -> BlendCheck:
     """Every check of `build_gpt_datasets` that does not build an index (what preflight runs):
     the blend's files, with `vocab_size` every token id of each (`check_tokens`), the split
     string, and that each split asked for samples has documents holding tokens in every dataset
-    of the blend. Raises as `build_gpt_datasets` does, and IndexedDatasetError for a token id
+    of the blend; with `eod_id`, which datasets hold no such token (`BlendCheck.without_eod`,
+    `holds_token`). Raises as `build_gpt_datasets` does, and IndexedDatasetError for a token id
     outside the vocabulary."""
     entries, indexed = _open_blend(blend, num_samples, weights)
     tokens = sum(check_tokens(dataset, vocab_size).num_tokens for dataset in indexed.values())
+    without_eod = tuple(
+        prefix
+        for prefix, dataset in indexed.items()
+        if eod_id is not None and not holds_token(dataset, eod_id)
+    )
     counts = {prefix: len(dataset) for prefix, dataset in indexed.items()}
     splits, built = [], 0
     for i, name in enumerate(SPLIT_NAMES):
@@ -117,7 +126,7 @@ def check_gpt_datasets(
             )
         )
     maps = blend_maps(list(indexed.values()), len(entries), built, len(fields(SampleIndex)))
-    return BlendCheck(tokens, (splits[0], splits[1], splits[2]), "tokens", maps)
+    return BlendCheck(tokens, (splits[0], splits[1], splits[2]), "tokens", maps, without_eod)
 
 
 def build_mtf_datasets(

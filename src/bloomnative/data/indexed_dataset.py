@@ -270,6 +270,22 @@ def check_tokens(
     return dataset
 
 
+def holds_token(dataset: IndexedDataset, token_id: int, chunk_tokens: int = 1 << 26) -> bool:
+    """Whether any token of `dataset` is `token_id`. The stream is read until the first one: 65,536
+    tokens, then `chunk_tokens` at a time (a dataset with an EOD after every document is
+    answered from its first documents; one without is read to its end)."""
+    tokens = dataset._tokens
+    kind = np.iinfo(dataset.dtype) if dataset.dtype.kind in "iu" else None
+    if kind is not None and not kind.min <= token_id <= kind.max:
+        return False
+    start, size = 0, min(1 << 16, chunk_tokens)
+    while start < len(tokens):
+        if np.any(tokens[start : start + size] == token_id):
+            return True
+        start, size = start + size, chunk_tokens
+    return False
+
+
 def _describe_size_mismatch(actual: int, expected: int, num_sequences: int) -> str:
     if actual < expected:
         return f"truncated: {actual} bytes"

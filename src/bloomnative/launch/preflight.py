@@ -42,7 +42,8 @@ def check_data(config: Config, run: ResolvedRun) -> str:
     asked for samples holds documents with tokens, or pairs, in every dataset): a corrupt or
     mismatched file, or a split that leaves training or validation without data, is reported
     here, naming it, instead of failing inside a rank; so is a blend whose memory maps the
-    kernel's limit cannot hold (`check_map_count`). Returns what was checked, for the log."""
+    kernel's limit cannot hold (`check_map_count`), and data.reset_attention_mask on data
+    without its EOD (`check_documents_end`). Returns what was checked, for the log."""
     from bloomnative.data import (
         SplitError,
         check_gpt_datasets,
@@ -72,9 +73,18 @@ def check_data(config: Config, run: ResolvedRun) -> str:
                 data.blend, data.split, config.training.seq_len, asked, vocab_size=args.vocab_size
             )
         else:
-            checked = check_gpt_datasets(data.blend, data.split, asked, vocab_size=args.vocab_size)
+            checked = check_gpt_datasets(
+                data.blend,
+                data.split,
+                asked,
+                vocab_size=args.vocab_size,
+                eod_id=run.data.document_eod_id,
+            )
     except SplitError as e:
         raise ConfigError(f"data.split: {e}") from None
+    if run.data.document_eod_id is not None:
+        datasets = len({entry.prefix for entry in parse_blend(data.blend)})
+        check_documents_end(datasets, run.data.document_eod_id, checked.without_eod)
     check_map_count(
         len(parse_blend(data.blend)), checked.maps * (2 if run.data.long_seq_len else 1)
     )
@@ -82,6 +92,31 @@ def check_data(config: Config, run: ResolvedRun) -> str:
         f"{len(parse_blend(data.blend))} dataset(s), {checked.tokens:,} tokens checked in "
         f"{time.perf_counter() - start:.2f} s (train/valid/test splits: "
         f"{'/'.join(f'{n:,}' for n in checked.splits)} {checked.unit})"
+    )
+
+
+def check_documents_end(datasets: int, eod: int, missing: tuple[str, ...]) -> None:
+    """With `data.reset_attention_mask`, the EOD (id `eod`) that cuts samples into documents
+    occurs in the data: `missing` are the blend's datasets (of `datasets`) that hold none.
+    Samples are cut from the stream of a dataset's documents laid end to end, so its EOD tokens
+    are the only mark of where a document ends: with none in any dataset of the blend the option
+    does nothing (every sample is attended to whole, as without it), which is refused. When only
+    some datasets have none (one made without --append-eod, or one that is a single document),
+    the option still cuts the others: a warning names them."""
+    if not missing:
+        return
+    names = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    if len(missing) == datasets:
+        raise ConfigError(
+            f"data.reset_attention_mask = true: no dataset of data.blend ({names}) holds the "
+            f"end-of-document token it cuts samples at (id {eod}: data.eod_token, else "
+            "data.tokenizer's EOD), so every sample would be attended to whole; remake the data "
+            "with tools/preprocess_data.py --append-eod, set data.eod_token to the token that "
+            "ends its documents, or set data.reset_attention_mask = false"
+        )
+    _log.warning(
+        f"data.reset_attention_mask: {len(missing)} of the blend's {datasets} datasets hold no "
+        f"EOD token (id {eod}): {names}; their samples are not cut into documents"
     )
 
 

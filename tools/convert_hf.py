@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from cli_args import ArgumentParser, whole_number
 
+from bloomnative.generate import run_tokenizer, special_token_ids
 from bloomnative.interop import (
     CheckpointFormatError,
     load_hf_model,
@@ -25,7 +26,7 @@ from bloomnative.interop import (
     save_hf_model,
     save_native_checkpoint,
 )
-from bloomnative.interop.hf import GiB
+from bloomnative.interop.hf import TOKENIZER_FILES, GiB
 from bloomnative.model import PRESETS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -47,6 +48,11 @@ to-native output) as a folder that transformers.BloomForCausalLM.from_pretrained
 Shapes are read from the checkpoint. The head count is not visible in any shape: it comes from
 --n-head, else --preset, else the checkpoint's bloom_args.json (to-native outputs), else the
 run's resolved config two folders up (<job.dump_folder>/config.toml).
+
+The tokenizer is --tokenizer, else the run's (data.tokenizer of that config.toml); config.json
+gets its special token ids: eos the EOD the run trained with (data.eod_token, else found as
+preprocessing finds it), bos the tokenizer's <s> (or similar), else the EOD, pad the run's
+data.pad_token, else the tokenizer's pad. --bos/--eos/--pad-token-id set them instead.
 """
 
 
@@ -93,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--checkpoint", required=True, type=Path, help="DCP checkpoint folder")
     to_hf.add_argument("--out", required=True, type=Path, help="Hugging Face folder to write")
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype")
-    to_hf.add_argument("--tokenizer", type=Path, help="tokenizer.json (or a folder with one)")
+    to_hf.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="tokenizer.json (or a folder with one); default: the run's data.tokenizer",
+    )
     heads = to_hf.add_mutually_exclusive_group()
     heads.add_argument("--n-head", type=whole_number(1), help="attention heads of the model")
     heads.add_argument("--preset", choices=list(PRESETS), help="take the head count (and init std)")
@@ -103,8 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=5 * GiB,
         help="largest safetensors file, e.g. 5GiB (default) or 2GB",
     )
-    to_hf.add_argument("--bos-token-id", type=whole_number(0), help="written to config.json")
-    to_hf.add_argument("--eos-token-id", type=whole_number(0), help="written to config.json")
+    for name in ("bos", "eos", "pad"):
+        to_hf.add_argument(
+            f"--{name}-token-id",
+            type=whole_number(0),
+            help="written to config.json (default: from the tokenizer and the run's [data])",
+        )
     to_hf.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     return parser
 
@@ -125,17 +139,45 @@ def convert_to_hf(args: argparse.Namespace) -> None:
     log(f"reading checkpoint {args.checkpoint}")
     model = load_native_model(args.checkpoint, **overrides)
     log(f"model: {_describe(model)}")
+    tokenizer, token_ids = export_tokens(args)
     out = save_hf_model(
         model,
         args.out,
         dtype=DTYPES[args.dtype],
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
-        tokenizer_file=args.tokenizer,
-        bos_token_id=args.bos_token_id,
-        eos_token_id=args.eos_token_id,
+        tokenizer_file=tokenizer,
+        **token_ids,
     )
     log(f"wrote Hugging Face folder {out} ({args.dtype})")
+
+
+def export_tokens(args: argparse.Namespace) -> tuple[Path | None, dict[str, int | None]]:
+    """The tokenizer an export carries (--tokenizer, else the run's data.tokenizer; None, said
+    in a line, when there is neither) and config.json's special token ids: those of
+    `special_token_ids` (with the run's data.eod_token and data.pad_token where the tokenizer is
+    the run's), each replaced by its --*-token-id."""
+    flags = {
+        f"{name}_token_id": getattr(args, f"{name}_token_id") for name in ("bos", "eos", "pad")
+    }
+    tokenizer, eod_token, pad_token = args.tokenizer, "", ""
+    if tokenizer is None:
+        try:
+            tokenizer, data = run_tokenizer(args.checkpoint)
+        except FileNotFoundError as e:
+            log(f"no tokenizer written: {e}")
+            return None, flags
+        eod_token, pad_token = data.eod_token, data.pad_token
+        log(f"tokenizer: {tokenizer} (the run's data.tokenizer)")
+    file = tokenizer / TOKENIZER_FILES[0] if tokenizer.is_dir() else tokenizer
+    try:
+        found = special_token_ids(file, eod_token, pad_token)
+    except ValueError as e:
+        raise CheckpointFormatError(f"tokenizer {file}: {e}") from None
+    ids = {key: flag if flag is not None else found.get(key) for key, flag in flags.items()}
+    named = ", ".join(f"{key} {value}" for key, value in ids.items() if value is not None)
+    log(f"config.json: {named}" + ("" if ids["pad_token_id"] is not None else " (no pad token)"))
+    return tokenizer, ids
 
 
 def _describe(model) -> str:

@@ -23,6 +23,7 @@ import torch
 from bloomnative.checkpoint.integrity import latest_step
 from bloomnative.config import DEFAULT_CONFIG, ConfigError, load_toml
 from bloomnative.config import Config as RunConfig
+from bloomnative.config import DataConfig as RunDataConfig
 from bloomnative.data.tokenizer import TextTokenizer
 from bloomnative.device import pick_device
 from bloomnative.interop import CheckpointFormatError, load_hf_model, load_native_model
@@ -106,6 +107,15 @@ def load_tokenizer_for(path: str | Path, tokenizer: str | Path | None = None) ->
         if not candidate.is_file():
             raise FileNotFoundError(f"{path} has no {TOKENIZER_FILES[0]}; pass --tokenizer")
         return TextTokenizer(str(candidate))
+    tokenizer_file, data = run_tokenizer(path)
+    return TextTokenizer(str(tokenizer_file), data.eod_token or None)
+
+
+def run_tokenizer(path: str | Path) -> tuple[Path, RunDataConfig]:
+    """(tokenizer.json, [data]) of the run that saved the checkpoint at `path` (a dump folder or
+    a `step-N` folder in one): its config.toml's `data.tokenizer`, looked up relative to the
+    current folder, then to the repository. Raises FileNotFoundError saying what is missing."""
+    path = Path(path)
     run_config = path / RUN_CONFIG
     if not run_config.is_file():
         run_config = run_config_path(checkpoint_dir(path))
@@ -115,14 +125,62 @@ def load_tokenizer_for(path: str | Path, tokenizer: str | Path | None = None) ->
             "pass --tokenizer"
         )
     data = _run_config(run_config).data
+    if not data.tokenizer:
+        raise FileNotFoundError(f"{run_config} names no data.tokenizer; pass --tokenizer")
     name = Path(data.tokenizer)
     for candidate in (name, REPO_ROOT / name):
         if candidate.is_file():
-            return TextTokenizer(str(candidate), data.eod_token or None)
+            return candidate, data
     raise FileNotFoundError(
         f"data.tokenizer = {str(name)!r} of {run_config} does not exist (looked relative to "
         f"the current folder and to {REPO_ROOT}); pass --tokenizer"
     )
+
+
+BOS_TOKEN_CANDIDATES = ("<s>", "<|startoftext|>", "<bos>", "<|begin_of_text|>")
+"""Tried in order for a tokenizer's beginning-of-sequence token (BLOOM's is <s>, id 1)."""
+
+
+def special_token_ids(
+    tokenizer_file: str | Path, eod_token: str = "", pad_token: int | str = ""
+) -> dict[str, int]:
+    """config.json's `bos_token_id`, `eos_token_id` and `pad_token_id` for a model trained with
+    `tokenizer_file`: eos is the EOD the run trained with (`eod_token`, its data.eod_token, else
+    found as preprocessing finds it), bos the first of BOS_TOKEN_CANDIDATES the vocabulary has,
+    else the EOD (what precedes each document in the training stream, as GPT-2's config says),
+    pad the run's `pad_token` (data.pad_token: an id, or a token's text), else the tokenizer's
+    pad. An id the tokenizer has no token for is left out (no EOD: no eos; no pad: no pad).
+    Raises FileNotFoundError, or ValueError for an unreadable file or a token the run named
+    that it lacks."""
+    from tokenizers import Tokenizer
+
+    from bloomnative.data.tokenizer import find_pad_token
+
+    if not Path(tokenizer_file).is_file():
+        raise FileNotFoundError(f"tokenizer file {tokenizer_file} does not exist")
+    try:
+        vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab(with_added_tokens=True)
+    except Exception as e:  # the Rust library raises a bare Exception
+        raise ValueError(f"{tokenizer_file}: not a readable tokenizer.json: {e}") from e
+    try:
+        eod: int | None = TextTokenizer(str(tokenizer_file), eod_token or None).eod_id
+    except ValueError:
+        if eod_token:  # the run's own EOD must be the tokenizer's
+            raise
+        eod = None  # none of the usual EOD tokens: no eos, and bos only a named one
+    bos = next((vocab[token] for token in BOS_TOKEN_CANDIDATES if token in vocab), eod)
+    ids = {
+        key: value
+        for key, value in (("bos_token_id", bos), ("eos_token_id", eod))
+        if value is not None
+    }
+    try:
+        named = pad_token if pad_token != "" else None  # 0 is an id
+        ids["pad_token_id"] = find_pad_token(str(tokenizer_file), named)[0]
+    except ValueError:
+        if pad_token != "":  # the run's own pad must be the tokenizer's
+            raise
+    return ids
 
 
 def _run_config(path: Path) -> RunConfig:

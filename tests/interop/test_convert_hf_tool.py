@@ -15,7 +15,7 @@ from bloomnative.checkpoint.reading import verified_reader
 from bloomnative.interop import CheckpointFormatError, load_hf_model, load_native_model
 from bloomnative.model.state import model_state
 from harness.hf_models import make_hf_bloom, relative_error, save_hf_bloom, tokens, transformers
-from harness.training import load_tool
+from harness.training import load_tool, write_word_tokenizer
 
 SHAPE = dict(hidden_size=96, n_head=3, n_layer=2, vocab_size=120)
 # The trainer's checkpoint functions, used here without a process group, say so.
@@ -93,11 +93,41 @@ def test_training_checkpoint_exports_with_heads_from_the_run_config(tmp_path, hf
         assert relative_error(hf_logits(out, ids), model(ids)) < 1e-6
 
 
+def test_an_export_carries_the_runs_tokenizer_and_its_special_token_ids(tmp_path, hf_folder):
+    """Without --tokenizer: the run's data.tokenizer, and config.json's eos (the run's EOD), bos
+    (the tokenizer has no <s>: the EOD) and pad (the mtf run's data.pad_token, an id in the
+    resolved config), which transformers' tokenizer knows too; tools/generate.py samples from
+    the folder. (Before: no tokenizer, transformers' default ids 1 and 2, which are words here.)"""
+    model = load_hf_model(hf_folder)
+    dump = tmp_path / "run"
+    step_dir = write_training_checkpoint(dump, model, step=3)
+    (tmp_path / "words").mkdir()
+    tokenizer = write_word_tokenizer(tmp_path / "words" / "tokenizer.json", SHAPE["vocab_size"])
+    shape = "".join(f"{key} = {value}\n" for key, value in SHAPE.items())
+    data = f'format = "mtf"\ntokenizer = "{tokenizer}"\npad_token = 5\n'
+    (dump / "config.toml").write_text(f'[model]\npreset = "debug"\n{shape}[data]\n{data}')
+    out = tmp_path / "exported"
+    assert convert_hf.main(["to-hf", "--checkpoint", str(step_dir), "--out", str(out)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    ids = {key: config.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    assert ids == {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 5}
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert (hf_tokenizer.eos_token, hf_tokenizer.pad_token) == ("<|endoftext|>", "w5")
+    generate = load_tool("generate")
+    argv = ["--checkpoint", str(out), "--prompt", "w1 w2", "--max-new-tokens", "3"]
+    assert generate.main([*argv, "--device", "cpu"]) == 0
+
+    flags = ["--eos-token-id", "7", "--pad-token-id", "0", "--overwrite"]
+    assert convert_hf.main(["to-hf", "--checkpoint", str(step_dir), "--out", str(out), *flags]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (0, 7, 0)
+
+
 def test_bf16_export_with_tokenizer_loads_in_transformers(tmp_path, hf_folder, hf_bloom):
     native = tmp_path / "native"
     convert_hf.main(["to-native", "--hf", str(hf_folder), "--out", str(native)])
-    tokenizer = tmp_path / "tokenizer.json"
-    tokenizer.write_text("{}")
+    tokenizer = write_word_tokenizer(tmp_path / "tokenizer.json", SHAPE["vocab_size"])
     out = tmp_path / "bf16"
     argv = ["to-hf", "--checkpoint", str(native), "--out", str(out), "--n-head", "3"]
     assert convert_hf.main([*argv, "--dtype", "bf16", "--tokenizer", str(tokenizer)]) == 0

@@ -290,7 +290,8 @@ def save_hf_model(
 
     Weights are safetensors in `dtype` under `transformer.`-prefixed names, without the tied
     head, split into shards of at most `max_shard_size` bytes (plus model.safetensors.index.json)
-    when larger. `tokenizer_file` (a tokenizer.json, or a folder holding one) is copied in.
+    when larger. `tokenizer_file` (a tokenizer.json, or a folder holding one) is copied in; a
+    lone tokenizer.json gets a tokenizer_config.json naming the tokens of the ids given.
     The folder appears complete or not at all; an existing non-empty `out_dir` is replaced only
     with `overwrite`. Returns the folder.
     """
@@ -307,7 +308,39 @@ def save_hf_model(
         write_safetensors_shards(hf_state, staging, max_shard_size)
         for source in tokenizer_sources:
             shutil.copyfile(source, staging / source.name)
+        if tokenizer_sources and not (staging / TOKENIZER_FILES[1]).is_file():
+            _write_tokenizer_config(staging, config)
     return Path(out_dir)
+
+
+_SPECIAL_TOKENS = {
+    "bos_token_id": "bos_token",
+    "eos_token_id": "eos_token",
+    "pad_token_id": "pad_token",
+}
+
+
+def _write_tokenizer_config(folder: Path, config: dict) -> None:
+    """A tokenizer_config.json beside a lone tokenizer.json, naming the special tokens whose ids
+    config.json holds, so that `transformers.AutoTokenizer` knows them too (without one it
+    loads the tokenizer with no EOS, BOS or pad). Nothing when config.json holds none, or when
+    the tokenizer.json given is not one the tokenizers library reads (it is copied as given)."""
+    from tokenizers import Tokenizer
+
+    if not any(key in config for key in _SPECIAL_TOKENS):
+        return
+    try:
+        tokenizer = Tokenizer.from_file(str(folder / TOKENIZER_FILES[0]))
+    except Exception:  # the Rust library raises a bare Exception
+        return
+    named = {
+        name: text
+        for key, name in _SPECIAL_TOKENS.items()
+        if key in config and (text := tokenizer.id_to_token(config[key])) is not None
+    }
+    if named:
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", **named}
+        (folder / TOKENIZER_FILES[1]).write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def _tokenizer_sources(tokenizer_file: str | Path) -> list[Path]:

@@ -5,10 +5,17 @@
 torchrun's own c10d rendezvous (the store on RDZV_ENDPOINT, hosted by the launcher that binds it
 first), wrapped so that no launcher waits without saying so:
 
+- a launcher that does not host the store waits for it to answer on RDZV_ENDPOINT before
+  torchrun connects (`reach_store`), saying so after `WAIT_WORDS_AFTER_S`; a store that does
+  not answer within `join_timeout` is one line (`NoRendezvous`: is the first node's launcher
+  started, is RDZV_ENDPOINT its address?) instead of torchrun's two 60 s connection timeouts,
+  their C++ frames and a "lost node" that never was;
 - a rendezvous that has not completed after `WAIT_WORDS_AFTER_S` (a restart after a lost node,
   or nodes started apart) says what it waits for and for how long (`join_timeout` in
   `--rdzv-conf`, which run_train.sh sets to job.collective_timeout_s); when that runs out the
-  launcher ends with one line (`NodeLost`) instead of torchrun's traceback;
+  launcher ends with one line instead of torchrun's traceback: `NodeLost` once this launcher
+  has been in a round that formed, else `NoRendezvous` (the job never formed: no node was
+  lost);
 - once a round has formed, every launcher beats a counter of its own for that round in the
   rendezvous store every `BEAT_S` and watches the others'. A node whose counter has not moved
   for `LOST_AFTER_S` is named in one line; if this node's workers have already finished
@@ -37,13 +44,17 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousTimeoutError,
     rendezvous_handler_registry,
 )
-from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.elastic.rendezvous.utils import (
+    _matches_machine_hostname,
+    parse_rendezvous_endpoint,
+)
 
 from bloomnative.log import get_logger
 
@@ -59,8 +70,54 @@ _ALIVE = "bloomnative/alive/"
 
 
 class NodeLost(RuntimeError):
-    """A rendezvous that cannot complete: a node did not come back in time. Its text is the
-    one line the launcher prints."""
+    """A rendezvous that cannot complete after one that did: a node did not come back in time.
+    Its text is the one line the launcher prints."""
+
+
+class NoRendezvous(RuntimeError):
+    """A first rendezvous that never formed: the store on RDZV_ENDPOINT did not answer, or the
+    nodes did not all join. Nothing had started, so no node was lost. Its text is the one line
+    the launcher prints."""
+
+
+def reach_store(endpoint: str, timeout_s: float, retry_s: float = 1.0) -> None:
+    """Waits until something accepts connections on `endpoint` (host:port), for a launcher that
+    does not host the rendezvous store: the first node's launcher binds it once its preflight
+    is done. Says what it waits for after WAIT_WORDS_AFTER_S.
+
+    Raises:
+        NoRendezvous: nothing answered within `timeout_s`, naming the endpoint and the last
+            connection error.
+    """
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    start = time.monotonic()
+    said = False
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(retry_s, 1.0)):
+                return
+        except OSError as e:
+            error = e.strerror or str(e) or type(e).__name__
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            raise NoRendezvous(unreachable_line(endpoint, timeout_s, error))
+        if not said and waited >= WAIT_WORDS_AFTER_S:
+            said = True
+            _log.warning(
+                f"waiting for the rendezvous at {endpoint} (RDZV_ENDPOINT) to answer (up to "
+                f"{timeout_s:g} s, job.collective_timeout_s): the first node's run_train.sh "
+                f"hosts it once its preflight is done (last try: {error})"
+            )
+        time.sleep(min(retry_s, max(timeout_s - waited, 0.0)))
+
+
+def unreachable_line(endpoint: str, timeout_s: float, error: str) -> str:
+    """The launcher's last words when the rendezvous store was never reached."""
+    return (
+        f"could not reach the rendezvous at {endpoint} (RDZV_ENDPOINT) within {timeout_s:g} s "
+        f"({error}); no node was lost: the job never formed. Is the first node's run_train.sh "
+        "started (it hosts the rendezvous), and is RDZV_ENDPOINT its host:port on every node?"
+    )
 
 
 def store_lost_line(endpoint: str) -> str:
@@ -97,13 +154,23 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     )
     # Read by the handler at each rendezvous, and by torchrun's agent when it starts workers.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    handler = rendezvous_handler_registry.create_handler(c10d)
+    join_timeout_s = int(params.get("join_timeout", 600))
+    host, _ = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    if not _matches_machine_hostname(host):  # the store is another node's (torch's own rule)
+        reach_store(params.endpoint, join_timeout_s)
+    try:
+        handler = rendezvous_handler_registry.create_handler(c10d)
+    except (RendezvousConnectionError, dist.DistNetworkError) as e:  # it answered, then not
+        cause = e.__cause__ or e
+        raise NoRendezvous(
+            unreachable_line(params.endpoint, join_timeout_s, str(cause).splitlines()[0])
+        ) from None
     return WatchedRendezvous(
         handler,
         params.endpoint,
         params.min_nodes,
         params.max_nodes,
-        int(params.get("join_timeout", 600)),
+        join_timeout_s,
     )
 
 
@@ -124,6 +191,8 @@ class WatchedRendezvous(RendezvousHandler):
         self._nodes = str(min_nodes) if min_nodes == max_nodes else f"{min_nodes}:{max_nodes}"
         self._join_timeout_s = join_timeout_s
         self._watch: _PeerWatch | None = None
+        self._formed = False
+        """Whether a round of this launcher's has formed: only then can a node be lost."""
         self._last_call = time.monotonic()
 
     def get_run_id(self) -> str:
@@ -149,6 +218,13 @@ class WatchedRendezvous(RendezvousHandler):
         try:
             info = self._handler.next_rendezvous()
         except RendezvousTimeoutError:
+            if not self._formed:
+                raise NoRendezvous(
+                    f"the rendezvous at {self._endpoint} did not form: NNODES={self._nodes} "
+                    f"nodes did not all join within {self._join_timeout_s} s "
+                    "(job.collective_timeout_s); no node was lost. Start run_train.sh on every "
+                    "node, each with this RDZV_ENDPOINT and the same RDZV_ID"
+                ) from None
             raise NodeLost(
                 f"node lost: NNODES={self._nodes} nodes did not all join the rendezvous at "
                 f"{self._endpoint} within {self._join_timeout_s} s (job.collective_timeout_s). "
@@ -158,6 +234,7 @@ class WatchedRendezvous(RendezvousHandler):
         finally:
             words.cancel()
             self._last_call = time.monotonic()
+        self._formed = True
         # The round's workers' address (fresh each round) names the round's beats.
         bootstrap = info.bootstrap_store_info
         assert bootstrap is not None  # c10d's handler always publishes it
@@ -181,10 +258,14 @@ class WatchedRendezvous(RendezvousHandler):
         return self._handler.num_nodes_waiting()
 
     def _say_waiting(self) -> None:
+        how = (
+            "a node that was lost rejoins when run_train.sh is started on it again"
+            if self._formed
+            else "each node joins when its run_train.sh has passed preflight"
+        )
         _log.warning(
             f"waiting for NNODES={self._nodes} nodes to join the rendezvous at {self._endpoint} "
-            f"(up to {self._join_timeout_s} s, job.collective_timeout_s); a node that was lost "
-            "rejoins when run_train.sh is started on it again"
+            f"(up to {self._join_timeout_s} s, job.collective_timeout_s); {how}"
         )
 
     def _agent_idle(self) -> bool:

@@ -28,7 +28,8 @@ them to this process, through the environment it gives them:
 
 A lost node (`bloomnative.launch.rendezvous`, the rendezvous backend `bloomnative`) is said in
 words: the loss of the rendezvous store, or a node that does not rejoin in time, ends this
-process with exit 3 and one line instead of torchrun's traceback.
+process with exit 3 and one line instead of torchrun's traceback. A first rendezvous that never
+formed (its store not reached, or not every node joined) is no lost node: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -241,8 +242,8 @@ class FinalErrors:
 
 def _run_torchrun(torchrun, argv: list[str]) -> int:
     """torchrun with final errors and lost nodes taken care of: 2 after a final error (its lines
-    printed), NODE_LOST_EXIT after a lost node that ends the job here (its line printed), else
-    0."""
+    printed) or a first rendezvous that never formed (its line printed), NODE_LOST_EXIT after a
+    lost node that ends the job here (its line printed), else 0."""
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
@@ -262,6 +263,9 @@ def _run_torchrun(torchrun, argv: list[str]) -> int:
     except rendezvous.NodeLost as e:
         print(e, file=sys.stderr, flush=True)
         return NODE_LOST_EXIT
+    except rendezvous.NoRendezvous as e:  # the job never formed: nothing to restart or resume
+        print(e, file=sys.stderr, flush=True)
+        return 2
     except (RendezvousConnectionError, DistNetworkError):
         endpoint = _watched_rendezvous_endpoint(argv)
         if endpoint is None:  # a single node's store, in this process: not a lost node
@@ -285,9 +289,9 @@ def _watched_rendezvous_endpoint(argv: list[str]) -> str | None:
 
 def main(argv: list[str]) -> int:
     """Exit codes: torchrun's (0: every worker exited 0, as after a clean stop), 1 workers killed
-    at the end of the grace period, 2 a bad --stop-grace-s or BLOOMNATIVE_LOG_* variable, or a
-    worker's final error (configuration, data or checkpoint), 3 (NODE_LOST_EXIT) a lost node
-    that ends the job here."""
+    at the end of the grace period, 2 a bad --stop-grace-s or BLOOMNATIVE_LOG_* variable, a
+    worker's final error (configuration, data or checkpoint) or a first rendezvous that never
+    formed, 3 (NODE_LOST_EXIT) a lost node that ends the job here."""
     try:
         setup_logging(tag="bloomnative launcher", all_to_stderr=True)
     except LogSettingError as e:

@@ -121,6 +121,10 @@ def runs(synthetic_corpus, hf_model, tmp_path_factory) -> SharedWorld:
             "--metrics.tensorboard=true",
         ),
     )
+    # The same dump folder again, with training.steps below the step its checkpoint reached.
+    ended = tiny(synthetic_corpus, out / "ended", "--checkpoint.enable=true")
+    world.train("to_step_2", [*ended, "--training.steps=2", "--checkpoint.interval=2"])
+    world.train("past_the_end", [*ended, "--training.steps=1", "--checkpoint.interval=1"])
     return world.run()
 
 
@@ -188,3 +192,17 @@ def test_logged_loss_is_the_mean_over_the_log_interval_and_each_step_is_in_tenso
         interval = [per_step[s] for s in range(first, step + 1)]
         assert logged[step] == pytest.approx(sum(interval) / len(interval), rel=1e-6)
     assert logged[4] != pytest.approx(per_step[4], rel=1e-6)  # not just the last step's
+
+
+@pytest.mark.multiprocess
+def test_a_run_already_past_training_steps_says_so_and_leaves_its_checkpoints(runs):
+    """(It used to print "starting at step 2" and exit 0 without a word.)"""
+    dump_of(runs, "to_step_2")
+    dump = dump_of(runs, "past_the_end").parent / "ended"  # both runs' dump folder
+    checkpoints = dump / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-")) == ["step-2"]
+    assert len(losses_by_step(dump)) == 2  # no row of its own
+    assert (
+        "[bloomnative] nothing to train: the run is at step 2 and training.steps = 1; its "
+        "checkpoints are left as they are (raise training.steps to train on)"
+    ) in runs.result("past_the_end").stdout

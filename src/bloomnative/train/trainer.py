@@ -562,6 +562,12 @@ class Trainer:
         self.peak_memory.reset()  # the first row's peak: the steps', not the set-up's
         profiler = StepProfiler(self.config.profiling, self.dump, self.rank, self.device)
         try:
+            if self.step >= t.steps:  # resumed at or past the end: nothing trained or saved
+                _log.info(
+                    f"nothing to train: the run is at step {self.step} and training.steps = "
+                    f"{t.steps}; its checkpoints are left as they are (raise training.steps to "
+                    "train on)"
+                )
             profiler.start(self.step, t.steps)
             while self.step < t.steps:
                 loss, grad_norm, lr, gbs = self.train_step()

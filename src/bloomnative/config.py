@@ -352,7 +352,8 @@ class ValidationConfig:
     """If > 0, rank 0 prints a sample of up to this many tokens from the final checkpoint when
     training ends (as tools/generate.py would, temperature 0.8, top-k 40, seeded by job.seed)."""
     sample_prompt: str = ""
-    """The text the end-of-training sample continues (empty: a new document)."""
+    """The text the end-of-training sample continues (empty: a new document). A run with
+    data.format = "mtf" continues the first input of its training split instead."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,15 +273,16 @@ def _decode(
 def sample_text(
     model: Bloom,
     tokenizer: TextTokenizer,
-    prompt: str,
+    prompt: str | Sequence[int],
     max_new_tokens: int,
     sampling: Sampling | None = None,
     seed: int = 0,
 ) -> str:
     """`prompt` followed by its sampled continuation, which ends early at the tokenizer's
-    end-of-document token (not shown). An empty prompt starts a new document. The same seed
-    and model give the same text."""
-    prompt_ids = tokenizer.encode(prompt)
+    end-of-document token (not shown). `prompt` is text, or token ids (continued as they are,
+    shown decoded). An empty prompt starts a new document. The same seed and model give the
+    same text."""
+    prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if max(prompt_ids, default=0) >= model.args.vocab_size:
         raise ValueError(
             f"the prompt has token ids up to {max(prompt_ids)} but the model's vocabulary has "
@@ -302,25 +304,46 @@ def sample_text(
     head = tokenizer.decode(prompt_ids)
     full = tokenizer.decode(prompt_ids + new)
     completion = full[len(head) :] if full.startswith(head) else tokenizer.decode(new)
-    return prompt + completion
+    return (prompt if isinstance(prompt, str) else head) + completion
 
 
 def print_final_sample(
     dump_folder: str | Path, prompt: str, max_new_tokens: int, seed: int
 ) -> None:
     """What a training run prints when it ends (validation.sample_tokens > 0): a seeded sample
-    (temperature 0.8, top-k 40) from the newest checkpoint of its dump folder."""
+    (temperature 0.8, top-k 40) from the newest checkpoint of its dump folder, continuing
+    `prompt` (validation.sample_prompt). A run on packed pairs (data.format = "mtf" in the dump
+    folder's config.toml) continues the first input of its training split instead, as it was
+    trained to: its answer is what the fine-tuning taught, where a pretraining prompt says
+    little."""
     try:
         step_dir = checkpoint_dir(dump_folder)
         model = load_model(step_dir)
         tokenizer = load_tokenizer_for(dump_folder)
+        data = _run_config(Path(dump_folder) / RUN_CONFIG).data
+        start: str | list[int] = prompt
+        what = ""
+        if data.format == "mtf":
+            start = first_training_input(data)
+            what = ", continuing the first input of the training split"
         sampling = Sampling(temperature=0.8, top_k=40)
-        text = sample_text(model, tokenizer, prompt, max_new_tokens, sampling, seed)
-    except (CheckpointFormatError, FileNotFoundError, ValueError) as e:
+        text = sample_text(model, tokenizer, start, max_new_tokens, sampling, seed)
+    except (CheckpointFormatError, OSError, ValueError) as e:
         # The run itself succeeded: a sample that cannot be made is reported, not an error.
         _log.info(f"no sample: {e}")
         return
     _log.info(
-        f"sample from {step_dir.name} (more: tools/generate.py --checkpoint "
+        f"sample from {step_dir.name}{what} (more: tools/generate.py --checkpoint "
         f"{shlex.quote(str(dump_folder))} --prompt ...):\n{text}"
     )
+
+
+def first_training_input(data: RunDataConfig) -> list[int]:
+    """The token ids of the first input of a run on packed pairs' training split: pair 0 of
+    the first dataset of `data.blend` (each dataset's training split is its first documents).
+    Raises OSError or ValueError (IndexedDatasetError) for a dataset that cannot be read."""
+    from bloomnative.data import IndexedDataset, parse_blend
+    from bloomnative.data.pair_dataset import pair_side_prefix
+
+    prefix = parse_blend(data.blend)[0].prefix
+    return IndexedDataset(pair_side_prefix(prefix, "inputs")).get(0).tolist()

@@ -19,7 +19,9 @@ from bloomnative.generate import (
     next_token,
     print_final_sample,
 )
+from bloomnative.interop import load_hf_model, save_native_checkpoint
 from harness.hf_models import make_hf_bloom, save_hf_bloom
+from harness.mtf_pairs import write_pairs
 from harness.training import REPO, SAMPLE_PROMPT, load_tool, write_word_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -158,3 +160,22 @@ def test_the_end_of_run_hint_quotes_the_dump_folder_for_the_shell(fsdp_run, tmp_
     assert (
         f"(more: tools/generate.py --checkpoint {quoted} --prompt ...)" in capsys.readouterr().out
     )
+
+
+def test_a_run_on_packed_pairs_samples_from_the_first_input_of_its_training_split(tmp_path, capsys):
+    """Not validation.sample_prompt, a pretraining prompt ("The " in configs/debug.toml): a
+    fine-tuned model answers inputs like those it was trained on."""
+    hf = save_hf_bloom(make_hf_bloom(32, 2, 1, 128, seed=1), tmp_path / "hf")
+    dump = tmp_path / "run"
+    save_native_checkpoint(load_hf_model(hf), dump / "checkpoints" / "step-4")
+    tokenizer = write_word_tokenizer(tmp_path / "tokenizer.json")
+    pairs = write_pairs(tmp_path / "pairs", [[1, 2, 3], [4, 5]], [[6, 0], [7, 0]], 128)
+    data = f'format = "mtf"\nblend = ["{pairs}"]\ntokenizer = "{tokenizer}"\npad_token = 0\n'
+    model = "n_layer = 1\nhidden_size = 32\nn_head = 2\nvocab_size = 128\n"
+    (dump / "config.toml").write_text(f"[model]\n{model}[data]\n{data}")
+    print_final_sample(dump, "The ", 4, seed=0)
+    header, text = capsys.readouterr().out.strip().split("\n")
+    assert header.startswith(
+        "[bloomnative] sample from step-4, continuing the first input of the training split "
+    )
+    assert text.startswith("w1 w2 w3") and len(text.split()) > 3

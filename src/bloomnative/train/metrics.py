@@ -7,7 +7,9 @@ import json
 import math
 import os
 import resource
+import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,51 +54,120 @@ def device_peak_tflops(device: torch.device, override: float = 0.0) -> float | N
 
 
 class PeakMemory:
-    """Peak allocated/reserved bytes on CUDA; peak resident set size of the process on CPU
-    (VmHWM, reset through /proc/self/clear_refs where Linux allows it). The peaks are those
-    since the last `reset` (on CPU where it cannot be reset: since the process started)."""
+    """The peak memory of one interval of training (the log's `mem_peak_gib`), measured without
+    resetting any counter the process's other readers see.
+
+    CUDA: torch's caching-allocator counters, peak allocated and peak reserved bytes, reset at
+    each `reset` (`torch.cuda.reset_peak_memory_stats`: counters of torch's allocator, which
+    nothing outside the process reads).
+
+    CPU: the process's resident set. Its all-time peak, the kernel's VmHWM (/proc/self/status,
+    what `/usr/bin/time -v` and cluster accounting report), is only read: resetting it (writing
+    /proc/self/clear_refs) would lower what they report too. An interval in which VmHWM rose
+    peaked at the new VmHWM, exactly. An interval that did not raise it reports the largest
+    resident set sampled every `SAMPLE_SECONDS` by a thread (and at the interval's two ends): a
+    lower bound of its peak, which can miss a spike shorter than the sampling period, below the
+    process's earlier peak. So the largest figure of a run's intervals is the process's peak
+    since the first `reset`, exactly. Without /proc (not Linux): the process's peak since it
+    started (`getrusage`), every interval."""
+
+    SAMPLE_SECONDS = 0.01
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.rss_resettable = False
+        self._lock = threading.Lock()
+        self._sampler: threading.Thread | None = None
+        self._hwm_at_start = 0  # VmHWM when the interval began
+        self._sampled = 0  # the largest resident set seen in the interval
 
     def reset(self) -> None:
+        """Starts a new interval."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-            self.rss_resettable = True
-        except OSError:
-            self.rss_resettable = False
+        self._start_sampler()
+        with self._lock:
+            self._hwm_at_start = process_peak_rss_bytes()
+            self._sampled = _rss_bytes()
 
     def interval_peak_gib(self) -> float:
-        """The training log's `mem_peak_gib`: peak allocated bytes (CUDA) or peak RSS (CPU)
-        since the last call (or `reset`); the next interval starts here."""
+        """The training log's `mem_peak_gib`: peak allocated bytes (CUDA) or peak resident set
+        (CPU) since the last call (or `reset`); the next interval starts here."""
         read = self.read()
         self.reset()
         peak = read["peak_allocated_gib" if self.device.type == "cuda" else "peak_rss_gib"]
         assert peak is not None  # the device's own figure
         return peak
 
-    def read(self) -> dict[str, float | None]:
+    def read(self) -> dict[str, float | bool | None]:
+        """The interval's peaks so far, in GiB. CPU: `peak_rss_gib` (the interval's, as the class
+        says), `peak_rss_exact` (true when the interval raised the process's peak, so that
+        `peak_rss_gib` is the kernel's figure, not a sample) and `process_peak_rss_gib` (VmHWM:
+        the process's peak since it started)."""
         if self.device.type == "cuda":
             return {
                 "peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
                 "peak_reserved_gib": torch.cuda.max_memory_reserved(self.device) / 2**30,
                 "peak_rss_gib": None,
             }
+        process_peak = process_peak_rss_bytes()
+        with self._lock:
+            sampled = max(self._sampled, _rss_bytes())
+            exact = process_peak > self._hwm_at_start or not _HAVE_PROC
+        peak = process_peak if exact else sampled
         return {
             "peak_allocated_gib": None,
             "peak_reserved_gib": None,
-            "peak_rss_gib": _peak_rss_bytes() / 2**30,
-            "peak_rss_since_reset": self.rss_resettable,
+            "peak_rss_gib": peak / 2**30,
+            "peak_rss_exact": exact,
+            "process_peak_rss_gib": process_peak / 2**30,
         }
 
+    def _start_sampler(self) -> None:
+        if self._sampler is not None or not _HAVE_PROC:
+            return
+        self._sampler = threading.Thread(
+            target=_sample_rss,
+            args=(weakref.ref(self), self.SAMPLE_SECONDS),
+            name="bloomnative-rss-sampler",
+            daemon=True,
+        )
+        self._sampler.start()
 
-def _peak_rss_bytes() -> int:
+    def _observe(self, rss: int) -> None:
+        with self._lock:
+            self._sampled = max(self._sampled, rss)
+
+
+def _sample_rss(owner: weakref.ref[PeakMemory], period: float) -> None:
+    """The sampling thread of one PeakMemory: ends when the PeakMemory is garbage."""
+    while True:
+        time.sleep(period)
+        memory = owner()
+        if memory is None:
+            return
+        memory._observe(_rss_bytes())
+        del memory
+
+
+_STATM = Path("/proc/self/statm")
+_STATUS = Path("/proc/self/status")
+_HAVE_PROC = _STATM.exists() and _STATUS.exists()
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss_bytes() -> int:
+    """The resident set now (0 without /proc)."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        return int(_STATM.read_text().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def process_peak_rss_bytes() -> int:
+    """The process's peak resident set since it started (VmHWM)."""
+    try:
+        for line in _STATUS.read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     except OSError:

@@ -12,11 +12,18 @@
   freed during it (a pipeline's logits of the previous step) are neither counted as live nor
   seen being freed, so they cancel out.
 
-The framework overhead (CUDA context, allocator slack) has no CPU counterpart and is left out.
+On CPU the process holds more than its tensors: what `planner.Overhead.cpu()` counts, the
+process's runtime and the free memory glibc's malloc keeps. `process_peak_rss` (the kernel's peak
+resident set, what /usr/bin/time -v reports) and `runtime_rss` measure them in a process of its
+own (tests/scenarios/memory_scenario.py --process-peak): a test process's resident set holds
+whatever its earlier tests left.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 from pathlib import Path
 
 import torch
@@ -27,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 from bloomnative import planner
 from bloomnative.config import parse_args
 from bloomnative.train.loss import cross_entropy_sum
+from bloomnative.train.metrics import process_peak_rss_bytes
 from bloomnative.train.trainer import Trainer
 
 MICRO_BATCH, SEQ, MICRO_BATCHES = 4, 128, 2
@@ -52,13 +60,14 @@ def build_trainer(dump: Path, *overrides: str) -> Trainer:
     return Trainer(config)
 
 
-def predict(trainer: Trainer) -> planner.RankEstimate:
-    """The planner's estimate for this trainer's config, layout and pipeline rank, on CPU."""
+def predict(trainer: Trainer, overhead: planner.Overhead | None = None) -> planner.RankEstimate:
+    """The planner's estimate for this trainer's config, layout and pipeline rank, on CPU (with
+    `overhead` in its device bytes; none by default: the allocated bytes are compared)."""
     layout = trainer.resolved.planner_layout()
     workload = trainer.resolved.planner_workload()
     pp_rank = trainer.mesh["pp"].get_local_rank()
     return planner.estimate_rank(
-        trainer.resolved.model_args, layout, workload, pp_rank, device_type="cpu"
+        trainer.resolved.model_args, layout, workload, pp_rank, overhead, device_type="cpu"
     )
 
 
@@ -92,6 +101,27 @@ def optimizer_state_tensors(trainer: Trainer) -> list[torch.Tensor]:
         for value in state.values()
         if torch.is_tensor(value) and value.numel() > 1  # not the step counters
     ]
+
+
+def live_tensor_bytes(trainer: Trainer) -> int:
+    """Bytes of the parameters, their gradients (if any) and the AdamW moments."""
+    params = parameters(trainer)
+    grads = [p.grad for p in params if p.grad is not None]
+    return storage_bytes(params + grads + optimizer_state_tensors(trainer))
+
+
+def process_peak_rss() -> int:
+    """The process's peak resident set since it started (VmHWM, never reset by bloomnative)."""
+    return process_peak_rss_bytes()
+
+
+def runtime_rss(live_bytes: int) -> int:
+    """The process's resident set besides `live_bytes` of tensors, once malloc has returned the
+    free memory it keeps (malloc_trim): the interpreter, the libraries and their buffers."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc_trim(0)
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") - live_bytes
 
 
 def measured_step_peak(trainer: Trainer) -> int:

@@ -25,12 +25,14 @@ def resolved_config(dump) -> Config:
 
 
 def predicted_bytes(argv: list[str], mode: str, every: int = 1) -> int:
-    """The planner's device bytes for this run on one CPU process with the given recompute."""
+    """The planner's device bytes for this run on one CPU process with the given recompute, with
+    the overhead the trainer plans "auto" with on CPU (the process's runtime and malloc's free
+    memory: `planner.Overhead.cpu`)."""
     run = resolve_run(parse_args(argv), 1, "cpu")
     layout = run.planner_layout()
     workload = dataclasses.replace(run.planner_workload(), recompute=mode, recompute_every=every)
     return planner.estimate(
-        run.model_args, layout, workload, planner.Overhead.none(), "cpu"
+        run.model_args, layout, workload, planner.Overhead.for_device("cpu"), "cpu"
     ).worst.device_bytes
 
 

@@ -15,8 +15,9 @@ of a training step are considered:
   outputs).
 
 The allocated peak is resident + the larger of the other two; the device needs that plus the
-framework overhead (CUDA context, NCCL buffers, caching-allocator fragmentation), which is an
-assumption with a default, not a measurement.
+framework overhead (`Overhead`): on CUDA the context, NCCL buffers and caching-allocator
+fragmentation, an assumption with a default; on CPU the process's runtime and the free memory
+glibc's malloc keeps, measured (`Overhead.cpu`).
 
 Sources
 - Model states: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
@@ -28,8 +29,9 @@ Sources
 - Pipelines: the warm-up depths of torch.distributed.pipelining's schedules, its receive
   buffers (one per micro batch, allocated once and kept) and its kept outputs.
 
-Checked against CPU measurements within 15% (tests/perf/test_memory_measured.py) and against
-BLOOM-176B's published figures (docs/performance.md).
+Checked against CPU measurements within 15% (tests/planner/test_memory_measured.py: allocated
+bytes, and a process's peak resident set), against BLOOM-560m's peak resident set on CPU within
+1% (docs/benchmarks.md) and against BLOOM-176B's published figures (docs/performance.md).
 
 Modules: `inputs` (layout, workload, overhead, precision, components), `model_states`
 (parameters and their ZeRO/FSDP sharding), `activations` (per-micro-batch terms and the loss),

@@ -130,14 +130,14 @@ def choose_recompute(
     compiled_loss: bool,
 ) -> RecomputeChoice:
     """The activation checkpointing with the least recomputation whose worst rank fits in
-    `capacity_bytes` for the run `config` describes on `layout` (the default framework overhead
-    on CUDA, none on CPU)."""
+    `capacity_bytes` for the run `config` describes on `layout`, with the device type's default
+    overhead (`Overhead.for_device`: on CPU the process's runtime and malloc's free memory)."""
     workload = dataclasses.replace(
         workload_from_config(config, layout, device_type, compiled_loss=compiled_loss),
         recompute="none",
         recompute_every=1,
     )
-    overhead = Overhead() if device_type == "cuda" else Overhead.none()
+    overhead = Overhead.for_device(device_type)
     chosen, plan = least_recompute_or_raise(
         args, layout, workload, capacity_bytes, overhead, device_type
     )

@@ -108,7 +108,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Overhead:
-    """Device memory outside the allocator's live tensors. An assumption, not a measurement."""
+    """Device memory outside the allocator's live tensors: on CUDA an assumption (the defaults
+    below), on CPU measured (`cpu`)."""
 
     context_bytes: int = int(1.5 * GiB)
     """CUDA context + cuBLAS workspaces + NCCL communicator buffers (about 0.5-1 GiB of context
@@ -119,8 +120,32 @@ class Overhead:
 
     @classmethod
     def none(cls) -> Overhead:
-        """No overhead: CPU, or a comparison with allocated (not reserved) bytes."""
+        """No overhead: a comparison with allocated (not reserved) bytes."""
         return cls(context_bytes=0, fragmentation=0.0)
+
+    @classmethod
+    def cpu(cls) -> Overhead:
+        """A CPU training process's resident set (what /usr/bin/time -v, cluster accounting and
+        `mem_peak_gib` measure) beyond its live tensors, measured with torch 2.13 and glibc
+        2.36 (docs/benchmarks.md, "Memory planner against CPU measurements"):
+
+        - context: the process itself, 0.43 GiB (Python, torch's and bloomnative's libraries,
+          OpenMP and oneDNN, the data loader): the peak resident set of a 0.3M-parameter run
+          less its 0.03 GiB of tensors, and the resident set of larger runs, freed memory
+          returned (malloc_trim), less their live tensors (0.42-0.44 GiB);
+        - fragmentation: free memory glibc's malloc keeps. It serves allocations below its
+          mmap threshold, which rises to the size of each mmapped block it frees (up to 32
+          MiB), from its heaps, and returns a freed chunk only from a heap's top, so blocks and
+          activations of a few MiB leave resident holes. Measured at the peak: 4-7% of the
+          allocated peak at BLOOM-560m's shape, 1-28% on smaller models (the larger shares where
+          the allocated peak is small); 0.3% with a fixed threshold (MALLOC_MMAP_THRESHOLD_).
+          8%: the 560m figure with a margin, as the holes grow over the first steps."""
+        return cls(context_bytes=int(0.43 * GiB), fragmentation=0.08)
+
+    @classmethod
+    def for_device(cls, device_type: str) -> Overhead:
+        """The default of a device type: CUDA's assumption, or a CPU process's (`cpu`)."""
+        return cls() if device_type == "cuda" else cls.cpu()
 
 
 @dataclass(frozen=True)

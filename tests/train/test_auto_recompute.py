@@ -45,7 +45,7 @@ def runs(synthetic_corpus, tmp_path_factory) -> SharedWorld:
     """The module's runs, scenarios of one shared world, each with a dump folder of its name
     beside the world's: "budget" (the argv of `budget_argv` with auto recompute and
     `budget_gib`), "no_budget" (auto, no budget), and a budget nothing fits given to the
-    preflight's and the trainer's entry points ("nothing_fits_preflight", "nothing_fits_main":
+    preflight's and the worker's entry points ("nothing_fits_preflight", "nothing_fits_worker":
     exit code 2)."""
     out = tmp_path_factory.mktemp("auto_recompute")
     world = SharedWorld(out / "world")
@@ -56,10 +56,10 @@ def runs(synthetic_corpus, tmp_path_factory) -> SharedWorld:
     world.train(
         "no_budget", tiny_args(synthetic_corpus, out / "no_budget", "--training.steps=1", AUTO)
     )
-    for module in ("preflight", "main"):
+    for module in ("preflight", "worker"):
         name = f"nothing_fits_{module}"
         argv = tiny_args(synthetic_corpus, out / name, AUTO, NOTHING_FITS)
-        world.add(name, f"bloomnative.train.{module}:main", argv, expect=2)
+        world.add(name, f"bloomnative.launch.{module}:main", argv, expect=2)
     return world.run()
 
 
@@ -102,7 +102,7 @@ def test_auto_on_cpu_without_a_budget_recomputes_nothing(runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("module", ["preflight", "main"])
+@pytest.mark.parametrize("module", ["preflight", "worker"])
 def test_a_budget_nothing_fits_is_a_config_error(runs, module):
     name = f"nothing_fits_{module}"
     proc = runs.result(name)  # exit code 2

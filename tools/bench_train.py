@@ -553,7 +553,7 @@ def planned_memory(run: ResolvedRun) -> dict | None:
     try:
         layout = run.planner_layout()
         workload = run.planner_workload()
-        overhead = planner.Overhead() if device_type == "cuda" else planner.Overhead.none()
+        overhead = planner.Overhead.for_device(device_type)
         rank0 = planner.estimate(run.model_args, layout, workload, overhead, device_type).ranks[0]
     except planner.PlanError as e:
         return {"error": str(e)}

@@ -481,7 +481,8 @@ def test_a_torn_last_line_of_metrics_jsonl_is_removed_on_resume(runs):
 def test_a_full_disk_is_reported_at_the_save_naming_the_disk(runs, mode):
     """ENOSPC from every write of the step-4 checkpoint: one line naming the save, the cause,
     the file system and its free space, and the checkpoint that is intact; the run stops
-    before step 7 with exit 1, its metrics.jsonl whole."""
+    before step 7 with exit 1, its metrics.jsonl whole, the failed save's partial folder
+    removed (tests/checkpoint/test_disk_full.py fills a real file system)."""
     name = f"full disk {mode}"
     proc, dump = runs.result(name), runs.dump(name)
     line = one_line(proc.stderr, "checkpoint error:")
@@ -494,6 +495,8 @@ def test_a_full_disk_is_reported_at_the_save_naming_the_disk(runs, mode):
     assert "Traceback" not in proc.stderr
     assert max(row["step"] for row in metric_rows(dump)) <= 6
     assert "step-2" in step_folders(dump) and "step-4" not in step_folders(dump)
+    assert "step-4.partial" not in step_folders(dump)
+    assert "its partial folder (" in line
 
 
 # ---------------------------------------------------------------- one run per dump folder

@@ -15,9 +15,13 @@ none can be, nothing is renamed and the resume is refused (checkpoint/resume.py 
 checkpoint a run starts from). Rotation (`keep_latest_k`) always keeps the newest checkpoint
 that has verified.
 
-A save that fails while writing (a full disk, an I/O error) raises CheckpointWriteError at
-that step (an async save's at the first step after its background write failed), naming the
-cause, the disk and its free space; the checkpoints already complete are untouched.
+Before a save, the disk's free space is compared with what the checkpoint will take
+(checkpoint/footprint.py: DCP's own plan of the files, within a fraction of a percent), after
+removing the `.partial` folders that saves which did not complete left behind; a disk too full
+raises DiskSpaceError and nothing is written. A save that fails while writing (a full disk, an
+I/O error) raises CheckpointWriteError at that step (an async save's at the first step after
+its background write failed), naming the cause, the disk and its free space, and removes its
+own `.partial` folder; the checkpoints already complete are untouched.
 
 What a checkpoint holds is the composition of its components' states (torchtitan's `Stateful`
 pattern): each component (the model, the optimizer, the data loader, the learning-rate clock,
@@ -30,6 +34,8 @@ layout that wrote it and loads under any other.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,6 +59,7 @@ from torch.distributed.tensor import DTensor
 
 from bloomnative.checkpoint import reading
 from bloomnative.checkpoint.disk import describe_disk, describe_os_error, format_bytes
+from bloomnative.checkpoint.footprint import Footprint
 from bloomnative.checkpoint.integrity import (
     METADATA,
     RECORD,
@@ -70,7 +77,7 @@ from bloomnative.checkpoint.integrity import (
 )
 from bloomnative.checkpoint.legacy import legacy_states
 from bloomnative.checkpoint.reading import CheckpointReader
-from bloomnative.checkpoint.run_record import write_json_file
+from bloomnative.checkpoint.run_record import json_file_bytes, write_json_file
 from bloomnative.log import get_logger
 from bloomnative.model.state import canonical_key, load_model_state, model_state, owns_head_copy
 
@@ -98,7 +105,13 @@ class BadCheckpointError(CheckpointError):
 
 
 class CheckpointWriteError(CheckpointError):
-    """Writing a checkpoint failed (a full disk, an I/O error); the complete ones are intact."""
+    """Writing a checkpoint failed (a full disk, an I/O error); the complete ones are intact and
+    the failed save's own `.partial` folder is removed."""
+
+
+class DiskSpaceError(CheckpointError):
+    """The disk has too little free space to start a save (nothing was written or deleted, but
+    the `.partial` folders of saves that did not complete). A restart meets the same disk."""
 
 
 @dataclass(frozen=True)
@@ -322,6 +335,7 @@ class Checkpointer:
         self._readers: dict[int, CheckpointReader] = {}
         self._pending: _PendingSave | None = None
         self._checker = ThreadPoolExecutor(1, "bloomnative-checkpoint-check")
+        self._footprint = Footprint(self.group)
 
     def path(self, step: int) -> Path:
         return self.folder / f"step-{step}"
@@ -331,15 +345,12 @@ class Checkpointer:
     def save(self, step: int, state: dict, files: Mapping[str, dict] | None = None) -> None:
         """Saves `state` as checkpoint `step` (collective), with `files`: JSON records that rank
         0 writes beside DCP's files (checkpoint/run_record.py), covered by the checksum record.
-        Raises CheckpointError when the disk is too full to start, CheckpointWriteError when a
+        Raises DiskSpaceError when the disk is too full to start, CheckpointWriteError when a
         write fails (async: from `poll`, `wait` or the next `save`)."""
         self.wait()
-        self._check_free_space(state)
+        files = files or {}
         partial = self.folder / f"step-{step}.partial"
-        if self.rank == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
-        self._barrier()
+        self._make_room(step, state, files)
         writer = ChecksummingWriter(partial)
         try:
             if self.async_mode:
@@ -354,10 +365,10 @@ class Checkpointer:
                 # A Future: the stager stages before async_save returns (use_async_staging off).
                 assert isinstance(write, Future)
                 check = self._checker.submit(_written_then_read_back, write, writer, partial)
-                self._pending = _PendingSave(step, writer, check, files or {})
+                self._pending = _PendingSave(step, writer, check, files)
             else:
                 dcp.save(state, storage_writer=writer)
-                self._complete(step, writer.sums, files or {})
+                self._complete(step, writer.sums, files)
                 check = self._checker.submit(_read_back, self.path(step), writer.sums)
                 self._pending = _PendingSave(step, writer, check)
         except _WRITE_FAILURES as e:
@@ -437,10 +448,17 @@ class Checkpointer:
             if newest
             else "no earlier checkpoint exists"
         )
+        disk = describe_disk(partial)  # as the write found it, before the removal below
+        removed = ""
+        if self.rank == 0 and partial.exists():
+            # Every rank is past its writes (DCP gathers their outcomes before raising), and
+            # nothing ever loads a .partial folder: what it holds is only taking the disk.
+            size = _tree_bytes(partial)
+            shutil.rmtree(partial, ignore_errors=True)
+            removed = f"; its partial folder ({format_bytes(size)}) is removed"
         return (
             f"writing checkpoint step-{step} into {partial} failed"
-            f"{when if noticed_at is not None else ''}: {cause}; {describe_disk(partial)}; "
-            f"{intact}"
+            f"{when if noticed_at is not None else ''}: {cause}; {disk}; {intact}{removed}"
         )
 
     def _judge(self, step: int, problems: dict[str, str], when: str) -> None:
@@ -468,20 +486,66 @@ class Checkpointer:
             if step not in keep:
                 shutil.rmtree(self.path(step), ignore_errors=True)
 
-    def _check_free_space(self, state: dict) -> None:
-        """Refuses to start a save that cannot fit (nothing is deleted to make room)."""
-        needed = torch.tensor(local_bytes(state), dtype=torch.float64)
+    def _make_room(self, step: int, state: dict, files: Mapping[str, dict]) -> None:
+        """Collective: removes the `.partial` folders of saves that did not complete (a crash, a
+        kill, a failed write: nothing loads them) and refuses, with DiskSpaceError on every
+        rank, to start a save that the disk cannot hold with checkpoint.min_free_gib to spare.
+        Nothing else is deleted to make room. Rank 0 decides, for every rank."""
+        texts = {name: json_file_bytes(content) for name, content in files.items()}
+        needed = self._footprint.of(state, texts, self.folder / f"step-{step}.partial")
+        verdict = None
+        if self.rank == 0:
+            assert needed is not None  # the footprint's sum is rank 0's
+            self.folder.mkdir(parents=True, exist_ok=True)
+            verdict = self._space_verdict(step, needed)
         if self.distributed:
-            dist.all_reduce(needed, group=self.group)
-        free = shutil.disk_usage(_existing(self.folder)).free
-        required = needed.item() + self.min_free_gib * 2**30
-        if free < required:
-            raise CheckpointError(
-                f"not enough disk space to save a checkpoint in {self.folder}: it needs about "
-                f"{format_bytes(needed.item())} plus checkpoint.min_free_gib = "
-                f"{self.min_free_gib} GiB, but {describe_disk(self.folder)}; free space, lower "
-                f"checkpoint.keep_latest_k or point job.dump_folder elsewhere"
+            box = [verdict]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            verdict = box[0]
+        if verdict is not None:
+            raise DiskSpaceError(verdict)
+
+    def _space_verdict(self, step: int, needed: int) -> str | None:
+        """Rank 0: removes leftover `.partial` folders, then None if the disk holds `needed`
+        more bytes and checkpoint.min_free_gib, else the one line that says it does not."""
+        removed = []
+        for leftover in sorted(self.folder.glob("step-*.partial")):
+            size = _tree_bytes(leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(f"{leftover.name} ({format_bytes(size)})")
+        if removed:
+            _log.info(
+                f"removed {', '.join(removed)} from {self.folder}: left by a save that did not "
+                "complete (never loaded)"
             )
+        free = shutil.disk_usage(self.folder).free
+        margin = self.min_free_gib * 2**30
+        if free >= needed + margin:
+            return None
+        complete = complete_steps(self.folder)
+        held = format_bytes(sum(_tree_bytes(self.path(s)) for s in complete))
+        names = ", ".join(f"step-{s}" for s in complete)
+        rotation = (
+            "checkpoint.keep_latest_k = 0 keeps every one"
+            if self.keep_latest_k <= 0
+            else f"checkpoint.keep_latest_k = {self.keep_latest_k} removes older ones only once "
+            "a save has succeeded"
+        )
+        checkpoints = (
+            "it holds no complete checkpoint"
+            if not complete
+            else f"its complete checkpoint {names} takes {held}; {rotation}"
+            if len(complete) == 1
+            else f"its {len(complete)} complete checkpoints ({names}) take {held}; {rotation}"
+        )
+        after = f" (after removing {', '.join(removed)})" if removed else ""
+        return (
+            f"not enough disk space to save a checkpoint in {self.folder}: step-{step} takes "
+            f"{format_bytes(needed)} plus checkpoint.min_free_gib = {self.min_free_gib} GiB, but "
+            f"{describe_disk(self.folder)}{after}; free {format_bytes(needed + margin - free)} "
+            f"more ({checkpoints}), lower checkpoint.min_free_gib or point job.dump_folder "
+            "elsewhere"
+        )
 
     # ------------------------------------------------------------------ verifying before a load
 
@@ -611,11 +675,14 @@ def _describe(problems: dict[str, str], folder: Path) -> str:
     return f"{folder / name}: {problems[name]}" + (f" (and {more} more files)" if more else "")
 
 
-def _existing(path: Path) -> Path:
-    """`path`, or its nearest ancestor that exists."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
+def _tree_bytes(folder: Path) -> int:
+    """The disk the files under `folder` take (as `du` counts it)."""
+    total = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
 
 
 def _unwrapped(error: BaseException) -> BaseException:

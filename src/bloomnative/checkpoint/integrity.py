@@ -26,7 +26,7 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,14 +234,24 @@ def write_record(folder: Path, sums: dict[str, FileSum]) -> None:
     for path in sorted(folder.iterdir()):
         if path.name not in files and path.name != RECORD and _is_plain_file(path):
             files[path.name] = file_sum(path)
-    record = {
+    write_json_durably(folder / RECORD, _record(files))
+
+
+def _record(files: dict[str, FileSum]) -> dict:
+    return {
         "format": _RECORD_FORMAT,
         "algorithm": ALGORITHM,
         "files": {
             name: {"bytes": s.size, "checksum": s.hex()} for name, s in sorted(files.items())
         },
     }
-    write_json_durably(folder / RECORD, record)
+
+
+def record_bytes(sizes: Mapping[str, int]) -> int:
+    """Bytes of the completion record of a folder of files of these sizes (as `write_record`
+    writes it: the checksums have a fixed width)."""
+    record = _record({name: FileSum(size, 0, ALGORITHM) for name, size in sizes.items()})
+    return len(_json_text(record).encode())
 
 
 def read_record(folder: Path) -> dict[str, FileSum] | None:
@@ -373,12 +383,15 @@ def write_json_durably(path: Path, obj: object) -> None:
     a torn one: a temporary file, fsync, rename, fsync of the folder."""
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
+        f.write(_json_text(obj))
         f.flush()
         os.fsync(f.fileno())
     temporary.rename(path)
     _fsync_dir(path.parent)
+
+
+def _json_text(obj: object) -> str:
+    return json.dumps(obj, indent=1) + "\n"
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -31,7 +31,12 @@ def model_fields(args: BloomArgs) -> dict:
 def write_json_file(folder: Path, name: str, content: dict) -> None:
     """Writes one of these records into a checkpoint folder being saved (before its checksum
     record, which then covers it)."""
-    (folder / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+    (folder / name).write_bytes(json_file_bytes(content))
+
+
+def json_file_bytes(content: dict) -> bytes:
+    """What `write_json_file` writes for `content`."""
+    return (json.dumps(content, indent=2, ensure_ascii=False) + "\n").encode()
 
 
 def read_json_file(folder: Path, record: dict[str, FileSum], name: str) -> dict | None:

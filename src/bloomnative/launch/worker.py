@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None, trainer_class: type[Trainer] | None = No
     error (reported before any model is built), a dump folder another run is using, or a
     checkpoint that cannot be used (a checkpoint.load_step that is missing or cannot be loaded,
     a folder none of whose checkpoints can be, other data settings than the checkpoint's, a
-    checkpoint.initial_hf folder that cannot be read), 1 a checkpoint that could not be written
+    checkpoint.initial_hf folder that cannot be read), a disk without room for the next
+    checkpoint, 1 a checkpoint that could not be written
     (one line: the cause, the disk and its free space) or any other failure (its traceback
     printed). Under bloomnative.launch.torchrun an exit 2 is final (the job is not restarted) and
     its one line is printed by the launcher, once; and the process ends when the launcher does.
@@ -45,7 +46,11 @@ def main(argv: list[str] | None = None, trainer_class: type[Trainer] | None = No
         config = parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         return final_error(f"config error: {e}")
-    from bloomnative.checkpoint.checkpointer import BadCheckpointError, CheckpointError
+    from bloomnative.checkpoint.checkpointer import (
+        BadCheckpointError,
+        CheckpointError,
+        DiskSpaceError,
+    )
     from bloomnative.interop import CheckpointFormatError
     from bloomnative.train.run_lock import DumpFolderInUseError
     from bloomnative.train.trainer import Trainer
@@ -59,7 +64,7 @@ def main(argv: list[str] | None = None, trainer_class: type[Trainer] | None = No
         return final_error(f"config error: {e}")
     except _DATA_ERRORS as e:
         return final_error(f"data error: {e}")
-    except (BadCheckpointError, CheckpointFormatError) as e:
+    except (BadCheckpointError, CheckpointFormatError, DiskSpaceError) as e:
         return final_error(f"checkpoint error: {e}")
     except DumpFolderInUseError as e:
         return final_error(f"error: {e}")

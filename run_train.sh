@@ -7,8 +7,11 @@
 # min:max that goes on with fewer nodes when it loses one; multi-node runs also set
 # RDZV_ENDPOINT=host:port; RDZV_LAST_CALL_S, default 30, is how long an elastic rendezvous waits
 # for more nodes once min have joined); MAX_RESTARTS (default 3) is how often a crashed or lost
-# rank restarts the job, which resumes from the newest checkpoint that verifies (a
-# configuration, data or checkpoint error is not retried: exit 2).
+# rank restarts the job, which resumes from the newest checkpoint that verifies. An error a
+# restart cannot fix is not retried: one line, exit 2 (a configuration, data or checkpoint error,
+# no W&B API key for metrics.wandb online, a disk without room for the next checkpoint, too many
+# non-finite steps in a row, a loss spike that cannot be rolled back: docs/checkpointing.md,
+# "Exit codes").
 # A lost node is named within seconds and may rejoin by running this again on it; the loss of the
 # rendezvous store's node, or a node not back within job.collective_timeout_s: exit 3
 # (docs/cluster.md, "Losing a node").

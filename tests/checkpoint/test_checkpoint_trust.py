@@ -158,10 +158,12 @@ def runs(synthetic_corpus, tmp_path_factory) -> Runs:
     nan_injection = f"{SCENARIO_DIR / 'nan_scenario.py'}:train_with_nan_gradients"
     world.add("skip streak", nan_injection, [3, 4], r.argv("skip streak", *faults))
     stop = r.argv("nonfinite stop", "--training.max_nonfinite_steps=2")
-    world.add("nonfinite stop", nan_injection, [1, 2, 3], stop, expect=1)
+    world.add("nonfinite stop", nan_injection, [1, 2, 3], stop, expect=2)
     for mode in ("disabled", "async"):
         argv = r.argv(f"full disk {mode}", *faults, f"--checkpoint.async_mode={mode}")
         world.add(f"full disk {mode}", f"{SCENARIOS}:train_with_full_disk", 4, argv, expect=1)
+    world.train("disk check", r.argv("disk check", "--checkpoint.min_free_gib=1e9"), expect=2)
+    world.add("crash", f"{SCENARIOS}:train_then_crash", 1, r.argv("crash"), expect=1)
     world.run()
     return r
 
@@ -585,13 +587,15 @@ def test_run_train_sh_exits_2_when_no_checkpoint_can_be_loaded(runs, tmp_path):
 EXIT_CODE_ROWS = {  # a phrase of a row of the table -> a run of the world that ends that way
     "trained to `training.steps`": "base",
     "a checkpoint could not be written": "full disk disabled",
-    "any other failure": "nonfinite stop",
+    "any other failure": "crash",
     "a configuration or data error": "config error",
     "`checkpoint.load_step` names a checkpoint": "missing load_step",
     "none can be loaded": "none verifies",
     "other data settings": "data changed",
     "not plain data": "entry payload",
     "in use by another run": "live lock",
+    "not enough free disk space": "disk check",
+    "training cannot go on": "nonfinite stop",
 }
 
 
@@ -610,7 +614,12 @@ def test_the_documented_exit_codes_are_those_the_runs_end_with(runs):
         [scenario] = [name for phrase, name in EXIT_CODE_ROWS.items() if phrase in when]
         assert runs.result(scenario).returncode == code, (code, when)
     stopped = runs.result("nonfinite stop").stderr
-    assert "non-finite for 2 consecutive steps" in stopped
+    assert "training error: step 2: loss or gradient norm has been non-finite for 2" in stopped
+    assert "Traceback" not in stopped  # every exit 2 is one line
+    refused = runs.result("disk check").stderr
+    assert "checkpoint error: not enough disk space to save a checkpoint" in refused
+    assert "Traceback" not in refused
+    assert "RuntimeError: planted crash after step 1" in runs.result("crash").stderr
     assert (
         "checkpoint.load_step = 8: no complete checkpoint"
         in runs.result("missing load_step").stderr

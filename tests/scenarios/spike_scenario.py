@@ -9,7 +9,9 @@ step number. With "exit_after_rollback" the process dies (exit 3) as soon as the
 has been made, before any later checkpoint: the crash a restart must recover from exactly (in a
 process of its own: it would end a shared world).
 
-Both through the trainer's extension points (`Trainer.train_step`, `Trainer.roll_back`).
+Both through the trainer's extension points (`Trainer.train_step`, `Trainer.roll_back`), run by
+`bloomnative.launch.worker.main` (`trainer_class`): the run ends with the exit code and the words
+a user's run ends with.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from bloomnative.config import Config, parse_args
+from bloomnative.config import Config
+from bloomnative.launch.worker import main
 from bloomnative.train.distributed import exit_process
 from bloomnative.train.spikes import Trigger
 from bloomnative.train.trainer import Trainer
@@ -72,10 +75,13 @@ class SpikingTrainer(Trainer):
             exit_process(3)
 
 
-def train_with_spikes(spec: dict, argv: list[str]) -> None:
-    SpikingTrainer(spec, parse_args(argv)).run()
+def train_with_spikes(spec: dict, argv: list[str]) -> int:
+    class Spiking(SpikingTrainer):
+        def __init__(self, config: Config):
+            super().__init__(spec, config)
+
+    return main(argv, trainer_class=Spiking)
 
 
 if __name__ == "__main__":
-    train_with_spikes(json.loads(sys.argv[1]), sys.argv[2:])
-    exit_process(0)
+    exit_process(train_with_spikes(json.loads(sys.argv[1]), sys.argv[2:]))

@@ -8,7 +8,9 @@ world runs them in its own process).
 - `train_poisoning_optimizer_state(step, argv)`: a NaN enters AdamW's state just before the
   checkpoint of `step` is taken;
 - `train_with_full_disk(step, argv)`: every file write of the checkpoint of `step` fails with
-  ENOSPC, as on a disk that has filled up.
+  ENOSPC, as on a disk that has filled up;
+- `train_then_crash(step, argv)`: the step after `step` raises an error no check foresaw (a
+  crash: a restart may well get past it).
 """
 
 from __future__ import annotations
@@ -212,3 +214,13 @@ def train_with_full_disk(step: int, argv: list[str]) -> int:
         return main(argv)
     finally:
         FileSystem.create_stream = real_create_stream
+
+
+def train_then_crash(step: int, argv: list[str]) -> int:
+    class Crashing(Trainer):
+        def train_step(self):
+            if self.step == step:
+                raise RuntimeError(f"planted crash after step {step}")
+            return super().train_step()
+
+    return main(argv, trainer_class=Crashing)

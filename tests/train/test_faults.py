@@ -21,8 +21,8 @@ CASES = {  # name -> (world size, steps whose gradients are NaN, trainer options
 @pytest.fixture(scope="module")
 def runs(synthetic_corpus, tmp_path_factory) -> dict[str, SharedWorld]:
     """Each case's world (one shared world per world size), by case; its dump folder is
-    <world.out>/../<case>. The consecutive case stops with an error (exit code 1), and a
-    config error ("bad_key") exits with 2."""
+    <world.out>/../<case>. The consecutive case stops with a final error (one line, exit code
+    2: a restart would resume into the same steps), as a config error ("bad_key") does."""
     out = tmp_path_factory.mktemp("faults")
     worlds = {nproc: SharedWorld(out / f"world{nproc}", nproc) for nproc, _, _ in CASES.values()}
     for name, (nproc, nan_steps, options) in CASES.items():
@@ -33,7 +33,7 @@ def runs(synthetic_corpus, tmp_path_factory) -> dict[str, SharedWorld]:
             "--checkpoint.enable=false",
             *options,
         ]
-        expect = 1 if name == "consecutive" else 0
+        expect = 2 if name == "consecutive" else 0
         worlds[nproc].add(name, TRAIN_WITH_NAN, nan_steps, argv, expect=expect)
     worlds[0].train("bad_key", ["--training.stepz=3"], expect=2)
     for world in worlds.values():
@@ -62,8 +62,11 @@ def test_a_nan_gradient_step_is_skipped_and_counted(runs, case):
 
 @pytest.mark.multiprocess
 def test_consecutive_nonfinite_steps_stop_the_run_with_a_message(runs):
-    proc = runs["consecutive"].result("consecutive")  # exit code 1
-    assert "non-finite for 3 consecutive steps (training.max_nonfinite_steps)" in proc.stderr
+    proc = runs["consecutive"].result("consecutive")  # exit code 2
+    [line] = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert line.startswith("training error: step 4: loss or gradient norm has been non-finite")
+    assert "non-finite for 3 consecutive steps (training.max_nonfinite_steps)" in line
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.multiprocess

@@ -34,7 +34,7 @@ def run(dump: Path, corpus: str, spec: dict) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def runs(synthetic_corpus, tmp_path_factory) -> SharedWorld:
     """ "spiked" (the BAD window, TensorBoard on) and "endless" (every batch from position 48 on
-    spikes: exit code 1), in one shared world; each dump folder is <world.out>/../<name>."""
+    spikes: exit code 2, final), in one shared world; each dump folder is <world.out>/../<name>."""
     out = tmp_path_factory.mktemp("spikes")
     world = SharedWorld(out / "world")
     spiked = spike_argv(out / "spiked", synthetic_corpus, "--metrics.tensorboard=true")
@@ -44,7 +44,7 @@ def runs(synthetic_corpus, tmp_path_factory) -> SharedWorld:
         TRAIN_WITH_SPIKES,
         {**BAD, "bad_to": 10**9},
         spike_argv(out / "endless", synthetic_corpus),
-        expect=1,
+        expect=2,
     )
     return world.run()
 
@@ -109,8 +109,12 @@ def test_a_restart_right_after_a_rollback_skips_the_same_data(
 def test_spikes_after_max_rollbacks_stop_the_run_with_a_message(runs):
     # Every batch from position 48 on spikes: the skip does not help, and the second spike is
     # one more than spikes.max_rollbacks = 1 allows.
-    proc = runs.result("endless")  # exit code 1
-    assert "spikes.max_rollbacks = 1 rollbacks have been made already" in proc.stderr
+    # A restart would resume into the same spike: one line, exit code 2 (not restarted).
+    proc = runs.result("endless")  # exit code 2
+    [line] = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert line.startswith("training error: loss spike detected at step ")
+    assert "spikes.max_rollbacks = 1 rollbacks have been made already" in line
+    assert "Traceback" not in proc.stderr
     rollbacks = runs.out.parent / "endless" / "checkpoints" / "rollbacks.json"
     assert len(json.loads(rollbacks.read_text())["rollbacks"]) == 1
 

@@ -107,3 +107,78 @@ def test_asking_for_wandb_without_the_package_is_one_line_at_preflight(monkeypat
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("config error: metrics.wandb = true needs the wandb package")
     assert "pip install 'bloomnative[wandb]'" in line and "metrics.wandb = false" in line
+
+
+WANDB_VARIABLES = (
+    "WANDB_API_KEY",
+    "WANDB_IDENTITY_TOKEN_FILE",
+    "WANDB_MODE",
+    "WANDB_DISABLED",
+    "WANDB_BASE_URL",
+    "WANDB_CONFIG_DIR",
+    "WANDB_DIR",
+    "NETRC",
+)
+
+
+@pytest.fixture
+def no_wandb_login(monkeypatch, tmp_path) -> Path:
+    """A home without W&B credentials or settings (returned), and none in the environment."""
+    for name in WANDB_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_asking_for_wandb_online_without_an_api_key_is_one_line_at_preflight(
+    no_wandb_login, capsys
+):
+    """Before, preflight passed and every worker stopped at its first step with W&B's
+    traceback, restarted three times (exit 1)."""
+    assert preflight.main(["--metrics.wandb=true"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("config error: metrics.wandb = true, but W&B has no API key for ")
+    assert f"no entry for api.wandb.ai in {no_wandb_login / '.netrc'}" in line
+    assert "`wandb login`" in line and "WANDB_MODE=offline" in line
+
+
+def write_netrc(path: Path, host: str) -> None:
+    path.write_text(f"machine {host}\n  login user\n  password {'k' * 40}\n")
+    path.chmod(0o600)
+
+
+SOURCES = {  # how W&B gets a key, or needs none -> (variables, files under home)
+    "offline": ({"WANDB_MODE": "offline"}, {}),
+    "disabled": ({"WANDB_MODE": "disabled"}, {}),
+    "WANDB_API_KEY": ({"WANDB_API_KEY": "k" * 40}, {}),
+    "netrc": ({}, {".netrc": "api.wandb.ai"}),
+    "netrc of WANDB_BASE_URL": (
+        {"WANDB_BASE_URL": "https://wandb.example.com"},
+        {".netrc": "wandb.example.com"},
+    ),
+    "`wandb offline`": ({}, {".config/wandb/settings": "[default]\nmode = offline\n"}),
+}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_a_key_where_wandb_looks_or_an_offline_mode_passes(no_wandb_login, monkeypatch, source):
+    from bloomnative.config import ConfigError, MetricsConfig
+    from bloomnative.train.tracking import check_wandb_credentials
+
+    variables, files = SOURCES[source]
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    for name, content in files.items():
+        path = no_wandb_login / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if name == ".netrc":
+            write_netrc(path, content)
+        else:
+            path.write_text(content)
+    check_wandb_credentials(MetricsConfig(wandb=True))
+    # The same home with another server's entry only, online: no key for api.wandb.ai.
+    if source == "netrc":
+        write_netrc(no_wandb_login / ".netrc", "wandb.example.com")
+        with pytest.raises(ConfigError, match="no API key for api.wandb.ai"):
+            check_wandb_credentials(MetricsConfig(wandb=True))

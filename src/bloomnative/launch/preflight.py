@@ -30,7 +30,7 @@ from bloomnative.parallel import LayoutError
 from bloomnative.planner import PlanError
 from bloomnative.train.input_files import check_data_files, check_initial_hf
 from bloomnative.train.resolved import ResolvedRun, resolve_run
-from bloomnative.train.tracking import check_wandb_installed
+from bloomnative.train.tracking import check_wandb
 
 _log = get_logger(__name__)
 
@@ -195,10 +195,11 @@ def check_start(config: Config, run: ResolvedRun) -> None:
 def check_run(config: Config, world_size: int, device: torch.device | str = "cpu") -> ResolvedRun:
     """The run resolved for `world_size` processes on `device` (train/resolved.py: the layout
     checked, "auto" recomputation planned against this machine's devices), its data files
-    present and, with metrics.wandb, the wandb package installed."""
+    present and, with metrics.wandb, the wandb package installed and, unless W&B runs offline,
+    its API key where wandb looks for one."""
     run = resolve_run(config, world_size, device)
     check_data_files(config)
-    check_wandb_installed(config.metrics)
+    check_wandb(config.metrics)
     return run
 
 

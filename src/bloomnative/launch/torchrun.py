@@ -20,11 +20,12 @@ them to this process, through the environment it gives them:
 - workers die with their launcher: each watches its parent (`exit_with_launcher`) and exits at
   once when this process is gone (`kill -9` of it, or of its process group), so no orphan keeps
   training and writing checkpoints into a dump folder that a restarted run then shares;
-- an error restarting cannot fix (a configuration, data or checkpoint mistake: bad input, not a
-  crash) is final: the worker hands its one-line message to this process
-  (`report_final_error`), which stops every worker, prints the line once and exits 2 instead
-  of letting torchrun restart the job `--max-restarts` times into the same error. Crashes and
-  lost ranks are restarted as before.
+- an error restarting cannot fix (a configuration, data or checkpoint mistake, a disk without
+  room for the next checkpoint, steps that stay non-finite, loss spikes that cannot be rolled
+  back: `bloomnative.launch.worker.final_errors`; not a crash) is final: the worker hands its
+  one-line message to this process (`report_final_error`), which stops every worker, prints
+  the line once and exits 2 instead of letting torchrun restart the job `--max-restarts` times
+  into the same error. Crashes and lost ranks are restarted as before.
 
 A lost node (`bloomnative.launch.rendezvous`, the rendezvous backend `bloomnative`) is said in
 words: the loss of the rendezvous store, or a node that does not rejoin in time, ends this
@@ -290,8 +291,8 @@ def _watched_rendezvous_endpoint(argv: list[str]) -> str | None:
 def main(argv: list[str]) -> int:
     """Exit codes: torchrun's (0: every worker exited 0, as after a clean stop), 1 workers killed
     at the end of the grace period, 2 a bad --stop-grace-s or BLOOMNATIVE_LOG_* variable, a
-    worker's final error (configuration, data or checkpoint) or a first rendezvous that never
-    formed, 3 (NODE_LOST_EXIT) a lost node that ends the job here."""
+    worker's final error (`bloomnative.launch.worker.final_errors`) or a first rendezvous that
+    never formed, 3 (NODE_LOST_EXIT) a lost node that ends the job here."""
     try:
         setup_logging(tag="bloomnative launcher", all_to_stderr=True)
     except LogSettingError as e:

@@ -78,7 +78,7 @@ from bloomnative.train.spikes import (
     Trigger,
     recovers_spikes,
 )
-from bloomnative.train.tracking import WandbSink, check_wandb_installed
+from bloomnative.train.tracking import WandbSink, check_wandb
 
 _log = get_logger(__name__)
 
@@ -136,7 +136,7 @@ class Trainer:
             log=_log.info,
         )
         check_data_files(config)
-        check_wandb_installed(config.metrics)
+        check_wandb(config.metrics)
         # The run as resolved ("auto" settings replaced by their choice), and its layout.
         self.config, self.dims = self.resolved.config, self.resolved.dims
         train_cfg, par = self.config.training, self.config.parallelism

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from unittest import mock
 
 from torch.distributed.checkpoint import FileSystemWriter
 
@@ -51,11 +52,8 @@ def fill_while_saving(disk: str, leave: int, argv: list[str]) -> int:
         fill(disk, leave)
         return real(writer, plan)
 
-    FileSystemWriter.prepare_local_plan = prepare_local_plan
-    try:
+    with mock.patch.object(FileSystemWriter, "prepare_local_plan", prepare_local_plan):
         return main(argv)
-    finally:
-        FileSystemWriter.prepare_local_plan = real
 
 
 def free_then_train(disk: str, argv: list[str]) -> int:

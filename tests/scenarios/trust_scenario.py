@@ -24,6 +24,7 @@ import shutil
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -209,11 +210,8 @@ def train_with_full_disk(step: int, argv: list[str]) -> int:
             full = "w" in mode and folder in Path(path).parts
             yield FullDiskFile(stream) if full else stream
 
-    FileSystem.create_stream = create_stream
-    try:
+    with mock.patch.object(FileSystem, "create_stream", create_stream):
         return main(argv)
-    finally:
-        FileSystem.create_stream = real_create_stream
 
 
 def train_then_crash(step: int, argv: list[str]) -> int:

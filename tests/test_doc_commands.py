@@ -125,7 +125,11 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
         ("python tools/bench_train.py", SMALL_BENCH, WHY_SMALL_BENCH),
         ("--cold-compile ", "", WHY_WARM),
         ("[--explain] [--json plan.json]", "--explain --json outputs/plan.json", "given"),
-        ("./run_tests.sh tests/perf", "./run_tests.sh tests/perf --collect-only", WHY_COLLECT),
+        (
+            "./run_tests.sh tests/planner tests/tools",
+            "./run_tests.sh tests/planner tests/tools --collect-only",
+            WHY_COLLECT,
+        ),
     ],
     "docs/training.md": [
         (

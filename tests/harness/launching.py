@@ -25,7 +25,16 @@ SCENARIO_DIR = TESTS / "scenarios"
 
 # Set by torchrun for its workers; a launched program must not inherit them from the test
 # process (a test run under torchrun, or a worker's leftovers).
-_LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"}
+_LAUNCHER_VARS = {
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    # bloomnative's rendezvous backend sets it for torchrun's agent; inherited, it makes a
+    # torchrun world's workers init their process groups on an unprefixed store
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+}
 
 launches_allowed: str | None = None
 """Outside pytest None (launch freely); under it, the running test's id while it may launch

@@ -63,6 +63,8 @@ def test_a_launcher_that_does_not_host_the_store_waits_for_it_before_torch_conne
     """Not torch's TCPStore connection (60 s, twice, then RendezvousConnectionError, which the
     launcher took for the loss of the store's node)."""
     monkeypatch.setattr(rendezvous, "_matches_machine_hostname", lambda host: False)
+    # _create sets it for torchrun's agent; the test process's later worlds must not inherit it
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
     endpoint = f"127.0.0.1:{free_port()}"
     params = RendezvousParameters(
         "bloomnative", endpoint, "job", 2, 2, join_timeout=1, read_timeout=60

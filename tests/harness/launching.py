@@ -44,10 +44,12 @@ launches_allowed: str | None = None
 def train_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The test process's environment without torchrun's variables, one thread per process (the
     2-core machines run several processes at once), the source tree and tests/ (for `harness`
-    and `scenarios`) on PYTHONPATH; `extra` added."""
+    and `scenarios`) on PYTHONPATH, Python's stack dump on a crash (a segfault in a launched
+    process shows where it was in its stderr); `extra` added."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     path = os.pathsep.join([str(REPO / "src"), str(TESTS)])
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(extra or {})}
+    fixed = {"OMP_NUM_THREADS": "1", "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1"}
+    return {**env, **fixed, **(extra or {})}
 
 
 def python_command(program: Sequence[str], nproc: int = 0, max_restarts: int = 0) -> list[str]:

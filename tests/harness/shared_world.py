@@ -118,14 +118,19 @@ class SharedWorld:
         return {s["name"]: self.result(s["name"]) for s in self.scenarios}
 
     def _ended_by(self) -> str:
-        """ ", ended by scenario X (exit code C on rank R)", for the first scenario that ended
-        with a code it was not expected to end with."""
+        """ ", ended by scenario X (exit code C on rank R)" and that rank's output (the cause;
+        the rank that did not finish was most likely stopped by the launcher), for the first
+        scenario that ended with a code it was not expected to end with."""
         for scenario in self.scenarios:
-            for exit_file in sorted((self.out / scenario["name"]).glob("rank*.exit")):
+            folder = self.out / scenario["name"]
+            for exit_file in sorted(folder.glob("rank*.exit")):
                 code = int(exit_file.read_text())
                 if code != scenario["expect"]:
-                    rank = exit_file.stem.removeprefix("rank")
-                    return f", ended by scenario {scenario['name']!r} (exit {code} on rank {rank})"
+                    rank = int(exit_file.stem.removeprefix("rank"))
+                    return (
+                        f", ended by scenario {scenario['name']!r} (exit {code} on rank {rank})"
+                        f"\n{self._output(folder, rank)}\n"
+                    )
         return ""
 
     @staticmethod

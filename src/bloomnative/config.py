@@ -38,6 +38,9 @@ PipelineSchedule = Literal[
 ]
 RecomputeMode = Literal["none", "full", "selective"]
 OptimizerImpl = Literal["fused", "foreach", "for-loop"]
+QuantizeBase = Literal["none", "nf4"]
+LoRATarget = Literal["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+"""The linear layers of a BLOOM block an adapter may target, by their Hugging Face names."""
 
 
 @dataclass
@@ -299,6 +302,28 @@ class SpikesConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (bloomnative.adapters): the base model is frozen and only the adapters
+    train. Their names and initialisation are Hugging Face PEFT's, so an adapter trained here
+    loads in PEFT (`tools/convert_hf.py to-peft`) and one PEFT wrote trains on here."""
+
+    rank: int = 0
+    """Rank r of each adapter; 0: no adapters (every weight trains)."""
+    alpha: float = 16.0
+    """Scale of the adapters' output is alpha / rank (PEFT's `lora_alpha`)."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input (PEFT's `lora_dropout`)."""
+    target_modules: list[LoRATarget] = field(default_factory=lambda: ["query_key_value"])
+    """The linear layers of every block that get an adapter, by their Hugging Face names:
+    query_key_value, dense, dense_h_to_4h, dense_4h_to_h (PEFT's default for BLOOM: QKV)."""
+    init_adapter: str = ""
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the
+    adapters from, instead of PEFT's initialisation; its rank and targets must be these."""
+    quantize_base: QuantizeBase = "none"
+    """"none": the frozen base in the run's dtype; "nf4": in 4-bit NormalFloat (QLoRA)."""
+
+
+@dataclass
 class ActivationCheckpointConfig:
     mode: Literal[RecomputeMode, "auto"] = "none"
     """"none", "full" (recompute every block), "selective" (every `every`-th block) or "auto"
@@ -379,6 +404,7 @@ class Config:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     spikes: SpikesConfig = field(default_factory=SpikesConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(
         default_factory=ActivationCheckpointConfig
     )
@@ -691,6 +717,7 @@ def validate(config: Config) -> None:
     for key in BloomArgs.SHAPE_FIELDS:
         _check(getattr(m, key) >= 0, f"model.{key} must be >= 0 (0 keeps the preset)")
     _validate_dropout(config)
+    _validate_lora(config)
     for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
         _check(getattr(t, key) > 0, f"training.{key} must be positive, got {getattr(t, key)}")
     _check(
@@ -823,6 +850,41 @@ def _validate_dropout(config: Config) -> None:
         "model.attention_dropout > 0 with parallelism.tp > 1 and sequence_parallel = false forks "
         "a per-rank random stream around each attention call, which compile.enable (fullgraph) "
         "cannot trace; set parallelism.sequence_parallel = true or compile.enable = false",
+    )
+
+
+def _validate_lora(config: Config) -> None:
+    lora, par = config.lora, config.parallelism
+    _check(lora.rank >= 0, f"lora.rank must be >= 0 (0: no adapters), got {lora.rank}")
+    if lora.rank == 0:
+        _check(
+            not lora.init_adapter and lora.quantize_base == "none",
+            "lora.init_adapter and lora.quantize_base need adapters: set lora.rank >= 1",
+        )
+        return
+    _check(lora.alpha > 0, f"lora.alpha must be positive, got {lora.alpha}")
+    _check(0 <= lora.dropout < 1, f"lora.dropout must be in [0, 1), got {lora.dropout}")
+    targets = typing.get_args(LoRATarget)
+    _check(bool(lora.target_modules), f"lora.target_modules is empty: choose from {targets}")
+    for target in lora.target_modules:
+        _check(
+            target in targets,
+            f"lora.target_modules: unknown module {target!r}; BLOOM's linear layers are "
+            f"{', '.join(targets)}",
+        )
+    _check(
+        len(set(lora.target_modules)) == len(lora.target_modules),
+        f"lora.target_modules lists a module twice: {lora.target_modules}",
+    )
+    for key in ("tp", "pp", "cp"):
+        _check(
+            getattr(par, key) == 1,
+            f"parallelism.{key} = {getattr(par, key)}: adapters (lora.rank > 0) train with data "
+            "parallelism (dp_shard, dp_replicate) only so far; set it to 1",
+        )
+    _check(
+        lora.quantize_base == "none",
+        'lora.quantize_base = "nf4" (QLoRA) is not available yet; use "none"',
     )
 
 

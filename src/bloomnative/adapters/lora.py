@@ -1,0 +1,164 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on a `Bloom`, applied from outside the model, as
+Hugging Face PEFT defines them, so that an adapter trained here loads in PEFT and back.
+
+An adapted linear layer computes `x W^T + b + (alpha / r) * B(A(dropout(x)))` with A `[r, in]`
+and B `[out, r]`; A starts Kaiming-uniform (PEFT's `a = sqrt(5)`: uniform in +-1/sqrt(in)) and B
+at zero, so the adapted model starts equal to the base. The layer stays an `nn.Linear` (its class
+is swapped for `LoRALinear` in place), so the base's parameter names, and everything keyed on
+them (the parallel plans, checkpoints, Hugging Face export), do not change; the adapter adds
+`<layer>.lora_a.weight` and `<layer>.lora_b.weight`.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import cast
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from bloomnative.config import LoRATarget
+from bloomnative.model import Bloom
+
+TARGET_MODULES: tuple[str, ...] = typing.get_args(LoRATarget)
+"""The linear layers of a BLOOM block an adapter may target, by their Hugging Face names."""
+DEFAULT_TARGETS = ("query_key_value",)
+"""PEFT's default for BLOOM (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`)."""
+ADAPTER_PARAMETERS = ("lora_a.weight", "lora_b.weight")
+
+InitialValue = Callable[[str, torch.Tensor, int], torch.Tensor]
+
+
+class LoRALinear(nn.Linear):
+    """An `nn.Linear` with a low-rank update beside it (module docstring). Made by
+    `apply_lora` from an existing layer, never constructed directly."""
+
+    lora_a: nn.Linear
+    lora_b: nn.Linear
+    lora_dropout: nn.Module
+    scaling: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update = self.lora_b(self.lora_a(self.lora_dropout(x)))
+        return F.linear(x, self.weight, self.bias) + update * self.scaling
+
+
+def _target_layers(model: Bloom, targets: Sequence[str]) -> Iterator[tuple[str, nn.Linear]]:
+    """(name, layer) of every targeted linear layer of the model's blocks."""
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in targets and isinstance(module, nn.Linear):
+            if name.startswith("layers."):
+                yield name, module
+
+
+def check_targets(targets: Sequence[str]) -> None:
+    """Raises ValueError naming a target that is not one of `TARGET_MODULES`."""
+    if not targets:
+        raise ValueError(f"no target modules: choose from {', '.join(TARGET_MODULES)}")
+    for target in targets:
+        if target not in TARGET_MODULES:
+            raise ValueError(
+                f"unknown target module {target!r}: BLOOM's linear layers are "
+                f"{', '.join(TARGET_MODULES)}"
+            )
+
+
+def apply_lora(
+    model: Bloom,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    targets: Sequence[str] = DEFAULT_TARGETS,
+) -> list[str]:
+    """Adds a rank-`rank` adapter to each targeted linear layer of `model`'s blocks (a whole
+    model or a pipeline stage, on any device, the meta device included) and freezes every other
+    parameter. Returns the adapted layers' names. The adapter's weights are left uninitialised
+    where the model is on the meta device; `init_lora` or `lora_initial_value` fills them.
+
+    Apply it before the parallel plans (it only adds `nn.Linear`s, which they shard like any
+    other) and before the optimizer is built (only trainable parameters go in it).
+    """
+    check_targets(targets)
+    if rank < 1:
+        raise ValueError(f"a LoRA rank must be at least 1, got {rank}")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    adapted = []
+    for name, layer in list(_target_layers(model, targets)):
+        device, dtype = layer.weight.device, layer.weight.dtype
+        layer.__class__ = LoRALinear
+        lora = cast(LoRALinear, layer)
+        lora.lora_a = nn.Linear(layer.in_features, rank, bias=False, device=device, dtype=dtype)
+        lora.lora_b = nn.Linear(rank, layer.out_features, bias=False, device=device, dtype=dtype)
+        lora.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        lora.scaling = alpha / rank
+        adapted.append(name)
+    for block in model.blocks():
+        if isinstance(block.mlp.dense_h_to_4h, LoRALinear):
+            # The fused bias + GeLU multiplies by dense_h_to_4h's weight itself, which would skip
+            # the adapter: the layer's own forward runs instead (the same function, unfused).
+            block.mlp.fused_bias_gelu = False
+    return adapted
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """Whether the parameter `name` (of a model `apply_lora` adapted) belongs to an adapter."""
+    return name.endswith(ADAPTER_PARAMETERS)
+
+
+def lora_initial_value(base: InitialValue) -> InitialValue:
+    """`Bloom.initial_value` extended to the adapters' parameters, by name (so every parallel
+    layout starts from the same adapters, as from the same base; `parallel.init_weights` takes
+    it): A Kaiming-uniform from a generator of its own seeded by (seed, name), B zero."""
+
+    def initial_value(name: str, like: torch.Tensor, seed: int) -> torch.Tensor:
+        if name.endswith("lora_b.weight"):
+            return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+        if not name.endswith("lora_a.weight"):
+            return base(name, like, seed)
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        value = torch.empty(like.shape, dtype=torch.float32)
+        nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+        return value.to(device=like.device, dtype=like.dtype)
+
+    return initial_value
+
+
+@torch.no_grad()
+def init_lora(model: Bloom, seed: int = 0) -> None:
+    """Gives the adapters of a model that is not sharded their initial values
+    (`lora_initial_value`); the base is left as it is."""
+    initial_value = lora_initial_value(model.initial_value)
+    for name, param in model.named_parameters():
+        if is_adapter_parameter(name):
+            param.copy_(initial_value(name, param, seed))
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' parameters by their names in `model`."""
+    return {
+        name: param.detach()
+        for name, param in model.named_parameters()
+        if is_adapter_parameter(name)
+    }
+
+
+@torch.no_grad()
+def merge_lora(model: Bloom) -> None:
+    """Folds every adapter into its layer's weight (`W + (alpha / r) B A`, what PEFT's
+    `merge_and_unload` computes) and turns the layers back into plain `nn.Linear`s: the model is
+    a plain `Bloom` again, with every parameter trainable."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            delta = module.lora_b.weight.float() @ module.lora_a.weight.float()
+            module.weight.add_((delta * module.scaling).to(module.weight.dtype))
+            del module.lora_a, module.lora_b, module.lora_dropout, module.scaling
+            module.__class__ = nn.Linear
+    for block in model.blocks():
+        block.mlp.fused_bias_gelu = model.args.fused_kernels
+    for param in model.parameters():
+        param.requires_grad_(True)

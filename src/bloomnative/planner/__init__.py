@@ -57,6 +57,7 @@ from bloomnative.planner.from_config import (
 from bloomnative.planner.inputs import (
     ATTENTION_MEMORY,
     RECOMPUTE_MODES,
+    Adapters,
     GiB,
     Layout,
     Overhead,
@@ -85,6 +86,7 @@ from bloomnative.planner.rank_estimate import (
 )
 
 __all__ = [
+    "Adapters",
     "block_activation_terms",
     "loss_saved_terms",
     "loss_transient",

@@ -12,7 +12,7 @@ from bloomnative.model.args import ATTENTION_BACKENDS, BloomArgs
 from bloomnative.model.attention import attention_for_planning
 from bloomnative.parallel.dims import ParallelDims
 from bloomnative.parallel.layout_check import check_layout, pipeline_microbatches
-from bloomnative.planner.inputs import GiB, Layout, Overhead, PlanError, Workload
+from bloomnative.planner.inputs import Adapters, GiB, Layout, Overhead, PlanError, Workload
 from bloomnative.planner.rank_estimate import Plan, least_recompute_that_fits
 
 
@@ -80,7 +80,14 @@ def workload_from_config(
         compiled_loss=compiled_loss,
         dropout=dropout or args.uses_dropout,
         optimizer=config.optimizer.kernel(device_type),
+        adapters=adapters_from_config(config),
     )
+
+
+def adapters_from_config(config: Config) -> Adapters | None:
+    """The run's `[lora]` adapters, or None when every weight trains."""
+    lora = config.lora
+    return Adapters(lora.rank, tuple(lora.target_modules)) if lora.rank > 0 else None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from bloomnative.config import OptimizerImpl, ParallelismConfig, RecomputeMode
+from bloomnative.config import LoRATarget, OptimizerImpl, ParallelismConfig, RecomputeMode
 from bloomnative.parallel.dims import ParallelDims
 from bloomnative.parallel.fsdp import uses_fsdp
 
@@ -17,6 +17,7 @@ FP32, BF16, INT64 = 4, 2, 8
 RECOMPUTE_MODES: tuple[str, ...] = typing.get_args(RecomputeMode)
 ATTENTION_MEMORY = ("flash", "sdpa_efficient", "materialized", "cpu_math")
 OPTIMIZER_IMPLS: tuple[str, ...] = typing.get_args(OptimizerImpl)
+ADAPTER_TARGETS: tuple[str, ...] = typing.get_args(LoRATarget)
 
 
 class PlanError(ValueError):
@@ -68,6 +69,16 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class Adapters:
+    """Low-rank adapters on the blocks' linear layers (`[lora]`, bloomnative.adapters): the base
+    is frozen, so only the adapters have gradients and AdamW moments."""
+
+    rank: int
+    targets: tuple[str, ...]
+    """The adapted layers of every block, by name (`config.LoRATarget`)."""
+
+
+@dataclass(frozen=True)
 class Workload:
     """What one data-parallel rank computes per optimizer step, and how."""
 
@@ -103,7 +114,11 @@ class Workload:
     attention the attention-dropout mask too (flash kernels regenerate theirs)."""
     optimizer: str = "fused"
     """AdamW implementation: "fused" (no temporaries), "foreach" (one fp32 temporary the size of
-    the local parameters) or "for-loop" (one the size of the largest parameter)."""
+    the trainable local parameters) or "for-loop" (one the size of the largest of them)."""
+    adapters: Adapters | None = None
+    """Low-rank adapters, the base frozen; None: every parameter trains. Activations are counted
+    as for full training, an upper bound: a frozen layer's input is not kept for its weight's
+    gradient where nothing else keeps it."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from bloomnative.parallel.schedules import stage_ids_of_rank, stage_layer_counts
 from bloomnative.planner.inputs import (
     BF16,
     FP32,
+    Adapters,
     Component,
     Layout,
     Precision,
@@ -28,6 +29,8 @@ class ParamTensor:
     shape: tuple[int, ...]
     unit: str
     """The FSDP unit it belongs to: "block.<i>" or "root" (embedding, LayerNorms, head)."""
+    trainable: bool = True
+    """False for the frozen base of an adapter run: no gradient, no AdamW moments."""
 
     @property
     def numel(self) -> int:
@@ -38,9 +41,38 @@ class ParamTensor:
         return math.ceil(self.shape[0] / shards) * (self.numel // self.shape[0])
 
 
-def block_parameters(args: BloomArgs, index: int, tp: int) -> list[ParamTensor]:
+# Each adaptable layer's module path in a block.
+_LINEAR_LAYERS = {
+    "query_key_value": "self_attention.query_key_value",
+    "dense": "self_attention.dense",
+    "dense_h_to_4h": "mlp.dense_h_to_4h",
+    "dense_4h_to_h": "mlp.dense_4h_to_h",
+}
+
+
+def block_parameters(
+    args: BloomArgs, index: int, tp: int, adapters: Adapters | None = None
+) -> list[ParamTensor]:
     """A block's parameters under Megatron's TP plan: QKV and dense_h_to_4h split by output rows,
-    dense and dense_4h_to_h by input columns (their biases replicated), LayerNorms replicated."""
+    dense and dense_4h_to_h by input columns (their biases replicated), LayerNorms replicated;
+    with `adapters`, the base frozen and each targeted layer's A [rank, in] and B [out, rank],
+    with the in and out of the layer's shard (TP splits A like a row-parallel layer's input and
+    B like a column-parallel layer's output)."""
+    base = _base_block_parameters(args, index, tp)
+    if adapters is None:
+        return base
+    base = [dataclasses.replace(p, trainable=False) for p in base]
+    shapes = {p.name: p.shape for p in base}
+    unit = f"block.{index}"
+    for target in adapters.targets:
+        name = f"layers.{index}.{_LINEAR_LAYERS[target]}"
+        out_features, in_features = shapes[f"{name}.weight"]
+        base.append(ParamTensor(f"{name}.lora_a.weight", (adapters.rank, in_features), unit))
+        base.append(ParamTensor(f"{name}.lora_b.weight", (out_features, adapters.rank), unit))
+    return base
+
+
+def _base_block_parameters(args: BloomArgs, index: int, tp: int) -> list[ParamTensor]:
     h = args.hidden_size
     unit = f"block.{index}"
     p = lambda name, *shape: ParamTensor(f"layers.{index}.{name}", tuple(shape), unit)
@@ -74,14 +106,18 @@ def stage_blocks(args: BloomArgs, layout: Layout, stage_id: int) -> range:
     return range(first, first + counts[stage_id])
 
 
-def stage_parameters(args: BloomArgs, layout: Layout, stage_id: int) -> list[ParamTensor]:
+def stage_parameters(
+    args: BloomArgs, layout: Layout, stage_id: int, adapters: Adapters | None = None
+) -> list[ParamTensor]:
     """What stage `stage_id` holds: its blocks, the embedding (first stage), the final LayerNorm
-    and the head (last stage; its own copy of the tied weight unless it is also the first)."""
+    and the head (last stage; its own copy of the tied weight unless it is also the first);
+    with `adapters` the blocks' adapters, and everything else frozen."""
     h, tp = args.hidden_size, layout.dims.tp
     vocab_shard = args.vocab_size // tp
     first, last = stage_id == 0, stage_id == layout.num_stages - 1
     params: list[ParamTensor] = []
-    root = lambda name, *shape: ParamTensor(name, tuple(shape), "root")
+    frozen = adapters is not None
+    root = lambda name, *shape: ParamTensor(name, tuple(shape), "root", trainable=not frozen)
     if first:
         params += [
             root("word_embeddings.weight", vocab_shard, h),
@@ -89,7 +125,7 @@ def stage_parameters(args: BloomArgs, layout: Layout, stage_id: int) -> list[Par
             root("word_embeddings_layernorm.bias", h),
         ]
     for index in stage_blocks(args, layout, stage_id):
-        params += block_parameters(args, index, tp)
+        params += block_parameters(args, index, tp, adapters)
     if last:
         params += [root("ln_f.weight", h), root("ln_f.bias", h)]
         if not first:
@@ -104,10 +140,14 @@ def rank_stage_ids(layout: Layout, pp_rank: int) -> list[int]:
     return stage_ids_of_rank(pp_rank, layout.dims.pp, par.pp_stages_per_rank, par.pp_schedule)
 
 
-def rank_parameters(args: BloomArgs, layout: Layout, pp_rank: int) -> list[ParamTensor]:
+def rank_parameters(
+    args: BloomArgs, layout: Layout, pp_rank: int, adapters: Adapters | None = None
+) -> list[ParamTensor]:
     """Every parameter pipeline rank `pp_rank` holds (one tensor-parallel rank's shards)."""
     return [
-        p for sid in rank_stage_ids(layout, pp_rank) for p in stage_parameters(args, layout, sid)
+        p
+        for sid in rank_stage_ids(layout, pp_rank)
+        for p in stage_parameters(args, layout, sid, adapters)
     ]
 
 
@@ -131,6 +171,8 @@ def model_state_components(
     parameters and gradients. zero_stage 1
     (Megatron-DeepSpeed BF16Optimizer): bf16 weights and bf16 .grad replicated, a full fp32
     gradient-accumulation buffer, fp32 master weights and moments partitioned over all dp ranks.
+    P counts every parameter the rank holds, T the trainable ones (all, or only the adapters:
+    FSDP2 keeps a frozen base's shards in the model's dtype like any other parameter).
     """
     grad_phase = "resident" if gradients_persist(layout, workload) else "step_end"
     if layout.deepspeed:
@@ -169,6 +211,7 @@ def _fsdp_states(
 ) -> list[Component]:
     shards = layout.dims.fsdp_shards
     sharded = sum(p.shard_numel(shards) for p in params)
+    trained = [p.shard_numel(shards) for p in params if p.trainable]
     units = unit_numels(params)
     root = units.get("root", 0)
     blocks = sorted((n for u, n in units.items() if u != "root"), reverse=True)
@@ -182,15 +225,17 @@ def _fsdp_states(
             "after forward and re-gathers two in backward (see the backward working set)"
         )
     states = "host" if layout.parallelism.cpu_offload else "resident"
-    step = _optimizer_step_temporary(workload, sharded, max(p.shard_numel(shards) for p in params))
+    step = _optimizer_step_temporary(workload, sum(trained), max(trained))
     return [
         Component("fp32 master weights (sharded)", FP32 * sharded, states, "4 x P/(dp_shard cp)"),
-        Component("AdamW moments (sharded)", 2 * FP32 * sharded, states, "2 x 4 x P/(dp_shard cp)"),
+        Component(
+            "AdamW moments (sharded)", 2 * FP32 * sum(trained), states, "2 x 4 x T/(dp_shard cp)"
+        ),
         Component(
             "fp32 gradients (sharded, reduce dtype)",
-            FP32 * sharded,
+            FP32 * sum(trained),
             "host" if layout.parallelism.cpu_offload else grad_phase,
-            "4 x P/(dp_shard cp)",
+            "4 x T/(dp_shard cp)",
         ),
         Component(
             "gathered weights (FSDP all-gather outputs)",
@@ -205,14 +250,15 @@ def _fsdp_states(
 def _unsharded_states(
     params: list[ParamTensor], workload: Workload, grad_phase: str
 ) -> list[Component]:
-    """fp32 without data parallelism: plain fp32 parameters and .grad."""
+    """fp32 without data parallelism: plain fp32 parameters, and .grad and AdamW moments for the
+    trainable ones."""
     n_local = sum(p.numel for p in params)
-    largest = max(p.numel for p in params)
+    trained = [p.numel for p in params if p.trainable]
     return [
         Component("fp32 weights", FP32 * n_local, "resident", "4 x P"),
-        Component("AdamW moments", 2 * FP32 * n_local, "resident", "2 x 4 x P"),
-        Component("fp32 gradients", FP32 * n_local, grad_phase, "4 x P"),
-        _optimizer_step_temporary(workload, n_local, largest),
+        Component("AdamW moments", 2 * FP32 * sum(trained), "resident", "2 x 4 x T"),
+        Component("fp32 gradients", FP32 * sum(trained), grad_phase, "4 x T"),
+        _optimizer_step_temporary(workload, sum(trained), max(trained)),
     ]
 
 

@@ -26,10 +26,12 @@ from bloomnative.planner.activations import (
     micro_batch_tokens,
 )
 from bloomnative.planner.inputs import (
+    ADAPTER_TARGETS,
     FP32,
     OPTIMIZER_IMPLS,
     RECOMPUTE_MODES,
     ActivationTerm,
+    Adapters,
     Component,
     Layout,
     Overhead,
@@ -276,6 +278,20 @@ def validate_plan(args: BloomArgs, layout: Layout, workload: Workload) -> None:
     check_pipeline_microbatches(workload.microbatches, dims.pp, par.pp_schedule)
     if dims.cp > 1 and layout.deepspeed:
         raise PlanError("zero_stage 1 (Megatron-DeepSpeed) is planned without context parallelism")
+    if workload.adapters is not None:
+        _check_adapters(workload.adapters, layout)
+
+
+def _check_adapters(adapters: Adapters, layout: Layout) -> None:
+    if layout.deepspeed:
+        raise PlanError("adapters are planned with FSDP2 (zero_stage 2 or 3), not zero_stage 1")
+    if adapters.rank < 1:
+        raise PlanError(f"adapter rank = {adapters.rank}; it must be at least 1")
+    unknown = sorted(set(adapters.targets) - set(ADAPTER_TARGETS))
+    if unknown or not adapters.targets:
+        raise PlanError(
+            f"adapter targets {list(adapters.targets)}: choose from {', '.join(ADAPTER_TARGETS)}"
+        )
 
 
 def estimate_rank(
@@ -289,7 +305,7 @@ def estimate_rank(
     """Every component of pipeline rank `pp_rank`'s memory."""
     validate_plan(args, layout, workload)
     prec = Precision.of(layout, workload)
-    params = rank_parameters(args, layout, pp_rank)
+    params = rank_parameters(args, layout, pp_rank, workload.adapters)
     components = model_state_components(params, layout, workload, prec)
     terms = activation_terms_for(args, layout, workload, prec)
     stage_ids = rank_stage_ids(layout, pp_rank)

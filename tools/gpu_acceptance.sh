@@ -1,4 +1,9 @@
 #!/usr/bin/env bash
+# On a 15-minute lease, run one command first: every figure that matters within 555 s, each
+# step's JSON written the moment it ends (tools/first_contact.py; docs/performance.md):
+#
+#   OUT=outputs/gpu tools/gpu_acceptance.sh first-contact [--tiny]
+#
 # What a lent GPU (H100 or H200) is for, phase by phase, from a source tree (no install needed:
 # PYTHONPATH=src:.). Correctness first: run `smoke` before anything that times. Each phase is one
 # process under a 9-minute limit and writes its log and a JSON under $OUT (default outputs/gpu);
@@ -29,6 +34,8 @@
 #   env            nvidia-smi and the versions (smoke reports them too)
 # A .whl/ folder (tools/fetch_gpu_wheels.sh) is installed into /tmp/bloomnative-site first.
 set -uo pipefail
+# first-contact's deadline counts from here: the wheel install below is part of it.
+export BLOOMNATIVE_FIRST_CONTACT_T0="${BLOOMNATIVE_FIRST_CONTACT_T0:-$(date +%s.%N)}"
 cd "$(dirname "$0")/.."
 
 OUT="${OUT:-outputs/gpu}"
@@ -63,6 +70,11 @@ bench_train() {  # name preset micro_batch global_batch
     --baseline "$(baselines)" --baseline-modes eager,compile \
     --json "$OUT/bench_train_$name.json" 2>&1 | tee "$OUT/bench_train_$name.log"
 }
+
+if [ "${1:-}" = first-contact ]; then
+  shift
+  exec "$PYTHON" tools/first_contact.py --out "$OUT" "$@"
+fi
 
 status=0
 for phase in "$@"; do
@@ -107,7 +119,7 @@ PY
         | tee "$OUT/host_syncs.log"
       ;;
     *)
-      echo "unknown phase '$phase'; valid: smoke train-560m train-1b7 kernels-bench kernels-test host-syncs env" >&2
+      echo "unknown phase '$phase'; valid: first-contact [--tiny] (alone), smoke train-560m train-1b7 kernels-bench kernels-test host-syncs env" >&2
       exit 2
       ;;
   esac

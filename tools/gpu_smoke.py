@@ -150,10 +150,13 @@ def check_kernels(device: torch.device, tiny: bool) -> dict:
     return {"ok": all(r["ok"] for r in results), "results": results}
 
 
-def check_compiled(device: torch.device, tiny: bool) -> dict:
+def check_compiled(
+    device: torch.device, tiny: bool, attention_shape: tuple[int, int, int] | None = None
+) -> dict:
     """Compiled against eager on the same inputs: the kernels are the same, only who launches
-    them differs (Inductor), so the gap is the dQ atomics' ordering noise (fp32: 1e-5)."""
-    seq, heads = (40, 2) if tiny else (1024, 16)
+    them differs (Inductor), so the gap is the dQ atomics' ordering noise (fp32: 1e-5).
+    ``attention_shape`` is the attention's (batch, heads, seq); default (2, 16, 1024)."""
+    batch, heads, seq = attention_shape or ((2, 2, 40) if tiny else (2, 16, 1024))
     results = []
     slopes = alibi_slopes(heads).to(device)
 
@@ -164,7 +167,7 @@ def check_compiled(device: torch.device, tiny: bool) -> dict:
         return layer_norm(x, w, b, residual=r)[0]
 
     attention_inputs = {
-        (head_dim, dtype): [torch.randn(2, heads, seq, head_dim, device=device, dtype=dtype)
+        (head_dim, dtype): [torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype)
                             for _ in range(3)]
         for head_dim, dtype in ((64, torch.float32), (128, torch.bfloat16))
     }  # fmt: skip

@@ -1,0 +1,76 @@
+"""`tools/gpu_acceptance.sh first-contact --tiny` end to end on CPU: the six steps of a GPU
+lease's first command, each writing its flat JSON the moment it ends, a step killed by its budget
+recorded as such with the earlier files intact, and nothing else under $OUT."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.kernel_checks import NEEDS_TRITON
+from harness.launching import run
+from harness.training import REPO
+
+STEPS = ["environment", "correctness", "train_1b7", "attention_bench", "hf_baseline",
+         "norms_loss_bench"]  # fmt: skip
+JSONS = [f"{i:02d}_{step}.json" for i, step in enumerate(STEPS, start=1)]
+MACHINE_FIELDS = {"device_name", "python", "torch", "triton", "cuda", "step", "status"}
+
+
+def first_contact(out: Path, *args: str, budgets: str = "") -> tuple[int, dict[str, dict]]:
+    """Runs the command with OUT=out; its exit code and {file name: record}."""
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable,
+           "TRITON_INTERPRET": "1", "BLOOMNATIVE_FIRST_CONTACT_BUDGETS": budgets}  # fmt: skip
+    env.pop("BLOOMNATIVE_FIRST_CONTACT_T0", None)
+    command = [str(REPO / "tools" / "gpu_acceptance.sh"), "first-contact", "--tiny", *args]
+    proc = run(command, cwd=REPO, env=env, timeout=400, check=False)
+    records = {p.name: json.loads(p.read_text()) for p in out.glob("*.json")}
+    return proc.returncode, records
+
+
+def assert_flat_with_machine(record: dict) -> None:
+    assert MACHINE_FIELDS <= set(record), sorted(record)
+    assert not any(isinstance(v, dict) for v in record.values()), record
+
+
+@NEEDS_TRITON
+@pytest.mark.multiprocess
+def test_first_contact_tiny_writes_every_step_and_records_the_one_killed_by_its_budget(tmp_path):
+    out = tmp_path / "out"
+    # hf_baseline gets 2 s: the process is killed while it imports, the step after it still runs
+    rc, records = first_contact(out, budgets="hf_baseline=2")
+    assert sorted(os.listdir(out)) == sorted([*JSONS, "first_contact.log"])
+    for record in records.values():
+        assert_flat_with_machine(record)
+    status = {name: records[name]["status"] for name in JSONS}
+    killed = "05_hf_baseline.json"
+    assert status == {**dict.fromkeys(JSONS, "ok"), killed: "timeout"}, status
+    assert records[killed]["reason"] == "killed by its 2 s budget" and rc == 1
+    correctness = records["02_correctness.json"]
+    assert correctness["result.ok"] is True
+    assert correctness["result.float64.2.name"].startswith("attention d128 dropout 0.1")
+    train = records["03_train_1b7.json"]
+    assert (
+        train["summary.losses_finite"] is True
+        and train["result.bloomnative.tokens_per_sec_median"] > 0
+    )
+    rows = records["04_attention_bench.json"]
+    assert any(
+        str(v).startswith("sdpa flash, causal") for k, v in rows.items() if k.endswith(".impl")
+    )
+    log = (out / "first_contact.log").read_text()
+    assert all(f"=== {step}: exit" in log for step in STEPS)
+
+
+@pytest.mark.multiprocess
+def test_first_contact_skips_every_step_it_has_no_time_for(tmp_path):
+    rc, records = first_contact(tmp_path, "--deadline-s=1")
+    assert sorted(records) == JSONS and sorted(os.listdir(tmp_path)) == JSONS
+    for record in records.values():
+        assert_flat_with_machine(record)
+        assert record["status"] == "skipped" and "s left, the step needs" in record["reason"]
+    assert rc == 1

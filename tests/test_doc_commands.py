@@ -110,6 +110,10 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
         ("path/to/bloom-560m", "exports/run-step-2000", WHY_HF),
         ("configs/bloom-560m.toml", "configs/bloom-560m.toml" + SHRUNK_BLOOM, WHY_HF),
     ],
+    "docs/finetuning.md": [
+        ("path/to/bloomz-560m", "exports/run-step-2000", WHY_HF),
+        ("configs/bloom-560m.toml", "configs/bloom-560m.toml" + SHRUNK_BLOOM, WHY_SHRUNK),
+    ],
     "docs/performance.md": [
         (
             "--steps 10 --json out.json",
@@ -156,6 +160,11 @@ READS = {
     ("docs/hf_interop.md", "python tools/convert_hf.py to-native *"): TO_HF,
     ("docs/hf_interop.md", "./run_train.sh --config configs/bloom-560m.toml *"): TO_HF,
     ("docs/training.md", "python tools/generate.py *"): README_RUN,
+    ("docs/finetuning.md", "./run_train.sh *"): TO_HF,
+    ("docs/finetuning.md", "python tools/generate.py *"): (
+        "docs/finetuning.md",
+        "./run_train.sh *",
+    ),
 }
 
 

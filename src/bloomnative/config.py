@@ -886,6 +886,11 @@ def _validate_lora(config: Config) -> None:
         lora.quantize_base == "none",
         'lora.quantize_base = "nf4" (QLoRA) is not available yet; use "none"',
     )
+    _check(
+        not lora.init_adapter,
+        "lora.init_adapter: starting from a PEFT adapter folder is not available yet; leave it "
+        "empty (the adapters start as PEFT initialises them)",
+    )
 
 
 def _validate_lr_schedule(s: LRSchedulerConfig) -> None:

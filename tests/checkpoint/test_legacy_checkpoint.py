@@ -31,7 +31,7 @@ import torch
 from bloomnative.checkpoint import reading
 from bloomnative.checkpoint.checkpointer import Checkpointer, load_components
 from harness.shared_world import SharedWorld
-from harness.training import losses_by_step
+from harness.training import checkpoint_entries, losses_by_step
 from scenarios.spike_scenario import BAD, TRAIN_WITH_SPIKES, spike_argv
 
 LEGACY = Path(__file__).resolve().with_name("legacy_checkpoint")
@@ -63,18 +63,6 @@ def legacy_run(dump: Path, corpus: str, *extra: str) -> list[str]:
     return spike_argv(dump, corpus, *model, "--model.hidden_dropout=0.1", *extra)
 
 
-def entries(checkpoint: Path) -> dict:
-    """Every entry of a checkpoint, read whole in this process."""
-    reader = reading.verified_reader(checkpoint)
-    metadata = reader.metadata.state_dict_metadata
-    state = {
-        key: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
-        for key, m in metadata.items()
-    }
-    reading.load(state, reader, no_dist=True)
-    return state
-
-
 def in_todays_format(old: dict) -> dict:
     """The old format's entries under today's keys, as today's components save them: the data
     position an int and its skipped windows a list of (start, end); the rest as they are."""
@@ -103,7 +91,7 @@ def write_in_todays_format(old_checkpoint: Path, folder: Path) -> None:
     checkpoint STEP in `folder`. Like the committed one it has no bloom_args.json or
     data_settings.json, so resuming from either differs in the format of the entries only."""
     saver = Checkpointer(folder, keep_latest_k=0, async_mode=False, min_free_gib=0)
-    saver.save(STEP, by_component(in_todays_format(entries(old_checkpoint))))
+    saver.save(STEP, by_component(in_todays_format(checkpoint_entries(old_checkpoint))))
     saver.wait()
 
 
@@ -213,7 +201,7 @@ def resumed_at_step_10(runs: SharedWorld, name: str) -> Path:
 
 
 def checkpoint(folder: Path, step: int) -> dict:
-    return entries(folder / "checkpoints" / f"step-{step}")
+    return checkpoint_entries(folder / "checkpoints" / f"step-{step}")
 
 
 @pytest.mark.multiprocess
@@ -225,7 +213,7 @@ def test_the_loader_gives_todays_components_every_committed_entry(runs):
     hyper-parameters, step, spike detector and RNG unchanged, the `train.*` counters as the data
     position and skipped windows, the learning-rate clock and the non-finite count."""
     committed = LEGACY / "checkpoints" / f"step-{STEP}"
-    old = entries(committed)
+    old = checkpoint_entries(committed)
     assert set(RENAMED) <= old.keys() and not old.keys() & RENAMED.values()
     todays = by_component(checkpoint(dump(runs, "uninterrupted"), STEP))
     recorders = {name: Recorder(saved) for name, saved in todays.items()}
@@ -246,7 +234,9 @@ def test_the_loader_gives_todays_components_every_committed_entry(runs):
 def test_the_committed_state_converted_here_is_in_todays_format(runs):
     """The premise of the next test: the converted checkpoint has the entries, dtypes, shapes
     and value types of the checkpoint today's trainer saves at the same step."""
-    converted = entries(runs.out.parent / "todays_format" / "checkpoints" / f"step-{STEP}")
+    converted = checkpoint_entries(
+        runs.out.parent / "todays_format" / "checkpoints" / f"step-{STEP}"
+    )
     saved_today = checkpoint(dump(runs, "uninterrupted"), STEP)
     assert {k: kind(v) for k, v in converted.items()} == {
         k: kind(v) for k, v in saved_today.items()

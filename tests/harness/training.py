@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from bloomnative.checkpoint import reading
 from bloomnative.data import IndexedDatasetBuilder
 from harness.launching import REPO, python_command, run, train_env
 
@@ -160,3 +162,15 @@ def flip_bytes(path: Path, count: int = 64) -> None:
     middle = len(data) // 2
     data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
     path.write_bytes(bytes(data))
+
+
+def checkpoint_entries(checkpoint: Path) -> dict:
+    """Every entry of a checkpoint, read whole in this process."""
+    reader = reading.verified_reader(checkpoint)
+    metadata = reader.metadata.state_dict_metadata
+    state = {
+        key: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
+        for key, m in metadata.items()
+    }
+    reading.load(state, reader, no_dist=True)
+    return state

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import typing
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import cast
 
 import torch
@@ -22,15 +22,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bloomnative.config import LoRATarget
-from bloomnative.model import Bloom
+from bloomnative.interop.adapter_state import lora_delta
+from bloomnative.model import Bloom, BloomArgs
+from bloomnative.parallel.init import InitialValue
 
 TARGET_MODULES: tuple[str, ...] = typing.get_args(LoRATarget)
 """The linear layers of a BLOOM block an adapter may target, by their Hugging Face names."""
 DEFAULT_TARGETS = ("query_key_value",)
 """PEFT's default for BLOOM (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`)."""
 ADAPTER_PARAMETERS = ("lora_a.weight", "lora_b.weight")
-
-InitialValue = Callable[[str, torch.Tensor, int], torch.Tensor]
 
 
 class LoRALinear(nn.Linear):
@@ -105,6 +105,17 @@ def apply_lora(
     return adapted
 
 
+def adapter_shapes(
+    args: BloomArgs, rank: int, targets: Sequence[str] = DEFAULT_TARGETS
+) -> dict[str, torch.Size]:
+    """The adapters' parameters of a whole model with `args`, by name: their shapes (from an
+    adapted model on the meta device, so they are the model's own)."""
+    with torch.device("meta"):
+        model = Bloom(args)
+    apply_lora(model, rank, alpha=1.0, targets=targets)
+    return {n: p.shape for n, p in model.named_parameters() if is_adapter_parameter(n)}
+
+
 def is_adapter_parameter(name: str) -> bool:
     """Whether the parameter `name` (of a model `apply_lora` adapted) belongs to an adapter."""
     return name.endswith(ADAPTER_PARAMETERS)
@@ -138,6 +149,20 @@ def init_lora(model: Bloom, seed: int = 0) -> None:
             param.copy_(initial_value(name, param, seed))
 
 
+def describe_adapters(parts: Sequence[nn.Module]) -> str:
+    """One line: the adapted layers and the trainable share of the parameters of `parts` (the
+    model parts a rank holds; a sharded parameter counts whole)."""
+    params = {id(p): p for part in parts for p in part.parameters()}.values()
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    layers = [m for part in parts for m in part.modules() if isinstance(m, LoRALinear)]
+    rank = layers[0].lora_a.weight.shape[0] if layers else 0
+    return (
+        f"LoRA adapters of rank {rank} on {len(layers)} layers: {trainable:,} trainable "
+        f"parameters of {total:,} ({100 * trainable / max(total, 1):.2f}%), the base frozen"
+    )
+
+
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters' parameters by their names in `model`."""
     return {
@@ -154,8 +179,8 @@ def merge_lora(model: Bloom) -> None:
     a plain `Bloom` again, with every parameter trainable."""
     for module in model.modules():
         if isinstance(module, LoRALinear):
-            delta = module.lora_b.weight.float() @ module.lora_a.weight.float()
-            module.weight.add_((delta * module.scaling).to(module.weight.dtype))
+            delta = lora_delta(module.lora_a.weight, module.lora_b.weight, module.scaling)
+            module.weight.add_(delta.to(module.weight.dtype))
             del module.lora_a, module.lora_b, module.lora_dropout, module.scaling
             module.__class__ = nn.Linear
     for block in model.blocks():

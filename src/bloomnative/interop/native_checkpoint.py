@@ -49,6 +49,12 @@ from bloomnative.checkpoint.run_record import (
     read_json_file,
     write_json_file,
 )
+from bloomnative.interop.adapter_state import (
+    CheckpointFormatError,
+    fold_adapters,
+    is_adapter_entry,
+    lora_alpha,
+)
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.model.args import PRESETS
 from bloomnative.model.state import EMBEDDING, TIED_HEAD, model_state
@@ -60,11 +66,6 @@ RUN_CONFIG = "config.toml"
 _FIELDS_NOT_IN_SHAPES = ("n_head", "layer_norm_epsilon", "init_std")
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
-
-
-class CheckpointFormatError(ValueError):
-    """A model folder or checkpoint that cannot be converted: says which file, which key, what
-    was found and what is valid."""
 
 
 # ---------------------------------------------------------------- canonical state <-> Bloom
@@ -401,7 +402,9 @@ def load_native_model(
     **overrides,
 ) -> Bloom:
     """Loads the model of a DCP checkpoint (a full training checkpoint or a model-only one)
-    into one process, on CPU, in `dtype`, once the folder has verified (`open_checkpoint`).
+    into one process, on CPU, in `dtype`, once the folder has verified (`open_checkpoint`). The
+    adapters of a LoRA run's checkpoint are folded into their layers (`adapter_state`), with
+    lora.alpha from its run's config.toml.
 
     Shapes come from the checkpoint's metadata. The head count comes from `n_head`, else from
     `recorded_model_args` (the checkpoint's ARGS_FILE or its run's config.toml); with none of
@@ -438,8 +441,12 @@ def load_native_model(
     state = {
         name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in shapes.items()
     }
-    check_state_matches(args, state, checkpoint_dir, display_name=lambda n: f"{MODEL_KEY}.{n}")
+    base = {name: t for name, t in state.items() if not is_adapter_entry(name)}
+    check_state_matches(args, base, checkpoint_dir, display_name=lambda n: f"{MODEL_KEY}.{n}")
     reading.load({MODEL_KEY: state}, reader, no_dist=True)
+    if len(base) < len(state):  # a LoRA run's: the adapters folded into their layers
+        alpha = lora_alpha(run_config_path(checkpoint_dir), checkpoint_dir)
+        state = fold_adapters(state, alpha, checkpoint_dir)
     return bloom_from_state_dict(args, state, checkpoint_dir, dtype)
 
 

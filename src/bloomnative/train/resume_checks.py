@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -169,14 +170,17 @@ def _same_file(saved: object, current: object) -> bool:
     return os.path.realpath(saved) == os.path.realpath(current)
 
 
-def model_mismatch(reader: CheckpointReader, args: BloomArgs) -> str | None:
-    """Why the checkpoint holds another model than one with `args`, in one line, or None: the
-    hyper-parameters its `bloom_args.json` records, then its model entries' names and shapes."""
+def model_mismatch(
+    reader: CheckpointReader, args: BloomArgs, adapters: Mapping[str, torch.Size] | None = None
+) -> str | None:
+    """Why the checkpoint holds another model than one with `args` (and these adapter entries,
+    `adapters.adapter_shapes`), in one line, or None: the hyper-parameters its `bloom_args.json`
+    records, then its model entries' names and shapes."""
     recorded = read_json_file(reader.folder, reader.record, ARGS_FILE)
     differences = shape_differences(recorded, args) if recorded else []
     prefix = MODEL_KEY + "."
     saved = {k[len(prefix) :]: s for k, s in reader.shapes().items() if k.startswith(prefix)}
-    expected = expected_shapes(args)
+    expected = {**expected_shapes(args), **(adapters or {})}
     entries = [
         f"{prefix}{name} is {_shape(saved.get(name))} there, {_shape(expected.get(name))} here"
         for name in sorted(set(saved) | set(expected))

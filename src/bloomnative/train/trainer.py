@@ -16,6 +16,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from bloomnative.adapters.lora import (
+    adapter_shapes,
+    apply_lora,
+    describe_adapters,
+    lora_initial_value,
+)
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint.reading import CheckpointReader, UnsafeCheckpointError
 from bloomnative.checkpoint.resume import FromHF, ModelOnly, Resume, VerifiedCheck, plan_start
@@ -218,7 +224,10 @@ class Trainer:
         )
         parts = placement.parts
         param_dtype = torch.bfloat16 if self.bf16 else torch.float32
+        lora = cfg.lora
         for part in parts:
+            if lora.rank:
+                apply_lora(part, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
             parallelize_part(
                 part,
                 self.mesh,
@@ -229,9 +238,12 @@ class Trainer:
                 param_dtype,
             )
             part.to_empty(device=self.device)
-            init_weights(part, cfg.job.seed)
+            adapters = lora_initial_value(part.initial_value) if lora.rank else None
+            init_weights(part, cfg.job.seed, adapters)
             part.train()
         self.model_parts = parts
+        if lora.rank and self.rank == 0:
+            _log.info(describe_adapters(parts))
         # With the fused loss, the part holding the head returns hidden states and the loss
         # applies the head.
         self.head: nn.Linear | None = None  # on this rank, and applied by the loss
@@ -371,7 +383,9 @@ class Trainer:
 
     def _fits(self, reader: CheckpointReader) -> str | None:
         """Why a verified checkpoint holds another model than this run's, or None."""
-        return model_mismatch(reader, self.resolved.model_args)
+        lora, args = self.config.lora, self.resolved.model_args
+        adapters = adapter_shapes(args, lora.rank, lora.target_modules) if lora.rank else None
+        return model_mismatch(reader, args, adapters)
 
     def load_training_state(self, reader: CheckpointReader) -> None:
         """Every component of a verified checkpoint (`_checkpointed`). The loader skips the data

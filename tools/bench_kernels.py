@@ -352,8 +352,14 @@ OURS = {"flash_alibi_attention", "layer_norm", "bias_gelu", "linear_cross_entrop
 
 
 def run(
-    s: Settings, suites: set[str], seqs: list[int], head_dims: list[int], segments: int = 0
+    s: Settings,
+    suites: set[str],
+    seqs: list[int],
+    head_dims: list[int],
+    segments: int = 0,
+    emit: Callable[[list[Row]], None] = lambda rows: None,
 ) -> list[Row]:
+    """Every row of the chosen suites; `emit` gets the rows so far after each benchmark."""
     rows = [copy_bandwidth_gbs(s)]
     if s.smoke:
         models = {"tiny": (64, 2)}
@@ -366,13 +372,22 @@ def run(
     if "attention" in suites:
         for seq in seqs:
             for head_dim in head_dims:
-                rows += bench_attention(max(1, tokens // seq), seq, heads, head_dim, s, segments)
+                batch = max(1, tokens // seq)
+                rows += _noted(bench_attention(batch, seq, heads, head_dim, s, segments), s)
+                emit(rows)
     if "norms" in suites:
         for name, (hidden, _) in models.items():
-            rows += bench_layer_norm(name, tokens, hidden, s)
-            rows += bench_bias_gelu(name, tokens, 4 * hidden, s)
+            rows += _noted(bench_layer_norm(name, tokens, hidden, s), s)
+            rows += _noted(bench_bias_gelu(name, tokens, 4 * hidden, s), s)
+            emit(rows)
     if "loss" in suites:
-        rows += bench_linear_cross_entropy(*lce, s)
+        rows += _noted(bench_linear_cross_entropy(*lce, s), s)
+        emit(rows)
+    return rows
+
+
+def _noted(rows: list[Row], s: Settings) -> list[Row]:
+    """`rows`, bloomnative's own noted with the path its kernels take here."""
     probe = torch.empty(0, device=s.device)
     path = "triton" if use_triton(probe) else "torch reference (no GPU, no TRITON_INTERPRET)"
     if INTERPRET and not s.cuda:
@@ -465,12 +480,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--suites: unknown {sorted(unknown)}; valid: attention, norms, loss")
     torch.manual_seed(0)
     seqs = [int(x) for x in args.seqs.split(",")]
-    rows = run(s, suites, seqs, [int(x) for x in args.head_dims.split(",")], args.segments)
+
+    def write(rows: list[Row]) -> None:
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            payload = {"environment": environment(s), "rows": [asdict(r) for r in rows]}
+            partial = args.out.with_name(args.out.name + ".partial")
+            partial.write_text(json.dumps(payload, indent=2) + "\n")
+            partial.replace(args.out)  # a reader never sees half a file
+
+    head_dims = [int(x) for x in args.head_dims.split(",")]
+    rows = run(s, suites, seqs, head_dims, args.segments, emit=write)
     print(format_table(rows))
+    write(rows)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"environment": environment(s), "rows": [asdict(r) for r in rows]}
-        args.out.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
 

@@ -316,9 +316,12 @@ def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list
         syncs.append(lines)
         return result
 
+    frames_compiled: list[int] = []  # Dynamo's count after each step
+
     def step() -> float:
         loss, _, _, gbs = train_step()
         tokens.append(gbs * config.training.seq_len / trainer.world_size)
+        frames_compiled.append(dynamo_counters()["frames_compiled"])
         return float(loss)  # this rank's loss (0 on pipeline ranks without the last stage)
 
     times = run_steps(step, options.warmup, options.steps, trainer.device, memory)
@@ -332,6 +335,9 @@ def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list
         memory.read(),
     )
     result["build_s"] = build_s
+    result["dynamo"] = dynamo_counters() | {
+        "frames_compiled_after_first_step": frames_compiled[-1] - frames_compiled[0]
+    }
     if options.sync_debug:  # the first step sets up (compilation, pipeline shape exchange)
         result["host_syncs_after_first_step"] = sum(len(lines) for lines in syncs[1:])
         result["host_sync_lines"] = sorted({line for lines in syncs[1:] for line in lines})
@@ -340,6 +346,18 @@ def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list
     choice = trainer.resolved.recompute  # activation_checkpoint.mode = "auto"
     result["recompute_chosen_by_planner"] = asdict(choice) if choice else None
     return result, recorder.batches, trainer.resolved
+
+
+def dynamo_counters() -> dict:
+    """Dynamo's process-wide counts so far: frames compiled (a recompile is one more), distinct
+    graphs, graph breaks. Zero without compile."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "frames_compiled": counters["frames"]["ok"],
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
 
 
 def reference_optimizer(model, config: Config) -> torch.optim.AdamW:

@@ -19,9 +19,11 @@ scratch live in a temporary folder, removed at the end.
    (same keep-mask); compiled against eager, dQ included; LayerNorm (4096 x 2048) and the
    fused loss (4096 x 250,880, hidden 2048) against float64;
 3. BLOOM-1b7 training, seq 2048, bf16, Triton attention, compile, the planner's recompute
-   (tools/bench_train.py: its JSON is written when it ends, so this step reports all or nothing);
+   (tools/bench_train.py: its JSON is written when it ends, so this step reports all or nothing),
+   Dynamo's frames compiled and graph breaks counted;
 4. attention fwd, bwd, fwd+bwd at seq 2048, d64 and d128 against SDPA with the ALiBi bias, Flex
-   with the ALiBi score_mod and SDPA flash causal without bias (tools/bench_kernels.py);
+   with the ALiBi score_mod and SDPA flash causal without bias (tools/bench_kernels.py, which
+   rewrites its JSON after each head dim: a step killed by its budget keeps the rows done);
 5. with at least 150 s left: bench_train at micro batch 1 beside transformers' BloomForCausalLM
    compiled, the same batches (the ratio);
 6. with time left: LayerNorm, bias-GeLU and the fused loss against their compiled baselines.
@@ -221,7 +223,7 @@ def run_step(step: Step, budget: float, tiny: bool, scratch: Path, log: Path) ->
               "returncode": rc, "elapsed_s": round(elapsed, 1)}  # fmt: skip
     if timed_out:
         record["reason"] = f"killed by its {budget:.0f} s budget"
-    if result.exists():
+    if result.exists():  # a benchmark killed by its budget may have left its rows so far
         record["result"] = json.loads(result.read_text())
         record["summary"] = training_summary(record["result"])
     return record | {"log_tail": tail}

@@ -43,3 +43,17 @@ def test_bench_kernels_smoke_mode_writes_a_row_per_implementation(tmp_path):
         ("attention fwd", "b1 s48 h2 d48"),
     } <= attention_shapes
     assert "linear_cross_entropy" in proc.stdout  # the table is printed too
+
+
+def test_bench_kernels_hands_over_its_rows_after_each_benchmark():
+    """What a run killed by its deadline has written: the rows of every benchmark done."""
+    import torch
+
+    from harness.training import load_tool
+
+    bench = load_tool("bench_kernels")
+    settings = bench.Settings(torch.device("cpu"), torch.float32, warmup=0, iters=1, smoke=True)
+    emitted = []
+    rows = bench.run(settings, {"norms", "loss"}, [48], [32], emit=lambda r: emitted.append(len(r)))
+    # copy, then layer_norm + bias_gelu (3 rows each), then the loss (3 rows)
+    assert emitted == [7, len(rows)] and len(rows) == 10

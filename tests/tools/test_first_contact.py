@@ -54,6 +54,7 @@ def test_first_contact_tiny_writes_every_step_and_records_the_one_killed_by_its_
     assert correctness["result.ok"] is True
     assert correctness["result.float64.2.name"].startswith("attention d128 dropout 0.1")
     train = records["03_train_1b7.json"]
+    assert train["result.bloomnative.dynamo.frames_compiled_after_first_step"] == 0
     assert (
         train["summary.losses_finite"] is True
         and train["result.bloomnative.tokens_per_sec_median"] > 0

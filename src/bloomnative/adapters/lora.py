@@ -182,7 +182,7 @@ def merge_lora(model: Bloom) -> None:
             delta = lora_delta(module.lora_a.weight, module.lora_b.weight, module.scaling)
             module.weight.add_(delta.to(module.weight.dtype))
             del module.lora_a, module.lora_b, module.lora_dropout, module.scaling
-            module.__class__ = nn.Linear
+            cast(nn.Linear, module).__class__ = nn.Linear
     for block in model.blocks():
         block.mlp.fused_bias_gelu = model.args.fused_kernels
     for param in model.parameters():

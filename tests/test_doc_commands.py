@@ -153,18 +153,18 @@ set-up, a step, the log, the checkpoint and the end-of-training sample."""
 
 # (doc, a command as the doc spells it, `*` for any text) -> the command whose output it reads
 README_RUN = ("README.md", "./run_train.sh")
-TO_HF = ("docs/hf_interop.md", "python tools/convert_hf.py to-hf *")
+TO_HF = ("docs/hf_interop.md", "python tools/convert_hf.py to-hf --checkpoint outputs/run/*")
+LORA_RUN = ("docs/finetuning.md", "./run_train.sh *")
 READS = {
     ("README.md", "python tools/generate.py *"): README_RUN,
     TO_HF: README_RUN,
     ("docs/hf_interop.md", "python tools/convert_hf.py to-native *"): TO_HF,
     ("docs/hf_interop.md", "./run_train.sh --config configs/bloom-560m.toml *"): TO_HF,
     ("docs/training.md", "python tools/generate.py *"): README_RUN,
-    ("docs/finetuning.md", "./run_train.sh *"): TO_HF,
-    ("docs/finetuning.md", "python tools/generate.py *"): (
-        "docs/finetuning.md",
-        "./run_train.sh *",
-    ),
+    LORA_RUN: TO_HF,
+    ("docs/finetuning.md", "python tools/generate.py *"): LORA_RUN,
+    ("docs/hf_interop.md", "python tools/convert_hf.py to-peft *"): LORA_RUN,
+    ("docs/hf_interop.md", "python tools/convert_hf.py to-hf --merge *"): LORA_RUN,
 }
 
 

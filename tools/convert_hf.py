@@ -2,7 +2,10 @@
 """Convert BLOOM weights between Hugging Face folders and bloomnative DCP checkpoints.
 
   to-native  Hugging Face folder -> model-only DCP checkpoint folder
-  to-hf      any saved step (full training checkpoint or model-only) -> Hugging Face folder
+  to-hf      any saved step (full training checkpoint or model-only) -> Hugging Face folder;
+             --merge: a LoRA run's adapters folded into its Hugging Face base
+  to-peft    a LoRA run's adapters -> PEFT adapter folder (adapter_config.json +
+             adapter_model.safetensors)
 
 Runs in one process on CPU; no torchrun or process group is needed.
 """
@@ -18,7 +21,9 @@ from pathlib import Path
 import torch
 from cli_args import ArgumentParser, whole_number
 
-from bloomnative.generate import run_tokenizer, special_token_ids
+from bloomnative.adapters import apply_lora, load_adapter_state, merge_lora, save_peft_adapter
+from bloomnative.config import Config, ConfigError, load_toml
+from bloomnative.generate import checkpoint_dir, run_tokenizer, special_token_ids
 from bloomnative.interop import (
     CheckpointFormatError,
     load_hf_model,
@@ -27,7 +32,8 @@ from bloomnative.interop import (
     save_native_checkpoint,
 )
 from bloomnative.interop.hf import TOKENIZER_FILES, GiB
-from bloomnative.model import PRESETS
+from bloomnative.interop.native_checkpoint import load_native_adapters, run_config_path
+from bloomnative.model import PRESETS, Bloom
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)?\s*$", re.IGNORECASE)
@@ -53,6 +59,21 @@ The tokenizer is --tokenizer, else the run's (data.tokenizer of that config.toml
 gets its special token ids: eos the EOD the run trained with (data.eod_token, else found as
 preprocessing finds it), bos the tokenizer's <s> (or similar), else the EOD, pad the run's
 data.pad_token, else the tokenizer's pad. --bos/--eos/--pad-token-id set them instead.
+
+A LoRA run's checkpoint is exported with each adapter folded into its layer's weight (W + alpha/r
+B A), from the checkpoint's own copy of the base. --merge does the same from the Hugging Face
+base instead: --base, else the run's checkpoint.initial_hf, with the adapters of the checkpoint
+(a dump folder's newest, or a step-N folder) read alone and the run's [lora] settings; the shape
+and head count are the base's.
+"""
+
+TO_PEFT_HELP = """\
+Writes the adapters of a LoRA run's checkpoint (a dump folder's newest, or a
+<job.dump_folder>/checkpoints/step-<N> folder) as a Hugging Face PEFT adapter folder:
+adapter_config.json with the run's [lora] rank, alpha, dropout and target modules (and its
+checkpoint.initial_hf as base_model_name_or_path) and adapter_model.safetensors. Only the
+adapter entries of the checkpoint are read. Load it with
+peft.PeftModel.from_pretrained(BloomForCausalLM.from_pretrained(BASE), OUT).
 """
 
 
@@ -120,7 +141,38 @@ def build_parser() -> argparse.ArgumentParser:
             help="written to config.json (default: from the tokenizer and the run's [data])",
         )
     to_hf.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    to_hf.add_argument(
+        "--merge",
+        action="store_true",
+        help="fold the LoRA run's adapters into its Hugging Face base (--base)",
+    )
+    to_hf.add_argument(
+        "--base", type=Path, help="with --merge: the base folder (default: checkpoint.initial_hf)"
+    )
+
+    to_peft = commands.add_parser(
+        "to-peft",
+        help="a LoRA run's adapters -> PEFT adapter folder",
+        description=TO_PEFT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    to_peft.add_argument(
+        "--checkpoint", required=True, type=Path, help="dump folder or checkpoints/step-N folder"
+    )
+    to_peft.add_argument("--out", required=True, type=Path, help="adapter folder to write")
+    to_peft.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     return parser
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses (one line, exit 2) flags that do not go together: with --merge the base folder
+    gives the shape, so --n-head and --preset do not apply; --base is --merge's."""
+    if args.command != "to-hf":
+        return
+    if args.merge and (args.n_head or args.preset):
+        parser.error("--merge takes the model's shape and head count from the base folder")
+    if args.base and not args.merge:
+        parser.error("--base is the base folder of --merge")
 
 
 def convert_to_native(args: argparse.Namespace) -> None:
@@ -132,12 +184,7 @@ def convert_to_native(args: argparse.Namespace) -> None:
 
 
 def convert_to_hf(args: argparse.Namespace) -> None:
-    overrides: dict = {"n_head": args.n_head}
-    if args.preset:
-        preset = PRESETS[args.preset]
-        overrides = {"n_head": preset.n_head, "init_std": preset.init_std}
-    log(f"reading checkpoint {args.checkpoint}")
-    model = load_native_model(args.checkpoint, **overrides)
+    model = merged_model(args) if args.merge else checkpoint_model(args)
     log(f"model: {_describe(model)}")
     tokenizer, token_ids = export_tokens(args)
     out = save_hf_model(
@@ -150,6 +197,66 @@ def convert_to_hf(args: argparse.Namespace) -> None:
         **token_ids,
     )
     log(f"wrote Hugging Face folder {out} ({args.dtype})")
+
+
+def checkpoint_model(args: argparse.Namespace) -> Bloom:
+    """The model of the checkpoint, with the head count of --n-head or --preset."""
+    overrides: dict = {"n_head": args.n_head}
+    if args.preset:
+        preset = PRESETS[args.preset]
+        overrides = {"n_head": preset.n_head, "init_std": preset.init_std}
+    log(f"reading checkpoint {args.checkpoint}")
+    return load_native_model(args.checkpoint, **overrides)
+
+
+def merged_model(args: argparse.Namespace) -> Bloom:
+    """The Hugging Face base (--base, else the run's checkpoint.initial_hf) with the adapters of
+    the checkpoint folded into its weights."""
+    step = checkpoint_dir(args.checkpoint)
+    run = lora_run(step)
+    base = args.base or run.checkpoint.initial_hf
+    if not base:
+        raise CheckpointFormatError(
+            f"{run_config_path(step)} has no checkpoint.initial_hf: give the Hugging Face folder "
+            "the adapters were trained on with --base"
+        )
+    log(f"reading base {base} and the adapters of {step}")
+    model = load_hf_model(base)
+    lora = run.lora
+    apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    load_adapter_state(model, load_native_adapters(step), step)
+    merge_lora(model)
+    return model
+
+
+def convert_to_peft(args: argparse.Namespace) -> None:
+    step = checkpoint_dir(args.checkpoint)
+    run = lora_run(step)
+    lora = run.lora
+    log(f"reading the adapters of {step}")
+    adapters = load_native_adapters(step)
+    out = save_peft_adapter(
+        adapters, args.out, lora, run.checkpoint.initial_hf, overwrite=args.overwrite
+    )
+    log(
+        f"wrote PEFT adapter folder {out}: rank {lora.rank}, alpha {lora.alpha:g}, "
+        f"{len(adapters) // 2} layers ({', '.join(lora.target_modules)})"
+    )
+
+
+def lora_run(step: Path) -> Config:
+    """The resolved config of the run that saved `step`, which must have adapters."""
+    path = run_config_path(step)
+    config = Config()
+    try:
+        load_toml(config, path)
+    except ConfigError as e:
+        raise CheckpointFormatError(
+            f"{e}: the run's config.toml holds the adapters' [lora] settings"
+        ) from None
+    if config.lora.rank == 0:
+        raise CheckpointFormatError(f"{path}: lora.rank = 0: the run trained no adapters")
+    return config
 
 
 def export_tokens(args: argparse.Namespace) -> tuple[Path | None, dict[str, int | None]]:
@@ -188,11 +295,16 @@ def _describe(model) -> str:
     )
 
 
+CONVERSIONS = {"to-native": convert_to_native, "to-hf": convert_to_hf, "to-peft": convert_to_peft}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 converted, 2 a bad argument or input (one line naming the file or flag)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_flags(parser, args)
     start = time.perf_counter()
-    convert = convert_to_native if args.command == "to-native" else convert_to_hf
+    convert = CONVERSIONS[args.command]
     try:
         convert(args)
     except (CheckpointFormatError, OSError) as e:  # OSError: a file missing, in the way, unwritable

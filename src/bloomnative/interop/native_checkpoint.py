@@ -450,6 +450,22 @@ def load_native_model(
     return bloom_from_state_dict(args, state, checkpoint_dir, dtype)
 
 
+def load_native_adapters(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The LoRA adapters of a DCP checkpoint (a run's with `[lora]`), under their canonical
+    names, read alone (the base is not loaded), once the folder has verified. Raises
+    CheckpointFormatError when it holds none."""
+    reader = open_checkpoint(checkpoint_dir)
+    shapes = {n: m for n, m in read_model_shapes(reader).items() if is_adapter_entry(n)}
+    if not shapes:
+        raise CheckpointFormatError(
+            f"{checkpoint_dir} holds no LoRA adapters (no '{MODEL_KEY}.*.lora_a.weight' "
+            "entries): it is not a checkpoint of a run with lora.rank > 0"
+        )
+    state = {n: torch.empty(m.size, dtype=m.properties.dtype) for n, m in shapes.items()}
+    reading.load({MODEL_KEY: state}, reader, no_dist=True)
+    return state
+
+
 @contextlib.contextmanager
 def _single_process_dcp() -> Iterator[None]:
     """DCP warns that it runs without a process group; here that is the intent."""

@@ -318,7 +318,8 @@ class LoRAConfig:
     query_key_value, dense, dense_h_to_4h, dense_4h_to_h (PEFT's default for BLOOM: QKV)."""
     init_adapter: str = ""
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the
-    adapters from, instead of PEFT's initialisation; its rank and targets must be these."""
+    adapters from at a fresh start, instead of PEFT's initialisation; its rank, targets and
+    alpha / rank must be these."""
     quantize_base: QuantizeBase = "none"
     """"none": the frozen base in the run's dtype; "nf4": in 4-bit NormalFloat (QLoRA)."""
 
@@ -885,11 +886,6 @@ def _validate_lora(config: Config) -> None:
     _check(
         lora.quantize_base == "none",
         'lora.quantize_base = "nf4" (QLoRA) is not available yet; use "none"',
-    )
-    _check(
-        not lora.init_adapter,
-        "lora.init_adapter: starting from a PEFT adapter folder is not available yet; leave it "
-        "empty (the adapters start as PEFT initialises them)",
     )
 
 

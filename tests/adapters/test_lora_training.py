@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bloomnative.config import ConfigError, parse_args
+from bloomnative.adapters import apply_lora
+from bloomnative.adapters.peft import read_peft_adapter, save_peft_adapter
+from bloomnative.config import ConfigError, LoRAConfig, parse_args
 from bloomnative.interop import load_hf_model, load_native_model
 from harness.hf_models import make_hf_bloom, save_hf_bloom
 from harness.launching import run
@@ -51,10 +53,42 @@ def runs(synthetic_corpus, base, tmp_path_factory) -> Path:
     one.train("one", lora_run(synthetic_corpus, base, out / "one"))
     one.train("stopped", lora_run(synthetic_corpus, base, out / "resumed", "--training.steps=2"))
     one.train("resumed", lora_run(synthetic_corpus, base, out / "resumed"))
+    peft = write_peft_adapter(base, out / "peft")
+    one.train(
+        "from_peft",
+        lora_run(
+            synthetic_corpus, base, out / "from_peft", f"--lora.init_adapter={peft}",
+            "--training.steps=1", "--checkpoint.interval=1",
+        ),
+    )  # fmt: skip
     two.train("fsdp", lora_run(synthetic_corpus, base, out / "fsdp", "--parallelism.dp_shard=2"))
     for world in (one, two):
         world.run().results()
     return out
+
+
+def write_peft_adapter(base: Path, folder: Path) -> Path:
+    """A PEFT folder of adapters for `base` with the runs' settings and random values."""
+    lora = LoRAConfig(rank=4, alpha=8, target_modules=TARGETS.split(","))
+    model = load_hf_model(base)
+    apply_lora(model, lora.rank, lora.alpha, targets=lora.target_modules)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    return save_peft_adapter(model, folder, lora, str(base))
+
+
+@pytest.mark.multiprocess
+def test_a_run_starts_its_adapters_from_a_peft_folder(runs):
+    # Step 1's learning rate is 0 (warm-up), so its checkpoint holds the folder's adapters.
+    saved = checkpoint_entries(runs / "from_peft" / "checkpoints" / "step-1")
+    settings, adapters = read_peft_adapter(runs / "peft")
+    assert (settings.rank, settings.alpha) == (4, 8)
+    assert len(adapters) == 16
+    for name, value in adapters.items():
+        assert torch.equal(saved[f"model.{name}"], value), name
 
 
 @pytest.mark.multiprocess
@@ -108,13 +142,26 @@ def test_bad_adapter_settings_are_refused_naming_the_key(override, message):
 
 
 @pytest.mark.multiprocess
-def test_the_launcher_refuses_bad_adapters_in_one_line_before_any_worker(tmp_path):
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (["--lora.target_modules=qkv"], "lora.target_modules: unknown module 'qkv'"),
+        (["--lora.init_adapter=MISSING"], "missing does not exist as a folder"),
+        (["--lora.init_adapter=PEFT", "--lora.rank=8"], "rank 4 there, 8 here"),
+    ],
+)
+def test_the_launcher_refuses_bad_adapters_in_one_line_before_any_worker(
+    runs, tmp_path, settings, message
+):
+    folders = {"PEFT": str(runs / "peft"), "MISSING": str(tmp_path / "missing")}
+    argv = ["--lora.rank=4", *settings]
+    for placeholder, folder in folders.items():
+        argv = [s.replace(placeholder, folder) for s in argv]
     result = run(
-        [str(REPO / "run_train.sh"), "--lora.rank=4", "--lora.target_modules=qkv",
-         f"--job.dump_folder={tmp_path / 'run'}"],
+        [str(REPO / "run_train.sh"), *argv, f"--job.dump_folder={tmp_path / 'run'}"],
         check=False,
-    )  # fmt: skip
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "lora.target_modules: unknown module 'qkv'" in lines[0], lines
+    assert len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "run").exists()

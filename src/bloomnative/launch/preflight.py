@@ -21,14 +21,18 @@ from pathlib import Path
 import torch
 
 from bloomnative.checkpoint.checkpointer import BadCheckpointError
-from bloomnative.checkpoint.resume import CompleteCheck, FromHF, plan_start
+from bloomnative.checkpoint.resume import CompleteCheck, Fresh, FromHF, plan_start
 from bloomnative.config import Config, ConfigError, parse_args
 from bloomnative.data import IndexedDatasetError
 from bloomnative.device import pick_device
 from bloomnative.log import get_logger, setup_logging
 from bloomnative.parallel import LayoutError
 from bloomnative.planner import PlanError
-from bloomnative.train.input_files import check_data_files, check_initial_hf
+from bloomnative.train.input_files import (
+    check_data_files,
+    check_initial_hf,
+    init_adapter_state,
+)
 from bloomnative.train.resolved import ResolvedRun, resolve_run
 from bloomnative.train.tracking import check_wandb
 
@@ -190,6 +194,8 @@ def check_start(config: Config, run: ResolvedRun) -> None:
         raise ConfigError(str(e)) from None
     if isinstance(plan.start, FromHF):
         check_initial_hf(plan.start.path, run.model_args)
+    if config.lora.init_adapter and isinstance(plan.start, Fresh | FromHF):
+        init_adapter_state(config.lora, run.model_args)
 
 
 def check_run(config: Config, world_size: int, device: torch.device | str = "cpu") -> ResolvedRun:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from bloomnative.config import Config, ConfigError, ModelConfig
+import torch
+
+from bloomnative.config import Config, ConfigError, LoRAConfig, ModelConfig
 from bloomnative.model import BloomArgs
 
 
@@ -103,3 +105,47 @@ def check_initial_hf(hf_dir: str, args: BloomArgs) -> None:
     except CheckpointFormatError as e:
         raise ConfigError(f"checkpoint.initial_hf: {e}") from None
     _require_same_shape(hf_dir, {k: getattr(args, k) for k in BloomArgs.SHAPE_FIELDS}, theirs)
+
+
+def init_adapter_state(lora: LoRAConfig, args: BloomArgs) -> dict[str, torch.Tensor]:
+    """The adapter tensors of the PEFT folder `lora.init_adapter`, under bloomnative's names,
+    checked against the run: its rank, target modules and alpha/rank are the run's `[lora]`, and
+    it holds exactly the adapters of a model with `args`, of their shapes. Preflight reads it
+    once before any worker starts; the trainer reads it to start the adapters from it.
+
+    Raises:
+        ConfigError: one line naming the folder and what differs or cannot be read.
+    """
+    from bloomnative.adapters.lora import adapter_shapes
+    from bloomnative.adapters.peft import read_peft_adapter
+    from bloomnative.interop import CheckpointFormatError
+
+    folder = Path(lora.init_adapter)
+    if not folder.is_dir():
+        raise ConfigError(f"lora.init_adapter: {_missing(folder)} as a folder")
+    try:
+        theirs, state = read_peft_adapter(folder)
+    except CheckpointFormatError as e:
+        raise ConfigError(f"lora.init_adapter: {e}") from None
+    differences = [
+        f"{key} {found} there, {ours} here"
+        for key, found, ours in (
+            ("rank", theirs.rank, lora.rank),
+            ("target_modules", sorted(theirs.target_modules), sorted(lora.target_modules)),
+            ("alpha / rank", theirs.alpha / theirs.rank, lora.alpha / lora.rank),
+        )
+        if found != ours
+    ]
+    expected = adapter_shapes(args, lora.rank, lora.target_modules)
+    differences += [
+        f"{name} is {list(state[name].shape) if name in state else 'absent'} there, "
+        f"{list(expected[name]) if name in expected else 'absent'} here"
+        for name in sorted(set(state) | set(expected))
+        if name not in state or name not in expected or state[name].shape != expected[name]
+    ][:1]
+    if differences:
+        raise ConfigError(
+            f"lora.init_adapter = {folder} holds other adapters than this run's [lora] and "
+            f"model: {'; '.join(differences)}"
+        )
+    return state

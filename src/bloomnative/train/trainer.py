@@ -24,7 +24,14 @@ from bloomnative.adapters.lora import (
 )
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint.reading import CheckpointReader, UnsafeCheckpointError
-from bloomnative.checkpoint.resume import FromHF, ModelOnly, Resume, VerifiedCheck, plan_start
+from bloomnative.checkpoint.resume import (
+    Fresh,
+    FromHF,
+    ModelOnly,
+    Resume,
+    VerifiedCheck,
+    plan_start,
+)
 from bloomnative.checkpoint.run_record import ARGS_FILE, DATA_FILE, model_fields
 from bloomnative.config import Config
 from bloomnative.data import build_loaders
@@ -49,7 +56,7 @@ from bloomnative.train.attention_choice import resolve_auto_attention
 from bloomnative.train.distributed import init_distributed
 from bloomnative.train.faults import StopRequest
 from bloomnative.train.hang import HangRecorder, enable_flight_recorder
-from bloomnative.train.input_files import check_data_files, check_initial_hf
+from bloomnative.train.input_files import check_data_files, check_initial_hf, init_adapter_state
 from bloomnative.train.loss import (
     LossFn,
     cross_entropy_sum,
@@ -380,6 +387,8 @@ class Trainer:
                     _log.info(f"resumed from {reader.folder} at step {self.step}")
         except UnsafeCheckpointError as e:
             raise ckpt.BadCheckpointError(str(e)) from None
+        if self.config.lora.init_adapter and isinstance(plan.start, Fresh | FromHF):
+            self._load_init_adapter()
 
     def _fits(self, reader: CheckpointReader) -> str | None:
         """Why a verified checkpoint holds another model than this run's, or None."""
@@ -404,6 +413,13 @@ class Trainer:
         source = load_hf_model(hf_dir)
         load_model_state(self.model_parts, model_state([source]), full=True)
         _log.info(f"initial weights from Hugging Face folder {hf_dir}")
+
+    def _load_init_adapter(self) -> None:
+        """Fine-tuning on from a PEFT adapter: every rank reads the folder and keeps its shard."""
+        folder = self.config.lora.init_adapter
+        state = init_adapter_state(self.config.lora, self.resolved.model_args)
+        load_model_state(self.model_parts, state, full=True)
+        _log.info(f"initial adapters from PEFT folder {folder}")
 
     def save_checkpoint(self) -> None:
         """Saves this step's checkpoint, unless the state is not healthy (a run of skipped

@@ -112,6 +112,12 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "docs/finetuning.md": [
         ("path/to/bloomz-560m", "exports/run-step-2000", WHY_HF),
+        ("pairs.jsonl", "xp3_en.jsonl", "the pairs `write_inputs` makes"),
+        (
+            "'<pad>'",
+            "'<|endoftext|>'",
+            "the export above carries the debug run's tokenizer, whose one special token pads",
+        ),
         ("configs/bloom-560m.toml", "configs/bloom-560m.toml" + SHRUNK_BLOOM, WHY_SHRUNK),
     ],
     "docs/performance.md": [
@@ -154,6 +160,7 @@ set-up, a step, the log, the checkpoint and the end-of-training sample."""
 # (doc, a command as the doc spells it, `*` for any text) -> the command whose output it reads
 README_RUN = ("README.md", "./run_train.sh")
 TO_HF = ("docs/hf_interop.md", "python tools/convert_hf.py to-hf --checkpoint outputs/run/*")
+LORA_PAIRS = ("docs/finetuning.md", "python tools/preprocess_data.py *")
 LORA_RUN = ("docs/finetuning.md", "./run_train.sh *")
 READS = {
     ("README.md", "python tools/generate.py *"): README_RUN,
@@ -161,8 +168,10 @@ READS = {
     ("docs/hf_interop.md", "python tools/convert_hf.py to-native *"): TO_HF,
     ("docs/hf_interop.md", "./run_train.sh --config configs/bloom-560m.toml *"): TO_HF,
     ("docs/training.md", "python tools/generate.py *"): README_RUN,
-    LORA_RUN: TO_HF,
+    LORA_PAIRS: TO_HF,
+    LORA_RUN: LORA_PAIRS,
     ("docs/finetuning.md", "python tools/generate.py *"): LORA_RUN,
+    ("docs/finetuning.md", "python tools/convert_hf.py to-peft *"): LORA_RUN,
     ("docs/hf_interop.md", "python tools/convert_hf.py to-peft *"): LORA_RUN,
     ("docs/hf_interop.md", "python tools/convert_hf.py to-hf --merge *"): LORA_RUN,
 }

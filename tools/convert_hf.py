@@ -61,10 +61,11 @@ preprocessing finds it), bos the tokenizer's <s> (or similar), else the EOD, pad
 data.pad_token, else the tokenizer's pad. --bos/--eos/--pad-token-id set them instead.
 
 A LoRA run's checkpoint is exported with each adapter folded into its layer's weight (W + alpha/r
-B A), from the checkpoint's own copy of the base. --merge does the same from the Hugging Face
-base instead: --base, else the run's checkpoint.initial_hf, with the adapters of the checkpoint
-(a dump folder's newest, or a step-N folder) read alone and the run's [lora] settings; the shape
-and head count are the base's.
+B A), into the base its base_model.json records (the run's checkpoint.initial_hf, refused when it
+holds other weights now: the checkpoint holds the adapters only). --merge does the same from a
+base of your choosing: --base, else the run's checkpoint.initial_hf, with the adapters of the
+checkpoint (a dump folder's newest, or a step-N folder) read alone and the run's [lora]
+settings; the shape and head count are the base's.
 """
 
 TO_PEFT_HELP = """\

@@ -1,12 +1,17 @@
-"""Training with low-rank adapters (`[lora]`) the way a user runs it: run_train.sh from a Hugging
-Face base (`checkpoint.initial_hf`). The single-process run is the reference of the FSDP2 run
-(dp_shard 2) and of its resume; the base is checked against the Hugging Face folder it came from,
-and the checkpoint's adapters against the folded model that sampling and export read."""
+"""Training with low-rank adapters (`[lora]`) the way a user runs it: the trainer's entry point
+from a Hugging Face base (`checkpoint.initial_hf`). The single-process run is the reference of
+the FSDP2 run (dp_shard 2), of bf16 on packed pairs with a batch-size rampup, and of a stopped
+and resumed run; the frozen base after training is compared with the Hugging Face folder it came
+from (the checkpoints hold the adapters only), and a checkpoint read as a model with that base
+and its adapters folded in."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,13 +19,38 @@ from bloomnative.adapters import apply_lora
 from bloomnative.adapters.peft import read_peft_adapter, save_peft_adapter
 from bloomnative.config import ConfigError, LoRAConfig, parse_args
 from bloomnative.interop import load_hf_model, load_native_model
+from bloomnative.interop.hf_fingerprint import hf_fingerprint
 from harness.hf_models import make_hf_bloom, save_hf_bloom
-from harness.launching import run
+from harness.launching import SCENARIO_DIR, run
+from harness.mtf_pairs import write_pairs
 from harness.shared_world import SharedWorld
-from harness.training import REPO, TINY_RUN, checkpoint_entries, losses_by_step, metric_rows
+from harness.training import (
+    REPO,
+    TINY_RUN,
+    checkpoint_entries,
+    losses_by_step,
+    write_word_tokenizer,
+)
+from scenarios.lora_scenario import FROZEN_FILE
 
+KEEPING_BASE = f"{SCENARIO_DIR / 'lora_scenario.py'}:train_keeping_base"
 TARGETS = "query_key_value,dense_4h_to_h"
-STEPS = 4
+STEPS = 8
+STOP = 4  # the step the stopped run stops at, a checkpoint of the reference run too
+ADAPTER_ENTRIES = 2 * 2 * 4  # A and B, two targets, four blocks
+# Packed prompt/answer pairs in bf16, the batch ramping up 4, 4, 6, 6, 8 samples over 5 steps
+# (micro batch 1, so that every size splits over two ranks).
+PAIRS_BF16 = [
+    "--training.dtype=bf16",
+    "--data.format=mtf",
+    "--data.pad_token=<|endoftext|>",
+    "--training.micro_batch_size=1",
+    "--training.rampup_batch_size=4,2,16",
+    "--training.steps=5",
+    "--checkpoint.enable=false",
+]
+FP32_TOLERANCE = 1e-5
+BF16_TOLERANCE = 2e-3  # tests/parallel/test_layouts.py says why
 
 
 def lora_run(corpus: str, base: Path, dump: Path, *extra: str) -> list[str]:
@@ -29,8 +59,11 @@ def lora_run(corpus: str, base: Path, dump: Path, *extra: str) -> list[str]:
         f"--data.blend={corpus}",
         f"--job.dump_folder={dump}",
         f"--checkpoint.initial_hf={base}",
-        "--checkpoint.interval=2",
+        f"--checkpoint.interval={STOP}",
         f"--training.steps={STEPS}",
+        "--optimizer.lr=3e-2",  # adapters on a random base need it to learn in a few steps
+        "--optimizer.min_lr=3e-3",
+        f"--lr_scheduler.decay_steps={STEPS}",  # a run stopped early keeps the schedule
         "--lora.rank=4",
         "--lora.alpha=8",
         f"--lora.target_modules={TARGETS}",
@@ -38,21 +71,45 @@ def lora_run(corpus: str, base: Path, dump: Path, *extra: str) -> list[str]:
     ]
 
 
+def hf_base(folder: Path, seed: int) -> Path:
+    """A Hugging Face folder of a random BLOOM of TINY_RUN's shape."""
+    model = make_hf_bloom(vocab_size=128, hidden_size=32, n_layer=4, n_head=4, seed=seed)
+    return save_hf_bloom(model, folder)
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    """A Hugging Face folder of a random BLOOM of TINY_RUN's shape."""
-    model = make_hf_bloom(vocab_size=128, hidden_size=32, n_layer=4, n_head=4, seed=3)
-    return save_hf_bloom(model, tmp_path_factory.mktemp("base"))
+    return hf_base(tmp_path_factory.mktemp("base"), seed=3)
+
+
+def write_pair_corpus(folder: Path) -> tuple[str, str]:
+    """Prompt/answer pairs of random words (ids 1-127): their prefix, and the setting of their
+    word tokenizer."""
+    rng = np.random.default_rng(0)
+    lengths = [(int(rng.integers(1, 15)), int(rng.integers(1, 10))) for _ in range(120)]
+    inputs = [rng.integers(1, 128, n) for n, _ in lengths]
+    targets = [rng.integers(1, 128, n) for _, n in lengths]
+    folder.mkdir(parents=True)
+    tokenizer = write_word_tokenizer(folder / "tokenizer.json")
+    prefix = write_pairs(folder / "pairs", inputs, targets, vocab_size=128)
+    return prefix, f"--data.tokenizer={tokenizer}"
 
 
 @pytest.fixture(scope="module")
-def runs(synthetic_corpus, base, tmp_path_factory) -> Path:
-    """One process; FSDP2 over 2 ranks; the one-process run stopped at step 2 and resumed."""
+def runs(synthetic_corpus, base, tmp_path_factory) -> SimpleNamespace:
+    """In one process: the reference run; a run stopped at step STOP and resumed; the reference
+    run's folder continued on another base (refused); a run started from a PEFT folder; bf16 on
+    packed pairs. Over 2 ranks (FSDP2): the reference run and the bf16 one."""
     out = tmp_path_factory.mktemp("lora")
+    other_base = hf_base(out / "other_base", seed=4)
+    pairs, tokenizer = write_pair_corpus(out / "pair_data")
     one, two = SharedWorld(out / "world_1"), SharedWorld(out / "world_2", 2)
-    one.train("one", lora_run(synthetic_corpus, base, out / "one"))
-    one.train("stopped", lora_run(synthetic_corpus, base, out / "resumed", "--training.steps=2"))
+    one.add("one", KEEPING_BASE, lora_run(synthetic_corpus, base, out / "one"))
+    stopped = lora_run(synthetic_corpus, base, out / "resumed", f"--training.steps={STOP}")
+    one.train("stopped", stopped)
     one.train("resumed", lora_run(synthetic_corpus, base, out / "resumed"))
+    more = lora_run(synthetic_corpus, other_base, out / "one", f"--training.steps={STEPS + 2}")
+    one.train("other_base", more, expect=2)
     peft = write_peft_adapter(base, out / "peft")
     one.train(
         "from_peft",
@@ -61,10 +118,21 @@ def runs(synthetic_corpus, base, tmp_path_factory) -> Path:
             "--training.steps=1", "--checkpoint.interval=1",
         ),
     )  # fmt: skip
-    two.train("fsdp", lora_run(synthetic_corpus, base, out / "fsdp", "--parallelism.dp_shard=2"))
-    for world in (one, two):
-        world.run().results()
-    return out
+    one.train("pairs_bf16", lora_run(pairs, base, out / "pairs_bf16", *PAIRS_BF16, tokenizer))
+    two.add(
+        "fsdp",
+        KEEPING_BASE,
+        lora_run(synthetic_corpus, base, out / "fsdp", "--parallelism.dp_shard=2"),
+    )
+    two.add(
+        "pairs_bf16_fsdp",
+        KEEPING_BASE,
+        lora_run(
+            pairs, base, out / "pairs_bf16_fsdp", *PAIRS_BF16, tokenizer, "--parallelism.dp_shard=2"
+        ),
+    )
+    results = {**one.run().results(), **two.run().results()}
+    return SimpleNamespace(out=out, results=results)
 
 
 def write_peft_adapter(base: Path, folder: Path) -> Path:
@@ -81,49 +149,80 @@ def write_peft_adapter(base: Path, folder: Path) -> Path:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["one", "fsdp", "pairs_bf16_fsdp"])
+def test_training_leaves_the_frozen_base_bit_for_bit(runs, base, name):
+    frozen = torch.load(runs.out / name / FROZEN_FILE)
+    reference = load_hf_model(base).state_dict()
+    assert len(frozen) == len(reference) - 1  # every weight but the head tied to the embedding
+    for key, value in frozen.items():
+        assert torch.equal(value, reference[key]), key
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_holds_the_adapters_their_optimizer_state_and_where_the_base_is(runs, base):
+    step = runs.out / "one" / "checkpoints" / f"step-{STEPS}"
+    entries = checkpoint_entries(step)
+    model = {k.removeprefix("model."): v for k, v in entries.items() if k.startswith("model.")}
+    assert len(model) == ADAPTER_ENTRIES
+    assert all(k.endswith((".lora_a.weight", ".lora_b.weight")) for k in model), sorted(model)
+    moments = {k for k in entries if k.startswith("optimizer.state.")}
+    assert moments and all(".lora_" in k for k in moments), sorted(moments)[:4]
+    assert any(model[k].abs().max() > 0 for k in model if k.endswith("lora_b.weight"))
+    recorded = json.loads((step / "base_model.json").read_text())
+    assert recorded == {"initial_hf": str(base.resolve()), "fingerprint": hf_fingerprint(base)}
+    losses = losses_by_step(runs.out / "one")
+    assert losses[STEPS - 1] + losses[STEPS] < losses[1] + losses[2] - 0.1  # 0.3 measured
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_reads_as_its_base_with_the_adapters_folded_in(runs, base):
+    step = runs.out / "one" / "checkpoints" / f"step-{STEPS}"
+    adapters = {k.removeprefix("model."): v for k, v in checkpoint_entries(step).items()}
+    folded = load_native_model(step).state_dict()
+    reference = load_hf_model(base).state_dict()
+    name = "layers.2.self_attention.query_key_value"
+    delta = adapters[f"{name}.lora_b.weight"] @ adapters[f"{name}.lora_a.weight"] * (8 / 4)
+    torch.testing.assert_close(folded[f"{name}.weight"], reference[f"{name}.weight"] + delta)
+    untargeted = "layers.2.mlp.dense_h_to_4h.weight"
+    assert torch.equal(folded[untargeted], reference[untargeted])
+
+
+@pytest.mark.multiprocess
+def test_fsdp_bf16_and_a_resume_give_the_single_process_losses(runs):
+    expected = losses_by_step(runs.out / "one")
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    assert losses_by_step(runs.out / "resumed") == expected  # exactly
+    fsdp = losses_by_step(runs.out / "fsdp")
+    assert fsdp.keys() == expected.keys()
+    for step, loss in expected.items():
+        assert fsdp[step] == pytest.approx(loss, rel=FP32_TOLERANCE), step
+    bf16 = losses_by_step(runs.out / "pairs_bf16")
+    bf16_fsdp = losses_by_step(runs.out / "pairs_bf16_fsdp")
+    assert sorted(bf16) == sorted(bf16_fsdp) == [1, 2, 3, 4, 5]
+    for step, loss in bf16.items():
+        assert bf16_fsdp[step] == pytest.approx(loss, rel=BF16_TOLERANCE), step
+
+
+@pytest.mark.multiprocess
+def test_a_resume_on_another_base_is_refused_in_one_line(runs, base):
+    refused = runs.results["other_base"]
+    lines = [line for line in refused.stderr.splitlines() if "cannot resume" in line]
+    assert len(lines) == 1, refused.stderr
+    assert f"trained on the base '{base.resolve()}'" in lines[0]
+    assert "holds other weights" in lines[0]
+    steps = sorted(p.name for p in (runs.out / "one" / "checkpoints").glob("step-*"))
+    assert steps == [f"step-{STOP}", f"step-{STEPS}"]
+
+
+@pytest.mark.multiprocess
 def test_a_run_starts_its_adapters_from_a_peft_folder(runs):
     # Step 1's learning rate is 0 (warm-up), so its checkpoint holds the folder's adapters.
-    saved = checkpoint_entries(runs / "from_peft" / "checkpoints" / "step-1")
-    settings, adapters = read_peft_adapter(runs / "peft")
+    saved = checkpoint_entries(runs.out / "from_peft" / "checkpoints" / "step-1")
+    settings, adapters = read_peft_adapter(runs.out / "peft")
     assert (settings.rank, settings.alpha) == (4, 8)
-    assert len(adapters) == 16
+    assert len(adapters) == ADAPTER_ENTRIES
     for name, value in adapters.items():
         assert torch.equal(saved[f"model.{name}"], value), name
-
-
-@pytest.mark.multiprocess
-def test_only_the_adapters_train_and_the_checkpoint_folds_them(runs, base):
-    entries = checkpoint_entries(runs / "one" / "checkpoints" / f"step-{STEPS}")
-    model = {k.removeprefix("model."): v for k, v in entries.items() if k.startswith("model.")}
-    adapters = {k for k in model if ".lora_" in k}
-    assert len(adapters) == 2 * 2 * 4  # A and B, two targets, four blocks
-    reference = load_hf_model(base).state_dict()
-    assert set(model) - adapters <= set(reference)
-    for name in set(model) - adapters:  # the base: bit-identical to where it started
-        assert torch.equal(model[name], reference[name]), name
-    moments = {k for k in entries if k.startswith("optimizer.state.") and "exp_avg" in k}
-    assert moments and all(".lora_" in k for k in moments), sorted(moments)[:4]
-    assert any(model[k].abs().max() > 0 for k in adapters if k.endswith("lora_b.weight"))
-    folded = load_native_model(runs / "one" / "checkpoints" / f"step-{STEPS}").state_dict()
-    name = "layers.2.self_attention.query_key_value"
-    delta = model[f"{name}.lora_b.weight"] @ model[f"{name}.lora_a.weight"] * (8 / 4)
-    torch.testing.assert_close(folded[f"{name}.weight"], model[f"{name}.weight"] + delta)
-    assert torch.equal(
-        folded["layers.2.mlp.dense_h_to_4h.weight"], model["layers.2.mlp.dense_h_to_4h.weight"]
-    )
-
-
-@pytest.mark.multiprocess
-def test_fsdp_and_a_resume_give_the_single_process_losses(runs):
-    expected = losses_by_step(runs / "one")
-    assert sorted(expected) == list(range(1, STEPS + 1))
-    fsdp = losses_by_step(runs / "fsdp")
-    assert sorted(fsdp) == sorted(expected)
-    for step, loss in expected.items():
-        assert fsdp[step] == pytest.approx(loss, rel=1e-5), step
-    assert losses_by_step(runs / "resumed") == expected  # exactly
-    grad_norms = [row["grad_norm"] for row in metric_rows(runs / "one") if "grad_norm" in row]
-    assert all(0 < g < 10 for g in grad_norms)
 
 
 @pytest.mark.parametrize(
@@ -146,21 +245,20 @@ def test_bad_adapter_settings_are_refused_naming_the_key(override, message):
     ("settings", "message"),
     [
         (["--lora.target_modules=qkv"], "lora.target_modules: unknown module 'qkv'"),
+        (["--parallelism.tp=2"], "parallelism.tp = 2: adapters"),
+        (["--checkpoint.initial_hf="], "lora.rank = 4 needs checkpoint.initial_hf"),
         (["--lora.init_adapter=MISSING"], "missing does not exist as a folder"),
         (["--lora.init_adapter=PEFT", "--lora.rank=8"], "rank 4 there, 8 here"),
     ],
 )
 def test_the_launcher_refuses_bad_adapters_in_one_line_before_any_worker(
-    runs, tmp_path, settings, message
+    runs, synthetic_corpus, base, tmp_path, settings, message
 ):
-    folders = {"PEFT": str(runs / "peft"), "MISSING": str(tmp_path / "missing")}
-    argv = ["--lora.rank=4", *settings]
+    folders = {"PEFT": str(runs.out / "peft"), "MISSING": str(tmp_path / "missing")}
     for placeholder, folder in folders.items():
-        argv = [s.replace(placeholder, folder) for s in argv]
-    result = run(
-        [str(REPO / "run_train.sh"), *argv, f"--job.dump_folder={tmp_path / 'run'}"],
-        check=False,
-    )
+        settings = [s.replace(placeholder, folder) for s in settings]
+    argv = lora_run(synthetic_corpus, base, tmp_path / "run", *settings)
+    result = run([str(REPO / "run_train.sh"), *argv], check=False)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines

@@ -177,13 +177,15 @@ def load_optimizer_state(
 
 class ModelState:
     """The weights of this rank's model parts (whole model or pipeline stages), as a component
-    of a checkpoint."""
+    of a checkpoint. `frozen`: with the parameters that do not train; without them, the
+    checkpoint of a LoRA run holds its adapters, and its frozen base is loaded from where it
+    came from (checkpoint.initial_hf, `resume.Resume.base`)."""
 
-    def __init__(self, parts: Sequence[nn.Module]):
-        self.parts = parts
+    def __init__(self, parts: Sequence[nn.Module], frozen: bool = True):
+        self.parts, self.frozen = parts, frozen
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return model_state(self.parts)
+        return model_state(self.parts, self.frozen)
 
     def load_state_dict(self, state: dict) -> None:
         load_model_state(self.parts, state)

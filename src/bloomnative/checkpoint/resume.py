@@ -17,6 +17,9 @@ The rules (docs/checkpointing.md, "Fallback rules"):
 - With no checkpoint to start from, the weights of checkpoint.initial_hf, else fresh ones.
 - A resume with other data settings than the checkpoint's is refused, unless
   checkpoint.allow_data_change (then a warning names them).
+- A LoRA run's checkpoint holds the adapters, not the frozen base: a resume loads the base from
+  checkpoint.initial_hf first (`Resume.base`), and is refused when those are other weights than
+  the checkpoint's record of its base (`base_model.json`).
 
 The trainer executes the plan; preflight asks the same question before any worker exists. They
 differ only in how a complete checkpoint is examined, the `CheckpointCheck` they pass: the
@@ -43,8 +46,10 @@ from bloomnative.checkpoint.checkpointer import (
 )
 from bloomnative.checkpoint.integrity import complete_steps
 from bloomnative.checkpoint.run_record import (
+    BASE_FILE,
     DATA_FILE,
     DataSettings,
+    base_difference,
     data_differences,
     read_json_file,
 )
@@ -60,9 +65,12 @@ class Fresh:
 
 @dataclass(frozen=True)
 class Resume:
-    """Every component's state from training checkpoint `step` of the folder."""
+    """Every component's state from training checkpoint `step` of the folder; when `base` is
+    set, after the frozen base from that Hugging Face folder (a LoRA run's checkpoint holds the
+    adapters only)."""
 
     step: int
+    base: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,11 @@ class CheckpointCheck(Protocol):
         in a line ('training.seq_len: 64 in the checkpoint, 32 now')."""
         ...
 
+    def base_change(self, step: int) -> str | None:
+        """For a loadable training checkpoint of adapters: how this run's base differs from the
+        one it records (`run_record.base_difference`), or None."""
+        ...
+
     def instead(self, folder: Path, steps: list[int]) -> str:
         """What to set checkpoint.load_step to when the checkpoint it names cannot be loaded;
         `steps`: the folder's other complete checkpoints, newest first."""
@@ -124,18 +137,31 @@ class VerifiedCheck:
     """The trainer's check, collective: a checkpoint can be loaded when its files match its
     record (`Checkpointer.usable`, which keeps its reader for the load) and it `fits` this run's
     model; one without optimizer state is model-only. `data_settings`: this run's, as
-    `data_settings.json` records them."""
+    `data_settings.json` records them; `base`: a LoRA run's frozen base, as `base_model.json`
+    records it (None without adapters)."""
 
-    def __init__(self, checkpointer: Checkpointer, fits: Fits | None, data_settings: dict):
+    def __init__(
+        self,
+        checkpointer: Checkpointer,
+        fits: Fits | None,
+        data_settings: dict,
+        base: dict | None = None,
+    ):
         self.checkpointer = checkpointer
         self.fits = fits
         self.data_settings = data_settings
+        self.base = base
 
     def rejection(self, step: int) -> Rejection | None:
         return self.checkpointer.usable(step, self.fits)
 
     def start_from(self, step: int) -> Loadable:
-        return ModelOnly(step) if is_model_only(self.checkpointer.reader(step)) else Resume(step)
+        reader = self.checkpointer.reader(step)
+        if is_model_only(reader):
+            return ModelOnly(step)
+        if self.base is not None and BASE_FILE in reader.record:  # the adapters only
+            return Resume(step, self.base["initial_hf"])
+        return Resume(step)
 
     def data_changes(self, step: int) -> list[str]:
         """Nothing for a checkpoint that records no data settings (saved before they were);
@@ -147,6 +173,13 @@ class VerifiedCheck:
         if isinstance(self.data_settings, DataSettings):
             return self.data_settings.differences(saved)
         return data_differences(saved, self.data_settings)
+
+    def base_change(self, step: int) -> str | None:
+        reader = self.checkpointer.reader(step)
+        saved = read_json_file(reader.folder, reader.record, BASE_FILE)
+        if saved is None or self.base is None:
+            return None  # a checkpoint of the whole model, or a run that `fits` refuses
+        return base_difference(saved, self.base)
 
     def instead(self, folder: Path, steps: list[int]) -> str:
         good, _ = first_usable(steps, self.rejection)
@@ -173,6 +206,9 @@ class CompleteCheck:
 
     def data_changes(self, step: int) -> list[str]:
         return []
+
+    def base_change(self, step: int) -> str | None:
+        return None
 
     def instead(self, folder: Path, steps: list[int]) -> str:
         if not steps:
@@ -218,6 +254,12 @@ def plan_start(
     if isinstance(start, Resume):
         differences = check.data_changes(step)
         _check_data_changes(_step_folder(folder, step), differences, allow_data_change)
+        if (change := check.base_change(step)) is not None:
+            raise BadCheckpointError(
+                f"cannot resume from {_step_folder(folder, step)}: {change}; set "
+                "checkpoint.initial_hf to the base it was trained on, or start another "
+                "job.dump_folder"
+            )
     return StartPlan(start, tuple(passed_over))
 
 

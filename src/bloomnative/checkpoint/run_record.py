@@ -6,6 +6,10 @@ by its checksum record, read without unpickling anything):
 - `data_settings.json`: how the run's data was shaped (sequence length, blend, split,
   tokenizer, ...), keyed by config name; training checkpoints only. A resume compares it with
   the run's settings.
+- `base_model.json`: the frozen base of a LoRA run, whose checkpoints hold the adapters and not
+  the base: the Hugging Face folder (`initial_hf`) and the fingerprint of its weights
+  (`fingerprint`, interop.hf_fingerprint). A resume, and reading the checkpoint as a model, load
+  the base from there and require the same fingerprint.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ ARGS_FILE = "bloom_args.json"
 """The model's BloomArgs fields (`MODEL_FIELDS`); DCP ignores files it did not write."""
 DATA_FILE = "data_settings.json"
 """The data settings of the run that saved the checkpoint (training checkpoints)."""
+BASE_FILE = "base_model.json"
+"""A LoRA run's frozen base: {"initial_hf": folder, "fingerprint": of its weights}."""
 MODEL_FIELDS = ("n_layer", "hidden_size", "n_head", "vocab_size", "layer_norm_epsilon", "init_std")
 
 
@@ -85,3 +91,24 @@ def data_differences(saved: dict, current: dict) -> list[str]:
         for key in current
         if key in saved and saved[key] != current[key]
     ]
+
+
+def base_difference(saved: dict, current: dict) -> str | None:
+    """How the base `current` (a `BASE_FILE` record of this run's checkpoint.initial_hf) differs
+    from the one a checkpoint's record `saved` names, in a line, or None when their weights have
+    the same fingerprint (wherever the folder is now)."""
+    if saved.get("fingerprint") == current["fingerprint"]:
+        return None
+    return (
+        f"its adapters were trained on the base {saved.get('initial_hf')!r} (weights "
+        f"{_short(saved.get('fingerprint'))}), and checkpoint.initial_hf = "
+        f"{current['initial_hf']!r} holds other weights ({_short(current['fingerprint'])})"
+    )
+
+
+def _short(fingerprint: object) -> str:
+    """A fingerprint as a message shows it: its kind and the first 12 hex digits."""
+    if not isinstance(fingerprint, str):
+        return "no fingerprint recorded"
+    kind, _, digest = fingerprint.rpartition(":")
+    return f"{kind} {digest[:12]}" if kind else digest[:12]

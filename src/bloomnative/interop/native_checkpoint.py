@@ -49,12 +49,7 @@ from bloomnative.checkpoint.run_record import (
     read_json_file,
     write_json_file,
 )
-from bloomnative.interop.adapter_state import (
-    CheckpointFormatError,
-    fold_adapters,
-    is_adapter_entry,
-    lora_alpha,
-)
+from bloomnative.interop.adapter_state import CheckpointFormatError, is_adapter_entry
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.model.args import PRESETS
 from bloomnative.model.state import EMBEDDING, TIED_HEAD, model_state
@@ -395,16 +390,15 @@ def _args_from_run_config(path: Path) -> dict:
     return model_fields(args)
 
 
-def load_native_model(
-    checkpoint_dir: str | Path,
+def read_native_model(
+    reader: CheckpointReader,
     n_head: int | None = None,
     dtype: torch.dtype = torch.float32,
     **overrides,
 ) -> Bloom:
-    """Loads the model of a DCP checkpoint (a full training checkpoint or a model-only one)
-    into one process, on CPU, in `dtype`, once the folder has verified (`open_checkpoint`). The
-    adapters of a LoRA run's checkpoint are folded into their layers (`adapter_state`), with
-    lora.alpha from its run's config.toml.
+    """Loads the whole model a verified DCP checkpoint holds (a full training checkpoint or a
+    model-only one; `open_checkpoint` gives the reader) into one process, on CPU, in `dtype`.
+    (`interop.load_native_model` reads any checkpoint, a LoRA run's included.)
 
     Shapes come from the checkpoint's metadata. The head count comes from `n_head`, else from
     `recorded_model_args` (the checkpoint's ARGS_FILE or its run's config.toml); with none of
@@ -412,8 +406,7 @@ def load_native_model(
     model is refused, naming the difference. `overrides` set further BloomArgs fields (e.g.
     init_std, attention).
     """
-    checkpoint_dir = Path(checkpoint_dir)
-    reader = open_checkpoint(checkpoint_dir)
+    checkpoint_dir = reader.folder
     shapes = read_model_shapes(reader)
     recorded = recorded_model_args(reader)
     n_head = n_head or recorded.get("n_head")
@@ -441,12 +434,8 @@ def load_native_model(
     state = {
         name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in shapes.items()
     }
-    base = {name: t for name, t in state.items() if not is_adapter_entry(name)}
-    check_state_matches(args, base, checkpoint_dir, display_name=lambda n: f"{MODEL_KEY}.{n}")
+    check_state_matches(args, state, checkpoint_dir, display_name=lambda n: f"{MODEL_KEY}.{n}")
     reading.load({MODEL_KEY: state}, reader, no_dist=True)
-    if len(base) < len(state):  # a LoRA run's: the adapters folded into their layers
-        alpha = lora_alpha(run_config_path(checkpoint_dir), checkpoint_dir)
-        state = fold_adapters(state, alpha, checkpoint_dir)
     return bloom_from_state_dict(args, state, checkpoint_dir, dtype)
 
 
@@ -454,11 +443,15 @@ def load_native_adapters(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     """The LoRA adapters of a DCP checkpoint (a run's with `[lora]`), under their canonical
     names, read alone (the base is not loaded), once the folder has verified. Raises
     CheckpointFormatError when it holds none."""
-    reader = open_checkpoint(checkpoint_dir)
+    return read_native_adapters(open_checkpoint(checkpoint_dir))
+
+
+def read_native_adapters(reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    """`load_native_adapters` of the verified checkpoint `reader` reads."""
     shapes = {n: m for n, m in read_model_shapes(reader).items() if is_adapter_entry(n)}
     if not shapes:
         raise CheckpointFormatError(
-            f"{checkpoint_dir} holds no LoRA adapters (no '{MODEL_KEY}.*.lora_a.weight' "
+            f"{reader.folder} holds no LoRA adapters (no '{MODEL_KEY}.*.lora_a.weight' "
             "entries): it is not a checkpoint of a run with lora.rank > 0"
         )
     state = {n: torch.empty(m.size, dtype=m.properties.dtype) for n, m in shapes.items()}

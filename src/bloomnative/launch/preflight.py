@@ -31,6 +31,7 @@ from bloomnative.planner import PlanError
 from bloomnative.train.input_files import (
     check_data_files,
     check_initial_hf,
+    check_lora_base,
     init_adapter_state,
 )
 from bloomnative.train.resolved import ResolvedRun, resolve_run
@@ -179,7 +180,7 @@ def check_start(config: Config, run: ResolvedRun) -> None:
     """How the run will start, by the workers' rule (`plan_start`, checkpoint/resume.py), each
     complete checkpoint taken as loadable (the workers verify it): `checkpoint.load_step` must
     name a complete checkpoint, and the Hugging Face folder of `checkpoint.initial_hf`, when the
-    run starts from it, must hold this model."""
+    run starts from it (with adapters: always, the frozen base), must hold this model."""
     c = config.checkpoint
     try:
         plan = plan_start(
@@ -192,8 +193,8 @@ def check_start(config: Config, run: ResolvedRun) -> None:
         )
     except BadCheckpointError as e:
         raise ConfigError(str(e)) from None
-    if isinstance(plan.start, FromHF):
-        check_initial_hf(plan.start.path, run.model_args)
+    if isinstance(plan.start, FromHF) or config.lora.rank:  # adapters: the base, at any start
+        check_initial_hf(c.initial_hf, run.model_args)
     if config.lora.init_adapter and isinstance(plan.start, Fresh | FromHF):
         init_adapter_state(config.lora, run.model_args)
 
@@ -204,6 +205,7 @@ def check_run(config: Config, world_size: int, device: torch.device | str = "cpu
     present and, with metrics.wandb, the wandb package installed and, unless W&B runs offline,
     its API key where wandb looks for one."""
     run = resolve_run(config, world_size, device)
+    check_lora_base(config)
     check_data_files(config)
     check_wandb(config.metrics)
     return run

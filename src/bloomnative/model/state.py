@@ -38,13 +38,15 @@ def canonical_key(key: str, to_canonical: bool = True) -> str:
     return key.replace(f".{src}.", f".{dst}.")
 
 
-def model_state(parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+def model_state(parts: Sequence[nn.Module], frozen: bool = True) -> dict[str, torch.Tensor]:
     """Model state of the parts (whole model or pipeline stages) under canonical names: the
-    tied head is stored once, as the embedding."""
+    tied head is stored once, as the embedding. `frozen`: with the parameters that do not
+    train (requires_grad False), else without them."""
+    options = StateDictOptions(ignore_frozen_params=not frozen)
     state: dict[str, torch.Tensor] = {}
     for part in parts:
-        sd: dict[str, Any] = get_model_state_dict(part)
-        if owns_head_copy(part):
+        sd: dict[str, Any] = get_model_state_dict(part, options=options)
+        if owns_head_copy(part) and TIED_HEAD in sd:
             sd[EMBEDDING] = sd.pop(TIED_HEAD)
         else:
             sd.pop(TIED_HEAD, None)
@@ -62,6 +64,6 @@ def load_model_state(
         # In the module's order on every rank: with `full`, each tensor is scattered from rank
         # 0 in turn (a set's order differs between processes: string hashes are salted).
         sd: dict[str, Any] = {k: state[k] for k in get_model_state_dict(part) if k in state}
-        if owns_head_copy(part):
+        if owns_head_copy(part) and EMBEDDING in state:
             sd[TIED_HEAD] = state[EMBEDDING]
         set_model_state_dict(part, sd, options=options)

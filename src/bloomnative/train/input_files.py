@@ -41,6 +41,19 @@ def check_data_files(config: Config) -> None:
                 )
 
 
+def check_lora_base(config: Config) -> None:
+    """Adapters (lora.rank > 0) train on a Hugging Face base, `checkpoint.initial_hf`: the
+    run's checkpoints hold the adapters and not the frozen base, which a resume loads from that
+    folder again (adapters on a random base would have nothing to resume from)."""
+    if config.lora.rank and not config.checkpoint.initial_hf:
+        raise ConfigError(
+            f"lora.rank = {config.lora.rank} needs checkpoint.initial_hf: adapters train on a "
+            "frozen Hugging Face base, which the run's checkpoints do not hold (they hold the "
+            "adapters; a resume reads the base from that folder again); set it to the folder "
+            "of the model to fine-tune"
+        )
+
+
 def model_section(config: Config) -> ModelConfig:
     """The [model] section the run builds. With `checkpoint.initial_hf` the folder's config.json
     is the shape: each shape key the section leaves at 0 is taken from it (model.preset then

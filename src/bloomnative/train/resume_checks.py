@@ -173,14 +173,15 @@ def _same_file(saved: object, current: object) -> bool:
 def model_mismatch(
     reader: CheckpointReader, args: BloomArgs, adapters: Mapping[str, torch.Size] | None = None
 ) -> str | None:
-    """Why the checkpoint holds another model than one with `args` (and these adapter entries,
-    `adapters.adapter_shapes`), in one line, or None: the hyper-parameters its `bloom_args.json`
-    records, then its model entries' names and shapes."""
+    """Why the checkpoint holds another model than one with `args`, in one line, or None: the
+    hyper-parameters its `bloom_args.json` records, then its model entries' names and shapes:
+    those of the whole model, or with `adapters` (`adapters.adapter_shapes`) those only, which
+    is all a LoRA run's checkpoint holds of the model (the frozen base is not saved)."""
     recorded = read_json_file(reader.folder, reader.record, ARGS_FILE)
     differences = shape_differences(recorded, args) if recorded else []
     prefix = MODEL_KEY + "."
     saved = {k[len(prefix) :]: s for k, s in reader.shapes().items() if k.startswith(prefix)}
-    expected = {**expected_shapes(args), **(adapters or {})}
+    expected = expected_shapes(args) if adapters is None else adapters
     entries = [
         f"{prefix}{name} is {_shape(saved.get(name))} there, {_shape(expected.get(name))} here"
         for name in sorted(set(saved) | set(expected))

@@ -32,10 +32,11 @@ from bloomnative.checkpoint.resume import (
     VerifiedCheck,
     plan_start,
 )
-from bloomnative.checkpoint.run_record import ARGS_FILE, DATA_FILE, model_fields
+from bloomnative.checkpoint.run_record import ARGS_FILE, BASE_FILE, DATA_FILE, model_fields
 from bloomnative.config import Config
 from bloomnative.data import build_loaders
 from bloomnative.device import pick_device
+from bloomnative.interop.hf_fingerprint import base_record
 from bloomnative.log import get_logger
 from bloomnative.model import Bloom
 from bloomnative.model.state import load_model_state, model_state
@@ -56,7 +57,12 @@ from bloomnative.train.attention_choice import resolve_auto_attention
 from bloomnative.train.distributed import init_distributed
 from bloomnative.train.faults import StopRequest
 from bloomnative.train.hang import HangRecorder, enable_flight_recorder
-from bloomnative.train.input_files import check_data_files, check_initial_hf, init_adapter_state
+from bloomnative.train.input_files import (
+    check_data_files,
+    check_initial_hf,
+    check_lora_base,
+    init_adapter_state,
+)
 from bloomnative.train.loss import (
     LossFn,
     cross_entropy_sum,
@@ -148,6 +154,7 @@ class Trainer:
             device_memory=lambda: _smallest_device_memory(self.device),
             log=_log.info,
         )
+        check_lora_base(config)
         check_data_files(config)
         check_wandb(config.metrics)
         # The run as resolved ("auto" settings replaced by their choice), and its layout.
@@ -342,7 +349,8 @@ class Trainer:
     def _checkpointed(self) -> dict[str, Stateful]:
         """What a checkpoint holds, by the key prefix of its entries (docs/checkpointing.md)."""
         components: dict[str, Stateful] = {
-            "model": ckpt.ModelState(self.model_parts),
+            # A LoRA run saves its adapters; its frozen base comes from checkpoint.initial_hf.
+            "model": ckpt.ModelState(self.model_parts, frozen=not self.config.lora.rank),
             "optimizer": ckpt.OptimizerState(self.model_parts, self.optimizers),
             "train": self,
             "data": self.train_loader,
@@ -359,7 +367,9 @@ class Trainer:
         are set aside, then the weights, or every component's state, are loaded. Raises
         BadCheckpointError when the run cannot start as configured."""
         cfg = self.config.checkpoint
-        check = VerifiedCheck(self.checkpointer, self._fits, data_settings(self.config))
+        # A LoRA run's frozen base, which its checkpoints record instead of holding it.
+        self.base = base_record(cfg.initial_hf) if self.config.lora.rank else None
+        check = VerifiedCheck(self.checkpointer, self._fits, data_settings(self.config), self.base)
         plan = plan_start(
             self.ckpt_folder,
             check,
@@ -381,8 +391,10 @@ class Trainer:
                     model = {"model": ckpt.ModelState(self.model_parts)}
                     ckpt.load_components(reader, model, complete=("model",))
                     _log.info(f"initial weights from model-only checkpoint {reader.folder}")
-                case Resume(step):
+                case Resume(step, base):
                     reader = self.checkpointer.reader(step)
+                    if base:  # a LoRA run's checkpoint holds the adapters only
+                        self._load_initial_hf(base)
                     self.load_training_state(reader)
                     _log.info(f"resumed from {reader.folder} at step {self.step}")
         except UnsafeCheckpointError as e:
@@ -406,13 +418,14 @@ class Trainer:
             self.train_loader.skip(*window)
 
     def _load_initial_hf(self, hf_dir: str) -> None:
-        """Continued pretraining: every rank reads the Hugging Face folder and keeps its shard."""
+        """Continued pretraining, or a LoRA run's frozen base (at every start): every rank reads
+        the Hugging Face folder and keeps its shard."""
         from bloomnative.interop import load_hf_model
 
         check_initial_hf(hf_dir, self.resolved.model_args)
         source = load_hf_model(hf_dir)
         load_model_state(self.model_parts, model_state([source]), full=True)
-        _log.info(f"initial weights from Hugging Face folder {hf_dir}")
+        _log.info(f"weights from Hugging Face folder {hf_dir}")
 
     def _load_init_adapter(self) -> None:
         """Fine-tuning on from a PEFT adapter: every rank reads the folder and keeps its shard."""
@@ -440,6 +453,8 @@ class Trainer:
             ARGS_FILE: model_fields(self.resolved.model_args),
             DATA_FILE: data_settings(self.config),
         }
+        if self.base is not None:
+            files[BASE_FILE] = self.base
         self.checkpointer.save(self.step, state, files)
         mode = "started" if self.checkpointer.async_mode else "saved"
         _log.info(

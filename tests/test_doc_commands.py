@@ -102,6 +102,7 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
             "its check section writes and reads 2-4 GB; docs/data.md's command preprocesses",
         ),
         ("--reps 9", SMALL_CKPT, WHY_CKPT),
+        ("--steps 6 --parallelism", "--steps 1 --parallelism", WHY_BENCH),
         ("--hidden 1024 --layers 8 --vocab 50176 --reps 5", SMALL_CKPT, WHY_CKPT),
         ("/tmp/bench_ckpt", "outputs/bench_ckpt", "the test's own folder, not /tmp"),
     ],

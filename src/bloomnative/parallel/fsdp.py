@@ -3,6 +3,7 @@ bloomnative's one bf16 scheme (its MixedPrecisionPolicy)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -83,3 +84,35 @@ def sum_gradients(model: nn.Module) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+class OneRankAccumulation:
+    """Gradient accumulation on a one-rank FSDP2 mesh (bf16 on one device, `uses_fsdp`), without
+    FSDP's per-micro-batch traffic. There is nothing to reduce on one rank, yet FSDP2 would
+    still, after every micro batch's backward, copy each bf16 gradient into an fp32
+    reduce-scatter buffer, "reduce-scatter" it onto itself and add it to the sharded fp32
+    gradient. Here every micro batch but the last skips that (`set_requires_gradient_sync`):
+    FSDP2 upcasts the first micro batch's gradient to fp32 and adds the later ones to it
+    (unsharded, as many bytes as the sharded gradient on one rank), and the last micro batch
+    reduces the sum once. The sums are the same fp32 additions in the same order, so gradients
+    are bit for bit those of the per-micro-batch path.
+
+    With zero_stage 2, which keeps each block's gathered bf16 weights from its forward to its
+    backward, they are also kept from one micro batch to the next (`set_reshard_after_backward`)
+    and gathered (cast from the fp32 master weights) once a step instead of once a micro batch:
+    the peak, at the end of a forward, is unchanged. zero_stage 3 frees them after each forward
+    to save memory, so they are gathered again as before.
+
+    More ranks keep the reduce-scatter per micro batch: deferring it would hold every rank's
+    whole unsharded fp32 gradient through the step, dp times the sharded one."""
+
+    def __init__(self, parts: Sequence[nn.Module], zero_stage: int):
+        self.parts = [part for part in parts if isinstance(part, FSDPModule)]
+        self.keep_gathered = zero_stage == 2
+
+    def before_backward(self, last: bool) -> None:
+        """Called before each micro batch's backward; `last`: the step's last micro batch."""
+        for part in self.parts:
+            part.set_requires_gradient_sync(last)
+            if self.keep_gathered:
+                part.set_reshard_after_backward(last)

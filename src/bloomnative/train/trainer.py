@@ -43,6 +43,7 @@ from bloomnative.model.state import load_model_state, model_state
 from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.context_parallel import shard_sequence
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
+from bloomnative.parallel.fsdp import OneRankAccumulation
 from bloomnative.parallel.layout_check import pipeline_microbatches
 from bloomnative.parallel.parallelize import parallelize_part
 from bloomnative.parallel.pipeline import (
@@ -256,6 +257,9 @@ class Trainer:
             init_weights(part, cfg.job.seed, adapters)
             part.train()
         self.model_parts = parts
+        self.one_rank_accumulation = (
+            OneRankAccumulation(parts, par.zero_stage) if self.dims.dp * self.dims.cp == 1 else None
+        )
         if lora.rank and self.rank == 0:
             _log.info(describe_adapters(parts))
         # With the fused loss, the part holding the head returns hidden states and the loss
@@ -500,6 +504,8 @@ class Trainer:
                 # as soon as the loss (and its backward) has used them.
                 loss = loss_fn(model(micro.input_ids, segments=micro.segments), loss_target(micro))
                 if train:
+                    if self.one_rank_accumulation is not None:
+                        self.one_rank_accumulation.before_backward(index == len(micro_batches) - 1)
                     loss.backward()
                 total += _local(loss.detach())
             self.progress.micro_batch = None

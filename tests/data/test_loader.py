@@ -11,6 +11,7 @@ import torch
 from bloomnative.data import PretrainingLoader, build_gpt_datasets, rampup_batch_size
 from bloomnative.parallel import shard_sequence
 from harness.indexed_data import random_documents, write_documents
+from harness.launching import python_command, run
 
 
 class CountingDataset:
@@ -248,3 +249,30 @@ def test_under_context_parallelism_the_eod_mask_follows_the_tokens_it_masks():
             assert torch.equal(inputs, shard(all_inputs))
             assert torch.equal(labels, shard(all_labels))
             assert (labels == -100).any()
+
+
+EXIT_WITH_A_PREFETCHING_LOADER = """
+import numpy as np
+import bloomnative.parallel  # as the trainer and the tools do: it changes what exit clears first
+from bloomnative.data import PretrainingLoader
+
+class Samples:
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return np.arange(9, dtype=np.int64) + 100 * i
+
+loader = PretrainingLoader(Samples(), 2, 0, 1, prefetch=True)
+loader.next_batch(4)
+print("exiting")
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_process_exits_quietly_with_a_prefetching_loader_alive():
+    """A tool that ends with its loader alive: the loader's clean-up at interpreter exit printed
+    'Exception ignored in: PretrainingLoader.__del__ ... AttributeError' after its last line."""
+    done = run(python_command(["-c", EXIT_WITH_A_PREFETCHING_LOADER]))
+    assert done.stdout == "exiting\n"
+    assert "Exception ignored" not in done.stderr and "Error" not in done.stderr, done.stderr

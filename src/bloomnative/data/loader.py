@@ -17,6 +17,7 @@ segment bounds for documents with ``document_eod_id``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -93,6 +94,10 @@ class PretrainingLoader:
         """Windows [start, end) of positions in the order that are never served (sorted,
         disjoint)."""
         self._executor = ThreadPoolExecutor(1, "bloomnative-prefetch") if prefetch else None
+        if self._executor is not None:
+            # Stops the thread once the loader is garbage, or at interpreter exit before modules
+            # are torn down (a __del__ then would find the ones shutdown() needs already gone).
+            weakref.finalize(self, self._executor.shutdown, wait=False, cancel_futures=True)
         self._pending: tuple[tuple[int, int], Future] | None = None
 
     def next_batch(self, global_batch_size: int) -> Batch:
@@ -207,8 +212,3 @@ class PretrainingLoader:
 
     def _fits(self, consumed: int, global_batch_size: int) -> bool:
         return self.position(consumed + global_batch_size - 1) < len(self.dataset)
-
-    def __del__(self) -> None:
-        executor = getattr(self, "_executor", None)
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)

@@ -81,11 +81,15 @@ class BloomArgs:
             total += v * h + 2 * h  # embedding + its LayerNorm
         return total
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6N for the matmuls (N includes the tied head, which is a
-        matmul) plus 12 * L * h * s for attention scores and values (forward and backward)."""
+    def flops_per_token(self, seq_len: int, adapter_params: int = 0) -> int:
+        """Training FLOPs per token: 6N for the matmuls (forward, input gradient and weight
+        gradient; N includes the tied head, which is a matmul) plus 12 * L * h * s for attention
+        scores and values (forward and backward). With `adapter_params` > 0 (LoRA adapters) the
+        model's N weights are frozen and get no weight gradient: 4N for them, and 6 per adapter
+        parameter."""
         n = self.num_params(include_embedding=True)
-        return 6 * n + 12 * self.n_layer * self.hidden_size * seq_len
+        matmuls = 4 * n + 6 * adapter_params if adapter_params else 6 * n
+        return matmuls + 12 * self.n_layer * self.hidden_size * seq_len
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> BloomArgs:

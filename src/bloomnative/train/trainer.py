@@ -161,6 +161,13 @@ class Trainer:
         # The run as resolved ("auto" settings replaced by their choice), and its layout.
         self.config, self.dims = self.resolved.config, self.resolved.dims
         train_cfg, par = self.config.training, self.config.parallelism
+        lora = self.config.lora
+        # The whole model's adapter parameters by name and shape (LoRA), else None.
+        self.adapters = (
+            adapter_shapes(self.resolved.model_args, lora.rank, lora.target_modules)
+            if lora.rank
+            else None
+        )
         self.dump = Path(job.dump_folder)
         self.mesh, self.dp_mesh = self.dims.build_mesh(self.device.type)
         self.pp_mesh = self.mesh["pp"]  # sliced once: slicing a mesh is host work on every call
@@ -212,7 +219,9 @@ class Trainer:
         self.peak_memory = PeakMemory(self.device)
         peak = device_peak_tflops(self.device, self.config.metrics.peak_tflops)
         args = self.resolved.model_args
-        self.throughput = Throughput(args.flops_per_token(train_cfg.seq_len), peak, self.world_size)
+        adapter_params = sum(shape.numel() for shape in (self.adapters or {}).values())
+        flops = args.flops_per_token(train_cfg.seq_len, adapter_params)
+        self.throughput = Throughput(flops, peak, self.world_size)
         if self.rank == 0:
             self._write_resolved_config()
             _log.info(
@@ -408,9 +417,7 @@ class Trainer:
 
     def _fits(self, reader: CheckpointReader) -> str | None:
         """Why a verified checkpoint holds another model than this run's, or None."""
-        lora, args = self.config.lora, self.resolved.model_args
-        adapters = adapter_shapes(args, lora.rank, lora.target_modules) if lora.rank else None
-        return model_mismatch(reader, args, adapters)
+        return model_mismatch(reader, self.resolved.model_args, self.adapters)
 
     def load_training_state(self, reader: CheckpointReader) -> None:
         """Every component of a verified checkpoint (`_checkpointed`). The loader skips the data

@@ -3,7 +3,7 @@
 For one (batch, head) with slope ``m`` and softmax scale ``c`` (default ``1/sqrt(head_dim)``):
 
     s[i, j] = c * q_i . k_j + m * (j - i)            (masked to -inf where j > i when causal)
-    p[i, :] = softmax(s[i, :]),   out_i = sum_j p[i, j] keep[i, j] / (1 - dropout_p) v_j
+    p[i, :] = softmax(s[i, :]),   out_i = sum_j p[i, j] keep[i, j] / P(keep) v_j
 
 ``m * (j - i)`` equals BLOOM's ``m * j`` up to a per-row constant, which softmax ignores. The
 kernels go one step further: a per-row constant cancels, so the bias they add is the column
@@ -34,13 +34,17 @@ are split into two tiles and every matmul into two: no tensor-core work is spent
 Other head dims (up to 256) are padded to the next power of two with masked pointer loads.
 
 Dropout (``dropout_p > 0``) zeroes ``p[i, j]`` (after the softmax statistics, which stay exact)
-where a Philox draw says so and scales the rest by ``1 / (1 - dropout_p)``; the backward
-regenerates the same draws, so no mask is stored. The draw for element ``(b, h, i, j)`` (``h`` the
-head index within the tensors passed in) is word ``j % 4`` of Philox-4x32-10 (Triton's
-``tl.philox``) with key ``(seed mod 2^32, seed >> 32)`` and counter
-``(i * 2^14 + j // 4, h, b, 0)``; the element is kept iff the word's top 24 bits are
-``>= ceil(dropout_p * 2^24)``. A pure function of (seed, b, h, i, j), whatever the tiling, batch
-size, head count or sequence length (up to 65,536).
+where a Philox draw says so and scales the rest by ``1 / keep probability``; the backward
+regenerates the same draws, so no mask is stored. Each draw is 8 bits, 16 of them per Philox
+call, as FlashAttention-2 draws them: a quarter of the random numbers of one 32-bit word per
+element. The draw for element ``(b, h, i, j)`` (``h`` the head index within the tensors passed
+in) is byte ``j % 4`` (bits ``8 (j % 4)`` up) of word ``(j % 16) // 4`` of Philox-4x32-10
+(Triton's ``tl.philox``) with key ``(seed mod 2^32, seed >> 32)`` and counter
+``(i * 2^12 + j // 16, h, b, 0)``; the element is kept iff that byte is ``>= t``, ``t =
+round(256 dropout_p)`` clamped to 1..255 (``dropout_threshold``), so the dropout probability is
+``dropout_p`` rounded to 256ths (0.1 drops 26/256 = 0.1016) and a kept element is scaled by
+``256 / (256 - t)`` (``dropout_scale``): the expectation is unchanged. A pure function of (seed,
+b, h, i, j), whatever the tiling, batch size, head count or sequence length (up to 65,536).
 :func:`~bloomnative.kernels.flash_alibi_reference.dropout_keep_mask` computes the same stream in
 torch, so the reference path drops exactly the same elements.
 
@@ -71,11 +75,13 @@ from ._dispatch import (
     use_triton,
 )
 from .flash_alibi_reference import (
+    DROPOUT_KEYS_PER_DRAW,
     DROPOUT_MAX_POSITIONS,
     LOG2E,
     alibi_attention_block_backward_reference,
     alibi_attention_block_reference,
     draw_seed,
+    dropout_scale,
     dropout_threshold,
     flash_alibi_attention_reference,
 )
@@ -176,16 +182,19 @@ def _matrix(
 
 @triton.jit
 def _dropout_keep(seed, b, h, offs_q, k0, threshold, BLOCK_N: tl.constexpr):
-    # The documented stream, for queries offs_q and keys k0 .. k0 + BLOCK_N (k0 a multiple of 4):
-    # one Philox call per 4 consecutive keys, counter (i * 2^14 + j // 4, h, b, 0), word j % 4
-    # for key j, kept iff its top 24 bits >= threshold. Laid out [query, key].
-    groups = k0 // 4 + tl.arange(0, BLOCK_N // 4)
-    c0 = offs_q[:, None] * 16384 + groups[None, :]
+    # The documented stream, for queries offs_q and keys k0 .. k0 + BLOCK_N (k0 a multiple of
+    # 16): one Philox call per 16 consecutive keys, counter (i * 2^12 + j // 16, h, b, 0); key j
+    # draws byte j % 4 of word (j % 16) // 4 and is kept iff it is >= threshold. Laid out
+    # [query, key].
+    rows: tl.constexpr = offs_q.shape[0]
+    groups = k0 // 16 + tl.arange(0, BLOCK_N // 16)
+    c0 = offs_q[:, None] * 4096 + groups[None, :]
     zero = c0 * 0
     w0, w1, w2, w3 = tl.philox(seed, c0, zero + h.to(tl.int32), zero + b.to(tl.int32), zero)
-    # join(join(w0, w2), join(w1, w3))[..., x, y] is word 2x + y: row-major that is key 4g + r.
-    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [offs_q.shape[0], BLOCK_N])
-    return (words >> 8).to(tl.int32) >= threshold
+    # join(join(w0, w2), join(w1, w3))[..., x, y] is word 2x + y: row-major that is 4g + w.
+    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [rows, BLOCK_N // 4])
+    draws = (words[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF
+    return tl.reshape(draws, [rows, BLOCK_N]).to(tl.int32) >= threshold
 
 
 @triton.jit
@@ -768,7 +777,7 @@ def _flash_alibi_fwd(
         _fwd_kernels[dropout_p > 0], grid, q, k, v, slopes, out, lse,
         _placeholder_if_none(rng_seed, slopes), _placeholder_if_none(q_segment_start, slopes),
         seq, heads, softmax_scale * LOG2E, dropout_threshold(dropout_p),
-        1.0 / (1.0 - dropout_p), q_offset, k_offset,
+        dropout_scale(dropout_p), q_offset, k_offset,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), _seq_bucket(seq),
         CAUSAL=causal, SEGMENTS=q_segment_start is not None, HEAD_DIM=head_dim, D0=d0, D1=d1,
         DROPOUT=dropout_p > 0, USE_TMA=use_tma, PRECISION=dot_precision(q.dtype),
@@ -828,7 +837,7 @@ def _flash_alibi_bwd(
         q, k, v, slopes, grad_out, lse, delta, dq_acc, dk, dv,
         _placeholder_if_none(rng_seed, slopes), _placeholder_if_none(q_segment_start, slopes),
         _placeholder_if_none(k_segment_end, slopes), seq, heads, softmax_scale * LOG2E,
-        softmax_scale, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), q_offset, k_offset,
+        softmax_scale, dropout_threshold(dropout_p), dropout_scale(dropout_p), q_offset, k_offset,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
         _seq_bucket(seq), CAUSAL=causal, SEGMENTS=q_segment_start is not None,
         HEAD_DIM=head_dim, D0=d0, D1=d1, DROPOUT=dropout_p > 0, USE_TMA=use_tma,
@@ -948,12 +957,13 @@ def _check_inputs(
         if end > DROPOUT_MAX_POSITIONS:
             raise ValueError(
                 f"{name}: dropout supports positions up to {DROPOUT_MAX_POSITIONS} (its random "
-                f"stream is indexed by i * 2^14 + j // 4), got positions up to {end}"
+                f"stream is indexed by i * 2^12 + j // 16), got positions up to {end}"
             )
-        if k_offset % 4:
+        if k_offset % DROPOUT_KEYS_PER_DRAW:
             raise ValueError(
-                f"{name}: with dropout, k_offset must be a multiple of 4 (the kernels draw "
-                f"one Philox call per 4 keys), got {k_offset}"
+                f"{name}: with dropout, k_offset must be a multiple of {DROPOUT_KEYS_PER_DRAW} "
+                f"(the kernels draw one Philox call per {DROPOUT_KEYS_PER_DRAW} keys), got "
+                f"{k_offset}"
             )
 
 
@@ -1011,7 +1021,7 @@ def flash_alibi_attention(
             block of a longer sequence (context parallelism) gets the ALiBi term, the causal
             mask and the dropout draws of its place in the whole: query row i is position
             ``q_offset + i``, key row j position ``k_offset + j``. Causal needs
-            ``q_offset >= k_offset``; dropout a ``k_offset`` that is a multiple of 4.
+            ``q_offset >= k_offset``; dropout a ``k_offset`` that is a multiple of 16.
         segments: packed sequences, with causal attention and ``q_offset == k_offset``:
             ``(start, end)``, int32 ``[batch, seq]``, the positions where each token's segment
             starts and ends, as :func:`segment_bounds` makes them from segment ids (a segment

@@ -11,15 +11,25 @@ import math
 import torch
 
 LOG2E = 1.4426950408889634
-_DROPOUT_BITS = 24  # a draw is the top 24 bits of a Philox word: 6e-8 resolution
-_DROPOUT_ROW_STRIDE = 16384  # counter word 0 is i * 2^14 + j // 4: unique for seq <= 65536
-DROPOUT_MAX_POSITIONS = 4 * _DROPOUT_ROW_STRIDE
+DROPOUT_KEYS_PER_DRAW = 16
+"""Keys per Philox call: its four 32-bit words give a byte each to 16 consecutive keys. With
+dropout, the first key position of a kernel call (``k_offset``) must be a multiple of this."""
+_DROPOUT_ROW_STRIDE = 4096  # counter word 0 is i * 2^12 + j // 16: unique for seq <= 65536
+DROPOUT_MAX_POSITIONS = DROPOUT_KEYS_PER_DRAW * _DROPOUT_ROW_STRIDE
 """With dropout, query and key positions (offsets included) must stay below this."""
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """An element is kept iff its draw, the top 24 bits of its Philox word, is at least this."""
-    return math.ceil(dropout_p * (1 << _DROPOUT_BITS))
+    """An element is kept iff its draw, one byte of a Philox word (0 to 255), is at least this:
+    ``dropout_p`` in 256ths, rounded, at least 1 and at most 255 for ``dropout_p > 0`` (0.1 gives
+    26: elements are dropped with probability 26/256 = 0.1016); 0 without dropout."""
+    return min(255, max(1, round(dropout_p * 256))) if dropout_p > 0 else 0
+
+
+def dropout_scale(dropout_p: float) -> float:
+    """What a kept element is multiplied by: 1 / its keep probability, 256 / (256 - threshold)
+    (``dropout_threshold``), so that dropout leaves the expectation unchanged."""
+    return 256 / (256 - dropout_threshold(dropout_p))
 
 
 def draw_seed(device: torch.device) -> torch.Tensor:
@@ -65,7 +75,8 @@ def dropout_keep_mask(
     ``q_offset + i`` and keys at ``k_offset + j``. For references and tests: it materialises
     ``q_len x k_len``, the kernels never do."""
     batch, heads, q_len, k_len = shape
-    first_group, end_group = k_offset // 4, -(-(k_offset + k_len) // 4)
+    per_draw = DROPOUT_KEYS_PER_DRAW
+    first_group, end_group = k_offset // per_draw, -(-(k_offset + k_len) // per_draw)
     groups = end_group - first_group
 
     def index(n: int, dim: int, start: int = 0) -> torch.Tensor:
@@ -77,10 +88,12 @@ def dropout_keep_mask(
     rows = index(q_len, 2, q_offset)
     c0 = (rows * _DROPOUT_ROW_STRIDE + index(groups, 3, first_group)).expand(full)
     counter = (c0, index(heads, 1).expand(full), index(batch, 0).expand(full), c0 * 0)
-    words = _philox_words(rng_seed.to(torch.int64), counter)
-    bits = torch.stack(words, dim=-1).reshape(batch, heads, q_len, 4 * groups)
-    first = k_offset - 4 * first_group
-    return (bits[..., first : first + k_len] >> 8) >= dropout_threshold(dropout_p)
+    words = torch.stack(_philox_words(rng_seed.to(torch.int64), counter), dim=-1)
+    shifts = torch.arange(0, 32, 8, device=rng_seed.device)
+    # Key 16 g + 4 w + r of group g draws byte r (bits 8 r .. 8 r + 7) of word w.
+    draws = ((words[..., None] >> shifts) & 0xFF).reshape(batch, heads, q_len, per_draw * groups)
+    first = k_offset - per_draw * first_group
+    return draws[..., first : first + k_len] >= dropout_threshold(dropout_p)
 
 
 def _alibi_scores(
@@ -138,7 +151,7 @@ def flash_alibi_attention_reference(
     if dropout_p > 0:
         seed = rng_seed if rng_seed is not None else draw_seed(q.device)
         keep = dropout_keep_mask(seed, tuple(scores.shape), dropout_p, q_offset, k_offset)
-        probs = probs * keep / (1.0 - dropout_p)
+        probs = probs * keep * dropout_scale(dropout_p)
     return (probs @ v.to(scores.dtype)).to(q.dtype)
 
 
@@ -168,7 +181,7 @@ def alibi_attention_block_reference(
     if dropout_p > 0:
         assert rng_seed is not None, "dropout needs the rng_seed the kernels drew with"
         keep = dropout_keep_mask(rng_seed, tuple(scores.shape), dropout_p, q_offset, k_offset)
-        probs = probs * keep / (1.0 - dropout_p)
+        probs = probs * keep * dropout_scale(dropout_p)
     out = (probs @ v.to(scores.dtype)).to(q.dtype)
     return out, lse * LOG2E
 
@@ -204,8 +217,8 @@ def alibi_attention_block_backward_reference(
     if dropout_p > 0:
         assert rng_seed is not None, "dropout needs the rng_seed the kernels drew with"
         keep = dropout_keep_mask(rng_seed, tuple(scores.shape), dropout_p, q_offset, k_offset)
-        kept = probs * keep / (1.0 - dropout_p)
-        dprobs = dprobs * keep / (1.0 - dropout_p)
+        kept = probs * keep * dropout_scale(dropout_p)
+        dprobs = dprobs * keep * dropout_scale(dropout_p)
     dv = kept.transpose(-1, -2) @ dout
     delta = (out.to(compute) * dout).sum(dim=-1, keepdim=True)
     dscores = probs * (dprobs - delta) * softmax_scale

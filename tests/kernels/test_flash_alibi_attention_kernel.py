@@ -13,7 +13,12 @@ from bloomnative.kernels import (
     flash_alibi_attention_reference,
     flex_alibi_attention,
 )
-from bloomnative.kernels.flash_alibi_reference import dropout_keep_mask
+from bloomnative.kernels.flash_alibi_reference import (
+    _philox_words,
+    dropout_keep_mask,
+    dropout_scale,
+    dropout_threshold,
+)
 from harness.kernel_checks import (
     TOLERANCE,
     assert_close_to_reference,
@@ -213,7 +218,22 @@ def test_dropout_mask_is_a_pure_function_of_seed_batch_head_query_key():
     assert not torch.equal(big, other)
     assert not torch.equal(big[0, 0], big[0, 1]) and not torch.equal(big[0, 0], big[1, 0])
     keep = dropout_keep_mask(seed, (4, 4, 256, 256), 0.1).float().mean().item()
-    assert abs(keep - 0.9) < 0.005, keep  # 2^20 draws: the standard error is 3e-4
+    # 0.1 in 256ths is 26: 230 of the 256 byte values keep. 2^20 draws: standard error 3e-4.
+    assert abs(keep - 230 / 256) < 0.002, keep
+    assert dropout_scale(0.1) == 256 / 230
+
+
+def test_each_philox_call_gives_a_byte_to_each_of_16_keys():
+    """The documented stream, element by element: key j of query i draws byte j % 4 of word
+    (j % 16) // 4 of the Philox call with counter (i * 2^12 + j // 16, h, b, 0)."""
+    seed, (batch, heads, q_len, k_len), p = torch.tensor(2**33 + 5), (2, 2, 5, 40), 0.3
+    mask = dropout_keep_mask(seed, (batch, heads, q_len, k_len), p)
+    for b, h, i, j in [(0, 0, 0, 0), (1, 1, 4, 39), (0, 1, 3, 17), (1, 0, 2, 31), (0, 0, 4, 8)]:
+        counter = tuple(torch.tensor([c]) for c in (i * 4096 + j // 16, h, b, 0))
+        word = _philox_words(seed, counter)[(j % 16) // 4]
+        draw = (int(word) >> (8 * (j % 4))) & 0xFF
+        assert bool(mask[b, h, i, j]) == (draw >= dropout_threshold(p)), (b, h, i, j)
+    assert [dropout_threshold(x) for x in (0.0, 0.001, 0.1, 0.5, 0.999)] == [0, 1, 26, 128, 255]
 
 
 def test_dropout_is_reproducible_from_the_seed_and_varies_without_one(triton_kernels):

@@ -82,15 +82,17 @@ def _packed_segments(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_ring(
-    ring, backend, dtype, tol, dropout_p=0.0, batch=2, heads=3, drawn_by=None, packed=False
-):
+    ring, backend, dtype, tol, dropout_p=0.0, batch=2, heads=3, drawn_by=None, packed=False,
+    chunk=8,
+):  # fmt: skip
     """Ring attention of this rank's shard vs the float64 reference over the whole sequence:
     output and the gradients of q, k, v (shards of the full gradients). `drawn_by`: the global
     rank of the group's first member, whose generator draws the dropout seed for the whole group
     (every rank's generator is seeded differently); None passes a fixed seed. `packed`: the
-    samples are packed segments (`_packed_segments`), each rank given its tokens' bounds."""
+    samples are packed segments (`_packed_segments`), each rank given its tokens' bounds.
+    `chunk`: tokens per chunk (2 per rank); the Triton kernels' dropout needs a multiple of 16."""
     torch.manual_seed(1)  # the same full tensors on every rank
-    seq, head_dim = 16 * ring.size, 32
+    seq, head_dim = 2 * chunk * ring.size, 32
     segments = _packed_segments(batch, seq) if packed else None
     q, k, v = (torch.randn(batch, heads, seq, head_dim, dtype=torch.float64) for _ in range(3))
     grad = torch.randn(batch, heads, seq, head_dim, dtype=torch.float64)
@@ -142,7 +144,9 @@ def _ring_worker(rank, world_size, init_file):
         # Without a given seed the group's first rank draws it and the others take it.
         _check_ring(rings[1], "sdpa", torch.float64, 1e-10, dropout_p=0.3, drawn_by=rank // 2 * 2)
         if _dispatch.INTERPRET:  # the Triton kernels at their offsets, through the interpreter
-            _check_ring(rings[1], "triton", torch.float32, 2e-5, dropout_p=0.3, batch=1, heads=2)
+            _check_ring(
+                rings[1], "triton", torch.float32, 2e-5, dropout_p=0.3, batch=1, heads=2, chunk=16
+            )
             _check_ring(rings[0], "triton", torch.float32, 2e-5, batch=2, heads=2, packed=True)
     finally:
         dist.destroy_process_group()

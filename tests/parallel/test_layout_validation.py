@@ -123,9 +123,9 @@ def check(world_size: int, *overrides: str):
         (
             2,
             [*TRITON_DROPOUT, "--parallelism.cp=2", "--training.seq_len=36"],
-            r"training.seq_len = 36: with model.attention_dropout the Triton kernels draw one "
-            r"random number per 4 keys, so each of the 2 \* cp chunks needs a multiple of 4 "
-            r"tokens; choose a length divisible by 16",
+            r"training.seq_len = 36: with model.attention_dropout the Triton kernels draw "
+            r"random numbers for 16 keys at a time, so each of the 2 \* cp chunks needs a "
+            r"multiple of 16 tokens; choose a length divisible by 64",
         ),
         (
             8,

@@ -13,7 +13,10 @@ from collections.abc import Sequence
 
 from bloomnative.config import ParallelismConfig, TrainingConfig, ValidationConfig
 from bloomnative.data.rampup import rampup_sizes
-from bloomnative.kernels.flash_alibi_reference import DROPOUT_MAX_POSITIONS
+from bloomnative.kernels.flash_alibi_reference import (
+    DROPOUT_KEYS_PER_DRAW,
+    DROPOUT_MAX_POSITIONS,
+)
 from bloomnative.model.args import BloomArgs
 from bloomnative.model.attention import backends_with
 from bloomnative.parallel.dims import LayoutError, ParallelDims
@@ -72,7 +75,7 @@ def run_seq_lens(
 
 def check_context_parallel(args: BloomArgs, cp: int, seq_lens: dict[str, int]) -> None:
     """An attention backend with a ring form, and sequences that cut into 2 * cp equal chunks
-    (chunks of a multiple of 4 tokens for the Triton kernels' dropout draws). `args.attention`
+    (chunks of a multiple of 16 tokens for the Triton kernels' dropout draws). `args.attention`
     is "sdpa" for an unresolved "auto", which resolves to a backend with a ring form."""
     if cp == 1:
         return
@@ -90,11 +93,13 @@ def check_context_parallel(args: BloomArgs, cp: int, seq_lens: dict[str, int]) -
                 f"parallelism cuts every sequence into 2 * cp equal chunks (rank i holds chunks "
                 f"i and 2 cp - 1 - i); choose a length divisible by {2 * cp} or another cp"
             )
-        if args.attention == "triton" and args.attention_dropout and length % (8 * cp):
+        chunk_unit = 2 * cp * DROPOUT_KEYS_PER_DRAW
+        if args.attention == "triton" and args.attention_dropout and length % chunk_unit:
             raise LayoutError(
-                f"{key} = {length}: with model.attention_dropout the Triton kernels draw one "
-                f"random number per 4 keys, so each of the 2 * cp chunks needs a multiple of 4 "
-                f"tokens; choose a length divisible by {8 * cp}"
+                f"{key} = {length}: with model.attention_dropout the Triton kernels draw "
+                f"random numbers for {DROPOUT_KEYS_PER_DRAW} keys at a time, so each of the "
+                f"2 * cp chunks needs a multiple of {DROPOUT_KEYS_PER_DRAW} tokens; choose a "
+                f"length divisible by {chunk_unit}"
             )
 
 

@@ -231,7 +231,6 @@ def test_a_run_starts_its_adapters_from_a_peft_folder(runs):
         ("--lora.target_modules=qkv", "lora.target_modules: unknown module 'qkv'"),
         ("--lora.rank=-1", "lora.rank must be >= 0"),
         ("--parallelism.tp=2", "parallelism.tp = 2: adapters"),
-        ("--lora.quantize_base=nf4", 'lora.quantize_base = "nf4"'),
     ],
 )
 def test_bad_adapter_settings_are_refused_naming_the_key(override, message):

@@ -61,6 +61,7 @@ from bloomnative.train.input_files import (
     check_data_files,
     check_initial_hf,
     check_lora_base,
+    check_quantize_base,
     init_adapter_state,
 )
 from bloomnative.train.loss import (
@@ -155,6 +156,7 @@ class Trainer:
             log=_log.info,
         )
         check_lora_base(config)
+        check_quantize_base(config.lora)
         check_data_files(config)
         check_wandb(config.metrics)
         # The run as resolved ("auto" settings replaced by their choice), and its layout.

@@ -1,8 +1,9 @@
 """QLoRA's frozen base (bloomnative.adapters.quantize) against torchao, the library that stores
 it: the quantised weights dequantise to torchao's own reference dequantisation of the bf16 base,
-the storage the planner counts is the bytes torchao holds, and one training step (loss, adapter
-gradients, AdamW) equals a LoRA step on that dequantised base (fp32, a tiny BLOOM whose weights
-fill torchao's blocks, adapters with non-zero B). `nf4` without torchao is refused in one line."""
+the planner counts the bytes the quantised model holds (torchao's inner tensors), and one step
+(loss, adapter gradients, AdamW) equals a LoRA step on that dequantised base (fp32, a tiny BLOOM
+whose weights fill torchao's blocks, adapters with non-zero B). `nf4` without torchao is refused
+in one line."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bloomnative import planner
 from bloomnative.adapters import TARGET_MODULES, adapter_state_dict, apply_lora
 from bloomnative.adapters.quantize import (
     frozen_block_linears,
-    nf4_bytes,
     nf4_missing,
     quantize_base_nf4,
 )
-from bloomnative.config import ConfigError, LoRAConfig
+from bloomnative.config import ConfigError, LoRAConfig, ParallelismConfig
 from bloomnative.interop import load_hf_model
-from bloomnative.model import Bloom
+from bloomnative.model import Bloom, BloomArgs
 from bloomnative.train.input_files import check_quantize_base
 from harness.hf_models import make_hf_bloom, save_hf_bloom, tokens
 
@@ -74,14 +75,28 @@ def test_the_quantised_base_dequantises_as_torchaos_reference(base):
             assert torch.equal(param, before[name]), name
 
 
-def test_the_planned_bytes_are_what_torchao_stores(base):
-    model = adapted(base, ["dense"])
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a parameter holds: its own, or an NF4 tensor's inner tensors'."""
+    if not isinstance(tensor, NF4Tensor):
+        return tensor.numel() * tensor.element_size()
+    inner = tensor.__tensor_flatten__()[0]
+    return sum(getattr(tensor, t).numel() * getattr(tensor, t).element_size() for t in inner)
+
+
+def test_the_planner_counts_the_bytes_the_quantised_model_holds(base):
+    model = adapted(base, ["query_key_value"])
     quantize_base_nf4(model)
-    inner = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
-    for name, layer in frozen_block_linears(model):
-        weight = layer.weight
-        stored = sum(getattr(weight, t).numel() * getattr(weight, t).element_size() for t in inner)
-        assert nf4_bytes(weight.numel()) == stored, name
+    held = sum(stored_bytes(p) for p in model.parameters())
+    workload = planner.Workload(
+        micro_batch=1,
+        seq_len=8,
+        precision="fp32",
+        adapters=planner.Adapters(RANK, ("query_key_value",), "nf4"),
+    )
+    layout = planner.layout_from_config(ParallelismConfig())
+    args = BloomArgs(**SHAPE)
+    by_name = {c.name: c.bytes for c in planner.estimate_rank(args, layout, workload).components}
+    assert by_name["fp32 weights"] + by_name["NF4 frozen base (sharded)"] == held
 
 
 def lora_step(model: Bloom, batch: torch.Tensor) -> tuple[float, dict, dict]:

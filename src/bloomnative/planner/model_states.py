@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from bloomnative.adapters.quantize import nf4_bytes
 from bloomnative.model.args import BloomArgs
 from bloomnative.parallel.schedules import stage_ids_of_rank, stage_layer_counts
 from bloomnative.planner.inputs import (
@@ -157,6 +158,32 @@ def unit_numels(params: Iterable[ParamTensor]) -> dict[str, int]:
     for p in params:
         sizes[p.unit] = sizes.get(p.unit, 0) + p.numel
     return sizes
+
+
+def split_nf4_base(
+    params: list[ParamTensor], adapters: Adapters | None
+) -> tuple[list[ParamTensor], list[ParamTensor]]:
+    """(the other parameters, the NF4 ones): with `adapters.quantize_base = "nf4"` the frozen
+    weights of the blocks' linear layers are NF4 (`adapters.quantize.quantize_base_nf4`)."""
+    if adapters is None or adapters.quantize_base != "nf4":
+        return params, []
+    linear = tuple(f".{path}.weight" for path in _LINEAR_LAYERS.values())
+    nf4 = [p for p in params if not p.trainable and p.name.endswith(linear)]
+    return [p for p in params if p not in nf4], nf4
+
+
+def nf4_base_component(nf4: list[ParamTensor], layout: Layout) -> Component:
+    """The NF4 base's storage, sharded by FSDP2 like any parameter (dim 0): the bytes torchao's
+    NF4 tensor holds for each shard (`adapters.quantize.nf4_bytes`). Not counted: a block's
+    gathered NF4 copy (0.52 bytes per weight) and the one layer's weight dequantised at a time."""
+    shards = layout.dims.fsdp_shards
+    return Component(
+        "NF4 frozen base (sharded)",
+        sum(nf4_bytes(p.shard_numel(shards)) for p in nf4),
+        "resident",
+        "0.516 x frozen block linear weights/(dp_shard cp) (4 bits + int8 scales per 64 + bf16 "
+        "factors per 64 x 256)",
+    )
 
 
 def model_state_components(

@@ -26,6 +26,8 @@ from bloomnative.interop import load_hf_model
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.train.input_files import check_quantize_base
 from harness.hf_models import make_hf_bloom, save_hf_bloom, tokens
+from harness.launching import run
+from harness.training import REPO, TINY_RUN
 
 torchao = pytest.importorskip("torchao")
 from torchao.quantization import NF4Tensor, to_nf4  # noqa: E402
@@ -146,3 +148,26 @@ def test_nf4_without_torchao_is_refused_in_one_line(monkeypatch):
     assert len(message.splitlines()) == 1
     assert 'lora.quantize_base = "nf4" needs torchao' in message
     assert "pip install 'bloomnative[qlora]'" in message
+
+
+@pytest.mark.multiprocess
+def test_the_launcher_refuses_nf4_in_one_line_before_any_worker(synthetic_corpus, base, tmp_path):
+    # torchao installed: the trainer does not quantise its base yet, and says so.
+    shape = [f"--model.{key}={value}" for key, value in SHAPE.items()]
+    result = run(
+        [
+            str(REPO / "run_train.sh"),
+            *TINY_RUN,
+            *shape,
+            f"--data.blend={synthetic_corpus}",
+            f"--job.dump_folder={tmp_path / 'run'}",
+            f"--checkpoint.initial_hf={base}",
+            "--lora.rank=4",
+            "--lora.quantize_base=nf4",
+        ],
+        check=False,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and 'lora.quantize_base = "nf4": the trainer does not' in lines[0]
+    assert not (tmp_path / "run").exists()

@@ -199,7 +199,7 @@ def model_state_components(
     (Megatron-DeepSpeed BF16Optimizer): bf16 weights and bf16 .grad replicated, a full fp32
     gradient-accumulation buffer, fp32 master weights and moments partitioned over all dp ranks.
     P counts every parameter the rank holds, T the trainable ones (all, or only the adapters:
-    FSDP2 keeps a frozen base's shards in the model's dtype like any other parameter).
+    a frozen base's FSDP2 shards are stored in the compute dtype, bf16 in a bf16 run).
     """
     grad_phase = "resident" if gradients_persist(layout, workload) else "step_end"
     if layout.deepspeed:
@@ -237,7 +237,8 @@ def _fsdp_states(
     params: list[ParamTensor], layout: Layout, workload: Workload, prec: Precision, grad_phase: str
 ) -> list[Component]:
     shards = layout.dims.fsdp_shards
-    sharded = sum(p.shard_numel(shards) for p in params)
+    # A frozen base is stored in the compute dtype (adapters.lora.store_frozen_in): no master.
+    stored = sum(p.shard_numel(shards) * (FP32 if p.trainable else prec.compute) for p in params)
     trained = [p.shard_numel(shards) for p in params if p.trainable]
     units = unit_numels(params)
     root = units.get("root", 0)
@@ -254,7 +255,12 @@ def _fsdp_states(
     states = "host" if layout.parallelism.cpu_offload else "resident"
     step = _optimizer_step_temporary(workload, sum(trained), max(trained))
     return [
-        Component("fp32 master weights (sharded)", FP32 * sharded, states, "4 x P/(dp_shard cp)"),
+        Component(
+            "fp32 master weights (sharded)",
+            stored,
+            states,
+            "(4 x T + compute x frozen)/(dp_shard cp)",
+        ),
         Component(
             "AdamW moments (sharded)", 2 * FP32 * sum(trained), states, "2 x 4 x T/(dp_shard cp)"
         ),

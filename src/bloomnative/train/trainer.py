@@ -21,6 +21,7 @@ from bloomnative.adapters.lora import (
     apply_lora,
     describe_adapters,
     lora_initial_value,
+    store_frozen_in,
 )
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint.reading import CheckpointReader, UnsafeCheckpointError
@@ -244,6 +245,8 @@ class Trainer:
         for part in parts:
             if lora.rank:
                 apply_lora(part, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+                if self.bf16:  # no fp32 master weights for the frozen base
+                    store_frozen_in(part, torch.bfloat16)
             parallelize_part(
                 part,
                 self.mesh,

@@ -883,10 +883,6 @@ def _validate_lora(config: Config) -> None:
             f"parallelism.{key} = {getattr(par, key)}: adapters (lora.rank > 0) train with data "
             "parallelism (dp_shard, dp_replicate) only so far; set it to 1",
         )
-    _check(
-        lora.quantize_base == "none",
-        'lora.quantize_base = "nf4" (QLoRA) is not available yet; use "none"',
-    )
 
 
 def _validate_lr_schedule(s: LRSchedulerConfig) -> None:

@@ -154,8 +154,12 @@ def test_training_leaves_the_frozen_base_bit_for_bit(runs, base, name):
     frozen = torch.load(runs.out / name / FROZEN_FILE)
     reference = load_hf_model(base).state_dict()
     assert len(frozen) == len(reference) - 1  # every weight but the head tied to the embedding
+    # A bf16 run stores its frozen base in bf16 (adapters.lora.store_frozen_in): the Hugging
+    # Face weights rounded once, as they are loaded.
+    dtype = torch.bfloat16 if "bf16" in name else torch.float32
     for key, value in frozen.items():
-        assert torch.equal(value, reference[key]), key
+        assert value.dtype == dtype, key
+        assert torch.equal(value, reference[key].to(dtype)), key
 
 
 @pytest.mark.multiprocess
@@ -231,7 +235,6 @@ def test_a_run_starts_its_adapters_from_a_peft_folder(runs):
         ("--lora.target_modules=qkv", "lora.target_modules: unknown module 'qkv'"),
         ("--lora.rank=-1", "lora.rank must be >= 0"),
         ("--parallelism.tp=2", "parallelism.tp = 2: adapters"),
-        ("--lora.quantize_base=nf4", 'lora.quantize_base = "nf4"'),
     ],
 )
 def test_bad_adapter_settings_are_refused_naming_the_key(override, message):

@@ -1,6 +1,6 @@
 """Parameter-efficient fine-tuning, applied from outside the model like the parallel plans:
-low-rank adapters (`lora`) with Hugging Face PEFT's names and initialisation, and PEFT's adapter
-folders (`peft`)."""
+low-rank adapters (`lora`) with Hugging Face PEFT's names and initialisation, PEFT's adapter
+folders (`peft`) and the frozen base in 4-bit NormalFloat (`quantize`, QLoRA)."""
 
 from bloomnative.adapters.lora import (
     TARGET_MODULES,
@@ -17,6 +17,7 @@ from bloomnative.adapters.peft import (
     read_peft_adapter,
     save_peft_adapter,
 )
+from bloomnative.adapters.quantize import quantize_base_nf4
 
 __all__ = [
     "TARGET_MODULES",
@@ -28,6 +29,7 @@ __all__ = [
     "load_peft_adapter",
     "lora_initial_value",
     "merge_lora",
+    "quantize_base_nf4",
     "read_peft_adapter",
     "save_peft_adapter",
 ]

@@ -105,6 +105,19 @@ def apply_lora(
     return adapted
 
 
+def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Stores every frozen parameter of `model` (the base, once `apply_lora` has frozen it) in
+    `dtype`, on any device, the meta device included. In a bf16 run every weight is used as a
+    bf16 copy (FSDP2's MixedPrecisionPolicy casts the fp32 shard); a frozen weight has no update
+    to accumulate, so its fp32 master copy holds nothing that the bf16 one lacks, and the copy
+    FSDP2 gathers is the same rounding. Apply it before FSDP2 (which records each parameter's
+    dtype; it needs one dtype among the trainable parameters only) and before the base's
+    weights are loaded (they are rounded as they are copied in)."""
+    for param in model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(dtype)
+
+
 def adapter_shapes(
     args: BloomArgs, rank: int, targets: Sequence[str] = DEFAULT_TARGETS
 ) -> dict[str, torch.Size]:

@@ -32,6 +32,7 @@ from bloomnative.train.input_files import (
     check_data_files,
     check_initial_hf,
     check_lora_base,
+    check_quantize_base,
     init_adapter_state,
 )
 from bloomnative.train.resolved import ResolvedRun, resolve_run
@@ -206,6 +207,7 @@ def check_run(config: Config, world_size: int, device: torch.device | str = "cpu
     its API key where wandb looks for one."""
     run = resolve_run(config, world_size, device)
     check_lora_base(config)
+    check_quantize_base(config.lora)
     check_data_files(config)
     check_wandb(config.metrics)
     return run

@@ -87,7 +87,9 @@ def workload_from_config(
 def adapters_from_config(config: Config) -> Adapters | None:
     """The run's `[lora]` adapters, or None when every weight trains."""
     lora = config.lora
-    return Adapters(lora.rank, tuple(lora.target_modules)) if lora.rank > 0 else None
+    if lora.rank == 0:
+        return None
+    return Adapters(lora.rank, tuple(lora.target_modules), lora.quantize_base)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,13 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from bloomnative.config import LoRATarget, OptimizerImpl, ParallelismConfig, RecomputeMode
+from bloomnative.config import (
+    LoRATarget,
+    OptimizerImpl,
+    ParallelismConfig,
+    QuantizeBase,
+    RecomputeMode,
+)
 from bloomnative.parallel.dims import ParallelDims
 from bloomnative.parallel.fsdp import uses_fsdp
 
@@ -76,6 +82,9 @@ class Adapters:
     rank: int
     targets: tuple[str, ...]
     """The adapted layers of every block, by name (`config.LoRATarget`)."""
+    quantize_base: QuantizeBase = "none"
+    """"nf4" (QLoRA): the blocks' frozen linear weights in torchao's NF4 tensor
+    (bloomnative.adapters.quantize), not in fp32."""
 
 
 @dataclass(frozen=True)

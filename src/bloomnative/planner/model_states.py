@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from bloomnative.adapters.quantize import nf4_bytes
 from bloomnative.model.args import BloomArgs
 from bloomnative.parallel.schedules import stage_ids_of_rank, stage_layer_counts
 from bloomnative.planner.inputs import (
@@ -159,6 +160,32 @@ def unit_numels(params: Iterable[ParamTensor]) -> dict[str, int]:
     return sizes
 
 
+def split_nf4_base(
+    params: list[ParamTensor], adapters: Adapters | None
+) -> tuple[list[ParamTensor], list[ParamTensor]]:
+    """(the other parameters, the NF4 ones): with `adapters.quantize_base = "nf4"` the frozen
+    weights of the blocks' linear layers are NF4 (`adapters.quantize.quantize_base_nf4`)."""
+    if adapters is None or adapters.quantize_base != "nf4":
+        return params, []
+    linear = tuple(f".{path}.weight" for path in _LINEAR_LAYERS.values())
+    nf4 = [p for p in params if not p.trainable and p.name.endswith(linear)]
+    return [p for p in params if p not in nf4], nf4
+
+
+def nf4_base_component(nf4: list[ParamTensor], layout: Layout) -> Component:
+    """The NF4 base's storage, sharded by FSDP2 like any parameter (dim 0): the bytes torchao's
+    NF4 tensor holds for each shard (`adapters.quantize.nf4_bytes`). Not counted: a block's
+    gathered NF4 copy (0.52 bytes per weight) and the one layer's weight dequantised at a time."""
+    shards = layout.dims.fsdp_shards
+    return Component(
+        "NF4 frozen base (sharded)",
+        sum(nf4_bytes(p.shard_numel(shards)) for p in nf4),
+        "resident",
+        "0.516 x frozen block linear weights/(dp_shard cp) (4 bits + int8 scales per 64 + bf16 "
+        "factors per 64 x 256)",
+    )
+
+
 def model_state_components(
     params: list[ParamTensor], layout: Layout, workload: Workload, prec: Precision
 ) -> list[Component]:
@@ -172,7 +199,7 @@ def model_state_components(
     (Megatron-DeepSpeed BF16Optimizer): bf16 weights and bf16 .grad replicated, a full fp32
     gradient-accumulation buffer, fp32 master weights and moments partitioned over all dp ranks.
     P counts every parameter the rank holds, T the trainable ones (all, or only the adapters:
-    FSDP2 keeps a frozen base's shards in the model's dtype like any other parameter).
+    a frozen base's FSDP2 shards are stored in the compute dtype, bf16 in a bf16 run).
     """
     grad_phase = "resident" if gradients_persist(layout, workload) else "step_end"
     if layout.deepspeed:
@@ -210,7 +237,8 @@ def _fsdp_states(
     params: list[ParamTensor], layout: Layout, workload: Workload, prec: Precision, grad_phase: str
 ) -> list[Component]:
     shards = layout.dims.fsdp_shards
-    sharded = sum(p.shard_numel(shards) for p in params)
+    # A frozen base is stored in the compute dtype (adapters.lora.store_frozen_in): no master.
+    stored = sum(p.shard_numel(shards) * (FP32 if p.trainable else prec.compute) for p in params)
     trained = [p.shard_numel(shards) for p in params if p.trainable]
     units = unit_numels(params)
     root = units.get("root", 0)
@@ -227,7 +255,12 @@ def _fsdp_states(
     states = "host" if layout.parallelism.cpu_offload else "resident"
     step = _optimizer_step_temporary(workload, sum(trained), max(trained))
     return [
-        Component("fp32 master weights (sharded)", FP32 * sharded, states, "4 x P/(dp_shard cp)"),
+        Component(
+            "fp32 master weights (sharded)",
+            stored,
+            states,
+            "(4 x T + compute x frozen)/(dp_shard cp)",
+        ),
         Component(
             "AdamW moments (sharded)", 2 * FP32 * sum(trained), states, "2 x 4 x T/(dp_shard cp)"
         ),

@@ -45,8 +45,10 @@ from bloomnative.planner.model_states import (
     ParamTensor,
     gradients_persist,
     model_state_components,
+    nf4_base_component,
     rank_parameters,
     rank_stage_ids,
+    split_nf4_base,
     stage_blocks,
     unit_numels,
 )
@@ -305,8 +307,12 @@ def estimate_rank(
     """Every component of pipeline rank `pp_rank`'s memory."""
     validate_plan(args, layout, workload)
     prec = Precision.of(layout, workload)
-    params = rank_parameters(args, layout, pp_rank, workload.adapters)
+    params, nf4 = split_nf4_base(
+        rank_parameters(args, layout, pp_rank, workload.adapters), workload.adapters
+    )
     components = model_state_components(params, layout, workload, prec)
+    if nf4:
+        components.append(nf4_base_component(nf4, layout))
     terms = activation_terms_for(args, layout, workload, prec)
     stage_ids = rank_stage_ids(layout, pp_rank)
     in_flight = in_flight_microbatches(layout, workload.microbatches, pp_rank)

@@ -41,6 +41,25 @@ def check_data_files(config: Config) -> None:
                 )
 
 
+def check_quantize_base(lora: LoRAConfig) -> None:
+    """`lora.quantize_base = "nf4"` stores the frozen base in torchao's NF4 tensor
+    (bloomnative.adapters.quantize): refused when torchao is not installed. The trainer does
+    not quantise its base yet (`quantize_base_nf4` quantises a model), so nf4 is refused there
+    too, rather than training a base that is not quantised."""
+    if lora.quantize_base != "nf4":
+        return
+    from bloomnative.adapters.quantize import NF4_INSTALL, nf4_missing
+
+    if nf4_missing():
+        raise ConfigError(
+            f'lora.quantize_base = "nf4" needs torchao, which is not installed: {NF4_INSTALL}'
+        )
+    raise ConfigError(
+        'lora.quantize_base = "nf4": the trainer does not quantise its base yet '
+        '(bloomnative.adapters.quantize_base_nf4 quantises a model); use "none"'
+    )
+
+
 def check_lora_base(config: Config) -> None:
     """Adapters (lora.rank > 0) train on a Hugging Face base, `checkpoint.initial_hf`: the
     run's checkpoints hold the adapters and not the frozen base, which a resume loads from that

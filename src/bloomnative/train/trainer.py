@@ -21,6 +21,7 @@ from bloomnative.adapters.lora import (
     apply_lora,
     describe_adapters,
     lora_initial_value,
+    store_frozen_in,
 )
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint.reading import CheckpointReader, UnsafeCheckpointError
@@ -62,6 +63,7 @@ from bloomnative.train.input_files import (
     check_data_files,
     check_initial_hf,
     check_lora_base,
+    check_quantize_base,
     init_adapter_state,
 )
 from bloomnative.train.loss import (
@@ -156,6 +158,7 @@ class Trainer:
             log=_log.info,
         )
         check_lora_base(config)
+        check_quantize_base(config.lora)
         check_data_files(config)
         check_wandb(config.metrics)
         # The run as resolved ("auto" settings replaced by their choice), and its layout.
@@ -252,6 +255,8 @@ class Trainer:
         for part in parts:
             if lora.rank:
                 apply_lora(part, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+                if self.bf16:  # no fp32 master weights for the frozen base
+                    store_frozen_in(part, torch.bfloat16)
             parallelize_part(
                 part,
                 self.mesh,

@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
 
@@ -164,6 +165,16 @@ def test_generation_stops_at_the_stop_string_as_the_hf_model_does(ours, referenc
     assert texts == responses(reference, "local_qa")
     assert all(STOP not in text[0] and text[0] for text in texts)  # cut before the stop string
     assert correct(ours, "local_qa", "exact_match") == correct(reference, "local_qa", "exact_match")
+
+
+def test_bf16_scores_stay_near_fp32(setup, ours):
+    dump, _, _, manager = setup
+    model = BloomnativeLM(checkpoint=dump, dtype="bfloat16", batch_size=5, device="cpu")
+    assert next(model.model.parameters()).dtype == torch.bfloat16
+    half = lm_eval.simple_evaluate(model=model, tasks=["local_text"], task_manager=manager)
+    for metric in ("word_perplexity,none", "byte_perplexity,none"):
+        fp32 = ours["results"]["local_text"][metric]
+        assert half["results"]["local_text"][metric] == pytest.approx(fp32, rel=0.02)
 
 
 def test_a_one_process_save_of_the_fsdp_checkpoint_gives_the_same_numbers(setup, ours, tmp_path):

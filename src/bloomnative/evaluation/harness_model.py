@@ -148,9 +148,12 @@ class BloomnativeLM(TemplateLM):
         padded = torch.zeros(len(inputs), longest, dtype=torch.long)
         for row, ids in enumerate(inputs):  # right padding: causal attention never sees it
             padded[row, : len(ids)] = torch.tensor(ids)
-        log_probs = F.log_softmax(self.model(padded.to(self.device)).float(), dim=-1).cpu()
+        logits = self.model(padded.to(self.device))
         for row, (ids, (_, _, cont)) in enumerate(zip(inputs, batch, strict=True)):
-            positions = log_probs[row, len(ids) - len(cont) : len(ids)]
+            # Only the continuation's positions, in fp32: a whole batch's log-probabilities
+            # over BLOOM's 250,880 tokens would take gigabytes.
+            window = logits[row, len(ids) - len(cont) : len(ids)]
+            positions = F.log_softmax(window.float(), dim=-1).cpu()
             target = torch.tensor(cont)
             greedy = bool((positions.argmax(dim=-1) == target).all())
             yield float(positions.gather(-1, target[:, None]).sum()), greedy

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from bloomnative.evaluation import BloomnativeLM  # noqa: E402
 from bloomnative.generate import load_model  # noqa: E402
 from bloomnative.interop import save_native_checkpoint  # noqa: E402
-from harness.training import load_tool  # noqa: E402
+from harness.training import REPO, load_tool  # noqa: E402
 
 pytestmark = [
     pytest.mark.multiprocess,  # the conftest's 2-process run
@@ -30,6 +31,9 @@ TASKS = ["local_choice", "local_text", "local_qa"]
 STOP = " "
 """The generation task's stop string: the word tokenizer decodes tokens joined by spaces, so
 every continuation longer than one word is cut by it."""
+
+REPO_TOKENIZER = REPO / "assets" / "pydocs" / "tokenizer.json"
+"""The bundled corpus's tokenizer: 8,192 tokens, more than the test run's model has."""
 
 evaluate_tool = load_tool("evaluate")
 convert_hf = load_tool("convert_hf")
@@ -230,3 +234,15 @@ def test_bad_input_is_one_line_and_exit_2(setup, tmp_path, capsys):
     for argv, message in cases:
         code, err = run_tool(["--checkpoint", str(dump), *argv], capsys)
         assert code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_model_arguments_that_cannot_work_are_refused_by_name(setup):
+    dump = setup[0]
+    cases = [
+        ({"batch_size": "auto"}, "batch_size must be a whole number > 0, got 'auto'"),
+        ({"dtype": "fp16"}, "dtype 'fp16': choose one of"),
+        ({"tokenizer": REPO_TOKENIZER}, "does not belong to the model"),
+    ]
+    for arguments, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            BloomnativeLM(checkpoint=dump, device="cpu", **arguments)

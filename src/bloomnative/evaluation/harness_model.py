@@ -46,8 +46,12 @@ from bloomnative.generate import (
     special_token_ids,
 )
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16}
-DTYPES["bf16"] = torch.bfloat16
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 DEFAULT_MAX_LENGTH = 2048
 """Tokens one forward sees at most (the harness's `hf` default where a config names none: BLOOM
@@ -92,6 +96,12 @@ class BloomnativeLM(TemplateLM):
         self.max_gen_toks = _positive(max_gen_toks, "max_gen_toks")
         self.model = load_model(checkpoint, device or "auto").to(DTYPES[str(dtype)])
         self.text_tokenizer = load_tokenizer_for(checkpoint, tokenizer)
+        if self.text_tokenizer.vocab_size > self.model.args.vocab_size:
+            raise ValueError(
+                f"the tokenizer {self.text_tokenizer.path} has {self.text_tokenizer.vocab_size} "
+                f"tokens but the model's vocabulary {self.model.args.vocab_size}: it does not "
+                "belong to the model"
+            )
         # The bos_token_id an export to Hugging Face writes: the tokenizer's <s> (or the like),
         # else the EOD.
         ids = special_token_ids(self.text_tokenizer.path, self.text_tokenizer.eod_token)
@@ -239,7 +249,8 @@ class BloomnativeLM(TemplateLM):
 
 
 def _positive(value: int | str, name: str) -> int:
-    number = int(value)
-    if number <= 0:
+    """`value` (a model argument, often text) as a whole number > 0, else ValueError naming it."""
+    text = str(value)
+    if not (text.isascii() and text.isdigit()) or int(text) <= 0:
         raise ValueError(f"{name} must be a whole number > 0, got {value!r}")
-    return number
+    return int(text)

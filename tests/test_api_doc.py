@@ -13,7 +13,17 @@ from harness.launching import python_command, run
 from harness.training import REPO, train_env
 
 API_DOC = REPO / "docs" / "api.md"
-PACKAGES = ["model", "kernels", "parallel", "planner", "data", "interop", "adapters", "train"]
+PACKAGES = [
+    "model",
+    "kernels",
+    "parallel",
+    "planner",
+    "data",
+    "interop",
+    "adapters",
+    "evaluation",
+    "train",
+]
 
 
 def sections() -> dict[str, str]:

@@ -153,6 +153,9 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
         ("--max-new-tokens N", "--max-new-tokens 48", WHY_DEBUG),
         ("<job.seed>", "42", WHY_DEBUG),
     ],
+    "docs/evaluation.md": [
+        ("outputs/debug/checkpoints/step-1200", "outputs/debug/checkpoints/step-2", WHY_RUN),
+    ],
 }
 TRAINING_STEPS = "--training.steps=2"
 """Appended to every command that trains (the last value of a key wins): 2 steps go through the
@@ -163,7 +166,12 @@ README_RUN = ("README.md", "./run_train.sh")
 TO_HF = ("docs/hf_interop.md", "python tools/convert_hf.py to-hf --checkpoint outputs/run/*")
 LORA_PAIRS = ("docs/finetuning.md", "python tools/preprocess_data.py *")
 LORA_RUN = ("docs/finetuning.md", "./run_train.sh *")
+EVAL_EXPORT = ("docs/evaluation.md", "python tools/convert_hf.py to-hf *")
 READS = {
+    ("docs/evaluation.md", "python tools/evaluate.py *"): README_RUN,
+    ("docs/evaluation.md", "python -m bloomnative.evaluation *"): README_RUN,
+    EVAL_EXPORT: README_RUN,
+    ("docs/evaluation.md", "python tools/bench_eval.py *"): EVAL_EXPORT,
     ("README.md", "python tools/generate.py *"): README_RUN,
     TO_HF: README_RUN,
     ("docs/hf_interop.md", "python tools/convert_hf.py to-native *"): TO_HF,

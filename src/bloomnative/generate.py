@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,10 +227,12 @@ def generate(
     sampling: Sampling | None = None,
     generator: torch.Generator | None = None,
     stop_token: int | None = None,
+    stop_when: Callable[[torch.Tensor], bool] | None = None,
 ) -> torch.Tensor:
     """Continues `prompt` (token ids [batch, tokens], at least one token) by up to
     `max_new_tokens` tokens: one forward over the prompt fills the KV cache, then each step
-    feeds only the newest token. Stops early once every row has produced `stop_token`.
+    feeds only the newest token. Stops early once every row has produced `stop_token`, or once
+    `stop_when(new tokens so far [batch, n])` is true (e.g. a stop string has appeared).
     Runs the model in eval mode (no dropout), restoring its mode afterwards.
     Returns the new tokens [batch, n] (rows that stopped are padded with `stop_token`)."""
     if prompt.ndim != 2 or prompt.shape[1] == 0:
@@ -240,7 +242,9 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        return _decode(model, prompt, max_new_tokens, sampling or Sampling(), generator, stop_token)
+        return _decode(
+            model, prompt, max_new_tokens, sampling or Sampling(), generator, stop_token, stop_when
+        )
     finally:
         model.train(was_training)
 
@@ -252,6 +256,7 @@ def _decode(
     sampling: Sampling,
     generator: torch.Generator | None,
     stop_token: int | None,
+    stop_when: Callable[[torch.Tensor], bool] | None,
 ) -> torch.Tensor:
     device = next(model.parameters()).device
     cache = model.new_kv_cache()
@@ -264,7 +269,7 @@ def _decode(
             token = token.masked_fill(done, stop_token)
             done |= token == stop_token
         new.append(token)
-        if bool(done.all()):
+        if bool(done.all()) or (stop_when is not None and stop_when(torch.stack(new, dim=1))):
             break
         logits = model(token[:, None].to(device), cache=cache)[:, -1]
     return torch.stack(new, dim=1) if new else prompt.new_empty(prompt.shape[0], 0)

@@ -82,6 +82,15 @@ def test_greedy_decoding_equals_transformers_generate(tmp_path):
     )[:, 5:]
     ours = generate(load_model(folder), prompt, 10, Sampling(temperature=0))
     assert torch.equal(ours, expected)
+    # stop_when ends decoding at the first step it is true for, here once 4 tokens are out.
+    seen: list[int] = []
+
+    def four_out(new: torch.Tensor) -> bool:
+        seen.append(new.shape[1])
+        return new.shape[1] == 4
+
+    cut = generate(load_model(folder), prompt, 10, Sampling(temperature=0), stop_when=four_out)
+    assert torch.equal(cut, expected[:, :4]) and seen == [1, 2, 3, 4]
 
 
 def test_top_k_and_top_p_keep_only_the_likeliest_tokens():

@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from bloomnative import planner
 from bloomnative.config import ConfigError, OptimizerConfig
+from bloomnative.planner.model_states import moment_bytes
 from bloomnative.train.optimizer import build_optimizer, check_state_library, param_groups
 from harness.training import TINY_RUN, losses_by_step, run_training
 
@@ -96,3 +98,26 @@ def test_missing_library_is_refused_in_one_line(monkeypatch):
     message = str(e.value)
     assert "\n" not in message and "optimizer.state_dtype" in message and "lowbit" in message
     check_state_library(OptimizerConfig())  # fp32 needs nothing
+
+
+def _state_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a moment tensor holds: a quantized one's inner tensors (codes, scales, table)."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(_state_bytes(getattr(tensor, n)) for n in names)
+    return tensor.numel() * tensor.element_size()
+
+
+def test_planner_counts_the_8bit_moments_the_library_allocates():
+    # quantized (>= 4096 elements, a multiple of 256), too small, and not a multiple of 256
+    shapes = [(128, 64), (64,), (64, 100), (256, 256)]
+    params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+    optimizer = torchao_optim.AdamW8bit(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    allocated = sum(
+        _state_bytes(optimizer.state[p][k]) for p in params for k in ("exp_avg", "exp_avg_sq")
+    )
+    workload = planner.Workload(micro_batch=1, seq_len=8, optimizer="8bit")
+    assert moment_bytes(workload, [p.numel() for p in params]) == allocated

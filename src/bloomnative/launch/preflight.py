@@ -35,6 +35,7 @@ from bloomnative.train.input_files import (
     check_quantize_base,
     init_adapter_state,
 )
+from bloomnative.train.optimizer import check_state_library
 from bloomnative.train.resolved import ResolvedRun, resolve_run
 from bloomnative.train.tracking import check_wandb
 
@@ -204,12 +205,13 @@ def check_run(config: Config, world_size: int, device: torch.device | str = "cpu
     """The run resolved for `world_size` processes on `device` (train/resolved.py: the layout
     checked, "auto" recomputation planned against this machine's devices), its data files
     present and, with metrics.wandb, the wandb package installed and, unless W&B runs offline,
-    its API key where wandb looks for one."""
+    its API key where wandb looks for one, and the library optimizer.state_dtype needs."""
     run = resolve_run(config, world_size, device)
     check_lora_base(config)
     check_quantize_base(config.lora)
     check_data_files(config)
     check_wandb(config.metrics)
+    check_state_library(config.optimizer)
     return run
 
 

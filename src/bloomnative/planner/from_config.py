@@ -79,7 +79,11 @@ def workload_from_config(
         fused_loss=config.model.fused_loss,
         compiled_loss=compiled_loss,
         dropout=dropout or args.uses_dropout,
-        optimizer=config.optimizer.kernel(device_type),
+        optimizer=(
+            "8bit"
+            if config.optimizer.state_dtype == "8bit"
+            else config.optimizer.kernel(device_type)
+        ),
         adapters=adapters_from_config(config),
     )
 

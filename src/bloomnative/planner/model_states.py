@@ -219,17 +219,41 @@ def gradients_persist(layout: Layout, workload: Workload) -> bool:
     return workload.microbatches > 1
 
 
+BLOCK_8BIT = 256
+"""Elements per fp32 scale in torchao's AdamW8bit moments (its default block size)."""
+QMAP_8BIT = 256 * FP32
+"""Bytes of the code-to-value table each 8-bit moment tensor holds (256 fp32 values)."""
+
+
+def moment_bytes(workload: Workload, numels: list[int]) -> int:
+    """Bytes of AdamW's two moments for local tensors of `numels` elements: 8 per element with
+    fp32 moments; with "8bit" (torchao.optim.AdamW8bit), a tensor of at least 4096 elements that
+    the block divides holds per moment 1 byte per element, an fp32 scale per block of 256 and
+    the 1 KiB table (about 2.03 bytes per element for both); smaller ones keep fp32 moments."""
+    if workload.optimizer != "8bit":
+        return 2 * FP32 * sum(numels)
+    quantized = [n for n in numels if n >= 4096 and n % BLOCK_8BIT == 0]
+    rest = sum(numels) - sum(quantized)
+    return 2 * sum(n + FP32 * (n // BLOCK_8BIT) + QMAP_8BIT for n in quantized) + 2 * FP32 * rest
+
+
 def _optimizer_step_temporary(
     workload: Workload, local_numel: int, largest_numel: int
 ) -> Component:
     """AdamW's foreach path allocates sqrt(exp_avg_sq) for every local parameter at once
-    (torch.optim.adamw._multi_tensor_adamw); the for-loop path one parameter at a time."""
-    per_impl = {"fused": 0, "foreach": local_numel, "for-loop": largest_numel}
+    (torch.optim.adamw._multi_tensor_adamw); the for-loop path one parameter at a time;
+    AdamW8bit dequantizes both moments of one parameter at a time (fp32)."""
+    per_impl = {
+        "fused": 0,
+        "foreach": local_numel,
+        "for-loop": largest_numel,
+        "8bit": 2 * largest_numel,
+    }
     return Component(
         f"optimizer step temporaries ({workload.optimizer} AdamW)",
         FP32 * per_impl[workload.optimizer],
         "step_end",
-        "4 x local params (foreach sqrt buffer), 0 for fused",
+        "4 x local params (foreach sqrt buffer), 0 for fused; 8bit: 2 x 4 x largest param",
     )
 
 
@@ -262,7 +286,10 @@ def _fsdp_states(
             "(4 x T + compute x frozen)/(dp_shard cp)",
         ),
         Component(
-            "AdamW moments (sharded)", 2 * FP32 * sum(trained), states, "2 x 4 x T/(dp_shard cp)"
+            "AdamW moments (sharded)",
+            moment_bytes(workload, trained),
+            states,
+            "2 x 4 x T/(dp_shard cp); 8bit: 2 x (1 + 4/256) x T/(dp_shard cp)",
         ),
         Component(
             "fp32 gradients (sharded, reduce dtype)",
@@ -289,7 +316,12 @@ def _unsharded_states(
     trained = [p.numel for p in params if p.trainable]
     return [
         Component("fp32 weights", FP32 * n_local, "resident", "4 x P"),
-        Component("AdamW moments", 2 * FP32 * sum(trained), "resident", "2 x 4 x T"),
+        Component(
+            "AdamW moments",
+            moment_bytes(workload, trained),
+            "resident",
+            "2 x 4 x T; 8bit: 2 x (1 + 4/256) x T",
+        ),
         Component("fp32 gradients", FP32 * sum(trained), grad_phase, "4 x T"),
         _optimizer_step_temporary(workload, sum(trained), max(trained)),
     ]

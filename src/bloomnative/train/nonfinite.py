@@ -8,6 +8,9 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from bloomnative.train.optimizer import reads_tensor_lr
 
 # Elements of one tensor tested at a time: bounds the boolean temporary of a checkpoint's check.
 _CHUNK = 1 << 26
@@ -57,7 +60,7 @@ class NonFiniteGuard:
         elif finite:
             lr_value = lr.item()  # this path already waits for the device (`finite`)
             for opt in self.optimizers:
-                _step_at(opt, lr_value)
+                _step_at(opt, torch.tensor(lr_value) if reads_tensor_lr(opt) else lr_value)
         skipped = (~finite).long()
         self._skipped += skipped
         self._run = (self._run + 1) * skipped
@@ -117,6 +120,13 @@ def _is_float_tensor(value: object) -> bool:
 def _all_finite(tensor: torch.Tensor) -> torch.Tensor:
     """A 0-d bool on the device: every element of this rank's part of `tensor` is finite."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if is_traceable_wrapper_subclass(local):  # quantized optimizer state: its float parts
+        finite = torch.ones((), dtype=torch.bool, device=local.device)
+        for name in local.__tensor_flatten__()[0]:
+            inner = getattr(local, name)
+            if inner.is_floating_point():
+                finite &= _all_finite(inner)
+        return finite
     flat = local.detach().reshape(-1)
     finite = torch.ones((), dtype=torch.bool, device=flat.device)
     for chunk in flat.split(_CHUNK):

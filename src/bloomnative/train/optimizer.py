@@ -1,14 +1,17 @@
-"""AdamW over one or several model parts (pipeline stages held by this rank)."""
+"""AdamW over one or several model parts (pipeline stages held by this rank): torch.optim.AdamW
+with fp32 moments, or torchao's AdamW8bit with 8-bit block-quantized ones
+(optimizer.state_dtype)."""
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from bloomnative.config import OptimizerConfig
+from bloomnative.config import ConfigError, OptimizerConfig
 
 
 def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
@@ -34,9 +37,41 @@ def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """torch.optim.AdamW with the kernel `cfg.implementation` names, which must be resolved
-    (`OptimizerConfig.kernel`; train/resolved.py resolves it for the trainer)."""
+def check_state_library(cfg: OptimizerConfig) -> None:
+    """Raises ConfigError (one line) when `cfg.state_dtype` needs a library that cannot be
+    imported (torchao for "8bit")."""
+    if cfg.state_dtype == "fp32":
+        return
+    try:
+        import torchao.optim  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"optimizer.state_dtype = {cfg.state_dtype!r} needs the torchao package, which "
+            f"{sys.executable} cannot import ({e}): pip install 'bloomnative[lowbit]', or set "
+            f'optimizer.state_dtype = "fp32"'
+        ) from None
+
+
+def reads_tensor_lr(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` must be given its learning rate as a tensor: torchao's optimizers
+    refuse a number (torch.optim.AdamW takes either)."""
+    return type(optimizer).__module__.startswith("torchao.")
+
+
+def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The AdamW `cfg.state_dtype` names: torch.optim.AdamW ("fp32") with the kernel
+    `cfg.implementation` names, which must be resolved (`OptimizerConfig.kernel`;
+    train/resolved.py resolves it for the trainer), or torchao.optim.AdamW8bit ("8bit", its
+    default block size of 256)."""
+    if cfg.state_dtype == "8bit":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(
+            param_groups(parts, cfg.weight_decay),
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+        )
     impl = cfg.implementation
     if impl == "auto":
         raise ValueError('optimizer.implementation = "auto" must be resolved before building')

@@ -19,6 +19,7 @@ configs/debug.toml in bf16, 8 micro batches of 2, zero_stage 2).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -73,7 +74,7 @@ def fsdp_work(trainer: Trainer) -> dict:
     operand_bytes = None
     if all(hasattr(e, "input_dtypes") for e in moving):
         operand_bytes = sum(
-            DTYPE_BYTES[dtype] * _numel(shape)
+            DTYPE_BYTES[dtype] * math.prod(shape)
             for e in moving
             for shape, dtype in zip(e.input_shapes, e.input_dtypes, strict=False)
             if shape and dtype in DTYPE_BYTES
@@ -90,13 +91,6 @@ def _inside_fsdp(event) -> bool:
             return True
         event = event.cpu_parent
     return False
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def main(argv: list[str] | None = None) -> int:

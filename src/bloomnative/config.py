@@ -884,12 +884,15 @@ def _validate_lora(config: Config) -> None:
         len(set(lora.target_modules)) == len(lora.target_modules),
         f"lora.target_modules lists a module twice: {lora.target_modules}",
     )
-    for key in ("tp", "pp", "cp"):
-        _check(
-            getattr(par, key) == 1,
-            f"parallelism.{key} = {getattr(par, key)}: adapters (lora.rank > 0) train with data "
-            "parallelism (dp_shard, dp_replicate) only so far; set it to 1",
-        )
+    # Under tensor parallelism an adapter's input is whole on every tp rank beside a
+    # column-parallel layer (where a mask must be the same on each) and sharded over them beside a
+    # row-parallel one (where it must differ), in streams that parallel/dropout_rng.py shares or
+    # splits for the whole rank, not per layer.
+    _check(
+        lora.dropout == 0 or par.tp == 1,
+        f"lora.dropout = {lora.dropout} with parallelism.tp = {par.tp}: adapter dropout trains "
+        "without tensor parallelism only; set lora.dropout = 0 or parallelism.tp = 1",
+    )
 
 
 def _validate_lr_schedule(s: LRSchedulerConfig) -> None:

@@ -234,11 +234,12 @@ def test_a_run_starts_its_adapters_from_a_peft_folder(runs):
     [
         ("--lora.target_modules=qkv", "lora.target_modules: unknown module 'qkv'"),
         ("--lora.rank=-1", "lora.rank must be >= 0"),
-        ("--parallelism.tp=2", "parallelism.tp = 2: adapters"),
+        ("--parallelism.tp=2", "lora.dropout = 0.05 with parallelism.tp = 2"),
     ],
 )
 def test_bad_adapter_settings_are_refused_naming_the_key(override, message):
-    argv = ["--lora.rank=4", override] if "rank=-1" not in override else [override]
+    argv = ["--lora.rank=4", "--lora.dropout=0.05", override]
+    argv = argv if "rank=-1" not in override else [override]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         parse_args(argv)
 
@@ -248,7 +249,10 @@ def test_bad_adapter_settings_are_refused_naming_the_key(override, message):
     ("settings", "message"),
     [
         (["--lora.target_modules=qkv"], "lora.target_modules: unknown module 'qkv'"),
-        (["--parallelism.tp=2"], "parallelism.tp = 2: adapters"),
+        (
+            ["--lora.dropout=0.05", "--parallelism.tp=2"],
+            "lora.dropout = 0.05 with parallelism.tp = 2",
+        ),
         (["--checkpoint.initial_hf="], "lora.rank = 4 needs checkpoint.initial_hf"),
         (["--lora.init_adapter=MISSING"], "missing does not exist as a folder"),
         (["--lora.init_adapter=PEFT", "--lora.rank=8"], "rank 4 there, 8 here"),

@@ -5,13 +5,15 @@ stages hold.
 
 A layout named `*-resumed` trains to its `checkpoint.interval` and stops, then a second trainer
 resumes from that checkpoint (which must verify) to the end; resumed.json records where it
-resumed and which checkpoints it verified.
+resumed and which checkpoints it verified. `resume_layout` trains a layout from a copy of
+another run's checkpoint (saved under another layout earlier in the same world).
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -80,3 +82,15 @@ def train_layout(argv: list[str]) -> None:
     (out / f"stages_rank{dist.get_rank()}.json").write_text(json.dumps(stages))
     del trainer
     dist.barrier()
+
+
+def resume_layout(checkpoint: str, argv: list[str]) -> None:
+    """`train_layout(argv)` from a copy of `checkpoint` (another run's checkpoints/step-<N>),
+    which rank 0 puts into the run's dump folder first."""
+    source = Path(checkpoint)
+    config = parse_args(argv)
+    target = Path(config.job.dump_folder) / config.checkpoint.folder / source.name
+    if dist.get_rank() == 0:
+        shutil.copytree(source, target)
+    dist.barrier()
+    train_layout(argv)

@@ -17,6 +17,7 @@ def clip_grad_norm_(
     max_norm: float,
     pp_group: dist.ProcessGroup | None = None,
     not_counted: Sequence[nn.Parameter] = (),
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Clips in place and returns the total L2 norm (before clipping).
 
@@ -27,6 +28,9 @@ def clip_grad_norm_(
     replicated DTensor placements are counted once, not once per replica: the double counting
     BLOOM's BF16 optimizer had to fix. Pipeline stages hold disjoint parameters, so their squared
     norms are summed over `pp_group`.
+
+    `device`: where the norm is reduced when this rank holds no gradient (a LoRA pipeline rank
+    whose stages have no adapters); else the gradients' device.
     """
     skip = {id(p) for p in not_counted}
     grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
@@ -36,7 +40,7 @@ def clip_grad_norm_(
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups[key].append(g)
-    squared = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    squared = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else device)
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
         if isinstance(norm, DTensor):

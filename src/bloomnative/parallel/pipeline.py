@@ -49,7 +49,19 @@ def split_model(model: Bloom, stage_id: int, counts: list[int]) -> Bloom:
         # Untie: the last stage owns a separate copy of the head weight.
         assert stage.lm_head is not None and model.word_embeddings is not None
         stage.lm_head.weight = nn.Parameter(torch.empty_like(model.word_embeddings.weight))
+    if stage_id != len(counts) - 1:
+        stage.register_forward_hook(_carry_gradient)
     return stage
+
+
+def _carry_gradient(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """A stage's output needs a gradient even where nothing in or before the stage trains (a
+    LoRA run's frozen embedding stage): torch's pipelining gives the next stage's input a
+    gradient only if it had one on the sending stage (torch 2.13), and the zero-bubble
+    schedules' weight backward finds a stage's weights through the graph from its input."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        return output.requires_grad_()
+    return output
 
 
 @dataclass(frozen=True)
@@ -308,7 +320,8 @@ class TiedWeightSync:
     """
 
     def __init__(self, placement: PipelineStages, mesh: DeviceMesh):
-        self.copies = tied_weights(placement.parts)
+        # A frozen tied weight (the base of a LoRA run) has no gradient to sum.
+        self.copies = [w for w in tied_weights(placement.parts) if w.requires_grad]
         self.group = None
         first_pp_rank, last_pp_rank = placement.owner(0), placement.owner(placement.num_stages - 1)
         if first_pp_rank == last_pp_rank:

@@ -58,6 +58,11 @@ def reads_tensor_lr(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer).__module__.startswith("torchao.")
 
 
+def trains(part: nn.Module) -> bool:
+    """Whether any parameter of `part` trains (one that a LoRA run does not freeze)."""
+    return any(p.requires_grad for p in part.parameters())
+
+
 def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """The AdamW `cfg.state_dtype` names: torch.optim.AdamW ("fp32") with the kernel
     `cfg.implementation` names, which must be resolved (`OptimizerConfig.kernel`;

@@ -87,7 +87,7 @@ from bloomnative.train.metrics import (
     device_peak_tflops,
 )
 from bloomnative.train.nonfinite import NonFiniteGuard
-from bloomnative.train.optimizer import build_optimizer
+from bloomnative.train.optimizer import build_optimizer, trains
 from bloomnative.train.profiling import StepProfiler
 from bloomnative.train.resolved import resolve_run
 from bloomnative.train.resume_checks import data_settings, model_mismatch
@@ -187,7 +187,9 @@ class Trainer:
             loss_parallel if (self.dims.tp > 1 and par.loss_parallel) else contextlib.nullcontext
         )
 
-        self.optimizers = [build_optimizer([p], self.config.optimizer) for p in self.model_parts]
+        # A LoRA pipeline stage may hold no adapters (only the embedding, say): no optimizer.
+        self.trained_parts = [p for p in self.model_parts if trains(p)]
+        self.optimizers = [build_optimizer([p], self.config.optimizer) for p in self.trained_parts]
         self.params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
         self.nonfinite = NonFiniteGuard(self.optimizers, self.device, train_cfg.max_nonfinite_steps)
         schedule = LRSchedule.from_config(
@@ -369,7 +371,7 @@ class Trainer:
         components: dict[str, Stateful] = {
             # A LoRA run saves its adapters; its frozen base comes from checkpoint.initial_hf.
             "model": ckpt.ModelState(self.model_parts, frozen=not self.config.lora.rank),
-            "optimizer": ckpt.OptimizerState(self.model_parts, self.optimizers),
+            "optimizer": ckpt.OptimizerState(self.trained_parts, self.optimizers),
             "train": self,
             "data": self.train_loader,
             "lr_clock": self.lr_clock,
@@ -556,6 +558,7 @@ class Trainer:
             self.config.training.max_norm,
             pp_group=self.pp_group,
             not_counted=self.untied_copies,
+            device=self.device,
         )
         applied = self.nonfinite.step(loss, grad_norm, lr)  # skips the update on NaN/inf
         self.lr_clock.advance(applied, gbs)

@@ -319,7 +319,7 @@ class LoRAConfig:
     alpha: float = 16.0
     """Scale of the adapters' output is alpha / rank (PEFT's `lora_alpha`)."""
     dropout: float = 0.0
-    """Dropout on each adapter's input (PEFT's `lora_dropout`)."""
+    """Dropout on each adapter's input (PEFT's `lora_dropout`); 0 under tensor parallelism."""
     target_modules: list[LoRATarget] = field(default_factory=lambda: ["query_key_value"])
     """The linear layers of every block that get an adapter, by their Hugging Face names:
     query_key_value, dense, dense_h_to_4h, dense_4h_to_h (PEFT's default for BLOOM: QKV)."""

@@ -2,10 +2,11 @@
 parallel layout like the one-process run: fp32, packed prompt/answer pairs, the batch ramping up
 4, 4, 6, 6, 8 samples; the same loss and gradient norm at every step (relative 1e-5) and the same
 adapters at the end. The layouts: tensor + sequence + loss parallelism (tp 2), the zero-bubble
-pipeline schedule ZBV (pp 2, two stages per rank, so every rank runs split input / weight
-backward passes with the base frozen), context parallelism (cp 2), FSDP2 (dp 2) compiled, and
-dp 2 x tp 2; and a checkpoint saved under dp 2 resumed under tp 2 continues the losses. One
-shared world per world size (tests/harness/shared_world.py); on CPU with gloo."""
+pipeline schedule ZBV (pp 2, two stages per rank: split input / weight backward passes with the
+base frozen, and one rank holding only the frozen embedding and head), context parallelism
+(cp 2), FSDP2 (dp 2), dp 2 x tp 2 and compiled blocks (in one process: the compile's cost once);
+and a checkpoint saved under dp 2 resumed under tp 2 continues the losses. One shared world per
+world size (tests/harness/shared_world.py); on CPU with gloo."""
 
 from __future__ import annotations
 
@@ -26,18 +27,22 @@ LAYOUT = SCENARIO_DIR / "layout_scenario.py"
 TRAIN_LAYOUT, RESUME_LAYOUT = f"{LAYOUT}:train_layout", f"{LAYOUT}:resume_layout"
 STEPS, SAVED = 5, 3
 TOLERANCE = 1e-5
-LAYOUTS = {
-    "tp2": ["--parallelism.tp=2"],
-    "pp2_zbv": [
-        "--parallelism.pp=2",
-        "--parallelism.pp_schedule=ZBVZeroBubble",
-        "--parallelism.pp_stages_per_rank=2",
-    ],
-    "cp2": ["--parallelism.cp=2"],
-    "dp2_compile": ["--parallelism.dp_shard=2", "--compile.enable=true"],
-    "dp2_tp2": ["--parallelism.dp_shard=2", "--parallelism.tp=2"],
+LAYOUTS = {  # name: (processes, settings)
+    "compile": (0, ["--compile.enable=true"]),
+    "tp2": (2, ["--parallelism.tp=2"]),
+    "pp2_zbv": (
+        2,
+        [
+            "--parallelism.pp=2",
+            "--parallelism.pp_schedule=ZBVZeroBubble",
+            "--parallelism.pp_stages_per_rank=2",
+        ],
+    ),
+    "cp2": (2, ["--parallelism.cp=2"]),
+    "dp2": (2, ["--parallelism.dp_shard=2"]),
+    "dp2_tp2": (4, ["--parallelism.dp_shard=2", "--parallelism.tp=2"]),
 }
-RESUMED = "dp2_compile-tp2"  # dp2_compile's step-SAVED checkpoint resumed under tp 2
+RESUMED = "dp2-tp2"  # dp2's step-SAVED checkpoint resumed under tp 2
 
 
 def lora_run(data: Path, base: Path, dump: Path, *extra: str) -> list[str]:
@@ -80,22 +85,21 @@ def write_pair_data(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """Every run's dump folder, by its name, under the returned folder: "one" in one process,
-    the layouts of 2 processes in one world (the resume last, after the run it resumes), and
-    dp2_tp2 in a world of 4."""
+    """Every run's dump folder, by its name, under the returned folder: one world per number of
+    processes (one process: the reference run "one" and "compile"; the resume last in the world
+    of 2, after the run it resumes)."""
     out = tmp_path_factory.mktemp("lora_layouts")
     hf = make_hf_bloom(vocab_size=128, hidden_size=32, n_layer=4, n_head=4, seed=3)
     base = save_hf_bloom(hf, out / "base")
     data = write_pair_data(out / "data")
-    one, two, four = (SharedWorld(out / f"world{n}", n) for n in (0, 2, 4))
-    one.add("one", TRAIN_LAYOUT, lora_run(data, base, out / "one"))
-    for name, layout in LAYOUTS.items():
-        world = four if name == "dp2_tp2" else two
-        world.add(name, TRAIN_LAYOUT, lora_run(data, base, out / name, *layout))
-    saved = out / "dp2_compile" / "checkpoints" / f"step-{SAVED}"
-    resumed = lora_run(data, base, out / RESUMED, *LAYOUTS["tp2"])
-    two.add(RESUMED, RESUME_LAYOUT, str(saved), resumed)
-    for world in (one, two, four):
+    worlds = {n: SharedWorld(out / f"world{n}", n) for n in (0, 2, 4)}
+    worlds[0].add("one", TRAIN_LAYOUT, lora_run(data, base, out / "one"))
+    for name, (processes, settings) in LAYOUTS.items():
+        worlds[processes].add(name, TRAIN_LAYOUT, lora_run(data, base, out / name, *settings))
+    saved = out / "dp2" / "checkpoints" / f"step-{SAVED}"
+    resumed = lora_run(data, base, out / RESUMED, *LAYOUTS["tp2"][1])
+    worlds[2].add(RESUMED, RESUME_LAYOUT, str(saved), resumed)
+    for world in worlds.values():
         world.run().results()  # fails on the first run that did not train
     return out
 

@@ -3,7 +3,8 @@ parallel layout like the one-process run: fp32, packed prompt/answer pairs, the 
 4, 4, 6, 6, 8 samples; the same loss and gradient norm at every step (relative 1e-5) and the same
 adapters at the end. The layouts: tensor + sequence + loss parallelism (tp 2), the zero-bubble
 pipeline schedule ZBV (pp 2, two stages per rank: split input / weight backward passes with the
-base frozen, and one rank holding only the frozen embedding and head), context parallelism
+base frozen, and one rank holding only the frozen embedding and head) and Interleaved1F1B (one
+backward pass per micro batch, a stage holding only the frozen embedding), context parallelism
 (cp 2), FSDP2 (dp 2), dp 2 x tp 2 and compiled blocks (in one process: the compile's cost once);
 and a checkpoint saved under dp 2 resumed under tp 2 continues the losses. One shared world per
 world size (tests/harness/shared_world.py); on CPU with gloo."""
@@ -35,6 +36,14 @@ LAYOUTS = {  # name: (processes, settings)
         [
             "--parallelism.pp=2",
             "--parallelism.pp_schedule=ZBVZeroBubble",
+            "--parallelism.pp_stages_per_rank=2",
+        ],
+    ),
+    "pp2_interleaved_1f1b": (
+        2,
+        [
+            "--parallelism.pp=2",
+            "--parallelism.pp_schedule=Interleaved1F1B",
             "--parallelism.pp_stages_per_rank=2",
         ],
     ),

@@ -44,10 +44,10 @@ def check_data_files(config: Config) -> None:
 def check_quantize_base(config: Config, args: BloomArgs, dp_shard: int) -> None:
     """`lora.quantize_base = "nf4"` stores the frozen base in torchao's NF4 tensor
     (bloomnative.adapters.quantize): refused when torchao is not installed; with replicated
-    data (HSDP: torchao's NF4 all-gather knows a one-dimensional mesh only), tensor, pipeline or
-    context parallelism, which the quantised base does not work with (the trainer quantises a
-    whole part, which FSDP2 then shards over `dp_shard` ranks); and when the block weights of
-    the model `args` describes do not split into `dp_shard` shards of whole NF4 blocks."""
+    data parallelism (HSDP), tensor, pipeline or context parallelism, which the quantised base
+    has not been made to work with or tested under (the trainer quantises a whole part, which
+    FSDP2 then shards over `dp_shard` ranks); and when the block weights of the model `args`
+    describes do not split into `dp_shard` shards of whole NF4 blocks."""
     lora, par = config.lora, config.parallelism
     if lora.quantize_base != "nf4":
         return

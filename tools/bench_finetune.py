@@ -117,8 +117,8 @@ def trainer_argv(args: argparse.Namespace, mode: str, base: Path, corpus: str, d
 
 
 def run_mode(argv: list[str], log: Path) -> int:
-    """Runs the trainer in a process of its own; returns that process's peak resident set in
-    bytes. Raises CalledProcessError (its log's tail in the message) if it fails."""
+    """Runs the trainer in a process of its own, its output in `log`; returns that process's
+    peak resident set in bytes. Raises RuntimeError, with the log's last lines, if it fails."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "bloomnative.train.main", *argv]
@@ -128,7 +128,7 @@ def run_mode(argv: list[str], log: Path) -> int:
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode:
         tail = "\n".join(log.read_text().splitlines()[-20:])
-        raise subprocess.CalledProcessError(process.returncode, command, output=tail)
+        raise RuntimeError(f"the trainer exited with {process.returncode}; {log} ends:\n{tail}")
     return usage.ru_maxrss * 1024  # KiB on Linux
 
 

@@ -2,8 +2,10 @@
 it: the quantised weights dequantise to torchao's own reference dequantisation of the bf16 base,
 the planner counts the bytes the quantised model holds (torchao's inner tensors), and one step
 (loss, adapter gradients, AdamW) equals a LoRA step on that dequantised base (fp32, a tiny BLOOM
-whose weights fill torchao's blocks, adapters with non-zero B). `nf4` without torchao is refused
-in one line."""
+whose weights fill torchao's blocks, adapters with non-zero B). The trainer's QLoRA run
+(`lora.quantize_base = "nf4"`) against a LoRA run on the dequantised base, against itself stopped
+and resumed, and against itself over two FSDP2 ranks. `nf4` without torchao, on weights that do
+not fill its blocks or with a layout it does not train under is refused in one line."""
 
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ from bloomnative.adapters.quantize import (
     nf4_missing,
     quantize_base_nf4,
 )
-from bloomnative.config import ConfigError, LoRAConfig, ParallelismConfig
+from bloomnative.config import Config, ConfigError, LoRAConfig, ParallelismConfig
 from bloomnative.interop import load_hf_model
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.train.input_files import check_quantize_base
 from harness.hf_models import make_hf_bloom, save_hf_bloom, tokens
 from harness.launching import run
-from harness.training import REPO, TINY_RUN
+from harness.shared_world import SharedWorld
+from harness.training import REPO, TINY_RUN, checkpoint_entries, losses_by_step
 
 torchao = pytest.importorskip("torchao")
 from torchao.quantization import NF4Tensor, to_nf4  # noqa: E402
@@ -136,6 +139,21 @@ def test_a_qlora_step_equals_a_lora_step_on_the_dequantised_base(base, targets):
         torch.testing.assert_close(after_q[name], after_l[name], rtol=TOLERANCE, atol=TOLERANCE)
 
 
+NF4_CONFIG = Config(lora=LoRAConfig(rank=4, quantize_base="nf4"))
+
+
+def test_nf4_is_refused_where_its_blocks_or_layout_do_not_hold():
+    args = BloomArgs(**SHAPE)
+    check_quantize_base(NF4_CONFIG, args, 1)  # every weight fills whole blocks
+    with pytest.raises(ConfigError, match="dp_shard = 2: layers.0.self_attention.query_key_"):
+        # 384 x 128 weights: 1.5 blocks of scales a shard.
+        check_quantize_base(NF4_CONFIG, args, 2)
+    for key in ("dp_replicate", "tp", "pp", "cp"):
+        config = Config(lora=NF4_CONFIG.lora, parallelism=ParallelismConfig(**{key: 2}))
+        with pytest.raises(ConfigError, match=f"{key} = 2: .* with parallelism.dp_shard only"):
+            check_quantize_base(config, args, 1)
+
+
 def test_nf4_without_torchao_is_refused_in_one_line(monkeypatch):
     # torchao made absent: its folder off the import path, its modules forgotten.
     monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p) / "torchao").exists()])
@@ -143,31 +161,145 @@ def test_nf4_without_torchao_is_refused_in_one_line(monkeypatch):
         monkeypatch.delitem(sys.modules, module)
     assert nf4_missing()
     with pytest.raises(ConfigError) as refusal:
-        check_quantize_base(LoRAConfig(rank=4, quantize_base="nf4"))
+        check_quantize_base(NF4_CONFIG, BloomArgs(**SHAPE), 1)
     message = str(refusal.value)
     assert len(message.splitlines()) == 1
     assert 'lora.quantize_base = "nf4" needs torchao' in message
     assert "pip install 'bloomnative[qlora]'" in message
 
 
-@pytest.mark.multiprocess
-def test_the_launcher_refuses_nf4_in_one_line_before_any_worker(synthetic_corpus, base, tmp_path):
-    # torchao installed: the trainer does not quantise its base yet, and says so.
-    shape = [f"--model.{key}={value}" for key, value in SHAPE.items()]
-    result = run(
-        [
-            str(REPO / "run_train.sh"),
-            *TINY_RUN,
-            *shape,
-            f"--data.blend={synthetic_corpus}",
-            f"--job.dump_folder={tmp_path / 'run'}",
-            f"--checkpoint.initial_hf={base}",
-            "--lora.rank=4",
-            "--lora.quantize_base=nf4",
-        ],
-        check=False,
+# The trainer's QLoRA runs: a wider model, so that every weight's half (a shard of dp_shard 2)
+# still fills whole blocks of torchao's scales.
+RUN_SHAPE = dict(hidden_size=256, n_head=4, n_layer=2, vocab_size=128)
+STEPS, STOP = 6, 3
+# fp32: torchao computes an NF4 layer's input gradient with its own matmul (LinearNF4's
+# grad_output @ weight) and adds the bias apart, so sums run in another order than LoRA's; FSDP2
+# over two ranks reduces the adapters' gradients in two halves. Measured: at most 1.6e-7
+# relative over 6 steps (two fp32 ulps) against the LoRA run and against dp_shard 2.
+RUN_TOLERANCE = 1e-6
+# bf16 in one process: FSDP2 over one rank (the mixed-precision scheme), which must leave the
+# NF4 weights alone (parallel.fsdp.gathered_wrong_on_one_rank). Three steps, no checkpoints.
+# torchao's F.linear on an NF4 weight adds the bias after the matmul, a second bf16 rounding of
+# every quantised layer's output that LoRA's fused addmm does not make: the losses differ from
+# step 1 (measured: at most 2.1e-4 relative over 3 steps). The layouts' bf16 tolerance
+# (tests/parallel/test_layouts.py says why), 10x the measured difference.
+BF16_TOLERANCE = 2e-3
+BF16 = ["--training.dtype=bf16", "--training.steps=3", "--checkpoint.enable=false"]
+
+
+def qlora_run(
+    corpus: str, base: Path, dump: Path, *extra: str, shape: dict = RUN_SHAPE
+) -> list[str]:
+    """A run of `shape` (over TINY_RUN's) with adapters on every linear layer, on `base`, in
+    NF4."""
+    return [
+        *TINY_RUN,
+        *[f"--model.{key}={value}" for key, value in shape.items()],
+        f"--data.blend={corpus}",
+        f"--job.dump_folder={dump}",
+        f"--checkpoint.initial_hf={base}",
+        f"--checkpoint.interval={STOP}",
+        f"--training.steps={STEPS}",
+        f"--lr_scheduler.decay_steps={STEPS}",  # a run stopped early keeps the schedule
+        "--optimizer.lr=1e-2",
+        "--lora.rank=4",
+        "--lora.alpha=8",
+        f"--lora.target_modules={','.join(TARGET_MODULES)}",
+        "--lora.quantize_base=nf4",
+        *extra,
+    ]
+
+
+def save_dequantised(base: Path, folder: Path) -> Path:
+    """`base` with every linear weight of its blocks replaced by torchao's dequantisation of its
+    NF4 (from bf16) value: the base a QLoRA run of `base` computes with."""
+    model = load_hf_model(base)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.startswith("layers.") and isinstance(module, torch.nn.Linear):
+                nf4 = to_nf4(module.weight.to(torch.bfloat16))
+                module.weight.copy_(nf4.get_original_weight().float())
+    model.save_pretrained_hf(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(synthetic_corpus, tmp_path_factory) -> Path:
+    """In one process: a QLoRA run, the same run stopped at STOP and resumed, and a LoRA run on
+    the dequantised base (`--lora.quantize_base=none`). Over two ranks (FSDP2): the QLoRA run."""
+    out = tmp_path_factory.mktemp("qlora")
+    base = save_hf_bloom(make_hf_bloom(**RUN_SHAPE, seed=7), out / "base")
+    dequantised = save_dequantised(base, out / "dequantised")
+    one, two = SharedWorld(out / "world_1"), SharedWorld(out / "world_2", 2)
+    one.train("qlora", qlora_run(synthetic_corpus, base, out / "qlora"))
+    one.train(
+        "stopped", qlora_run(synthetic_corpus, base, out / "resumed", f"--training.steps={STOP}")
     )
+    one.train("resumed", qlora_run(synthetic_corpus, base, out / "resumed"))
+    lora = qlora_run(synthetic_corpus, dequantised, out / "lora", "--lora.quantize_base=none")
+    one.train("lora", lora)
+    one.train("qlora_bf16", qlora_run(synthetic_corpus, base, out / "qlora_bf16", *BF16))
+    bf16_lora = ["--lora.quantize_base=none", *BF16]
+    one.train("lora_bf16", qlora_run(synthetic_corpus, dequantised, out / "lora_bf16", *bf16_lora))
+    two.train("fsdp", qlora_run(synthetic_corpus, base, out / "fsdp", "--parallelism.dp_shard=2"))
+    one.run()
+    two.run()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_qlora_run_gives_the_losses_of_a_lora_run_on_the_dequantised_base(runs):
+    qlora, lora = losses_by_step(runs / "qlora"), losses_by_step(runs / "lora")
+    assert sorted(qlora) == sorted(lora) == list(range(1, STEPS + 1))
+    for step, loss in lora.items():
+        assert qlora[step] == pytest.approx(loss, rel=RUN_TOLERANCE), step
+    assert qlora[STEPS] < qlora[1] - 0.05  # the adapters learn
+
+
+@pytest.mark.multiprocess
+def test_a_bf16_qlora_run_gives_the_losses_of_a_bf16_lora_run_on_the_dequantised_base(runs):
+    # The LoRA run's base is stored in bf16 (adapters.lora.store_frozen_in): the dequantised
+    # values, which bf16 holds exactly, so both runs compute with the same weights.
+    qlora, lora = losses_by_step(runs / "qlora_bf16"), losses_by_step(runs / "lora_bf16")
+    assert sorted(qlora) == sorted(lora) == [1, 2, 3]
+    for step, loss in lora.items():
+        assert qlora[step] == pytest.approx(loss, rel=BF16_TOLERANCE), step
+
+
+@pytest.mark.multiprocess
+def test_a_resumed_qlora_run_gives_the_uninterrupted_losses_exactly(runs):
+    assert losses_by_step(runs / "resumed") == losses_by_step(runs / "qlora")
+
+
+@pytest.mark.multiprocess
+def test_a_qlora_checkpoint_holds_the_adapters_and_their_optimizer_state_only(runs):
+    entries = checkpoint_entries(runs / "qlora" / "checkpoints" / f"step-{STEPS}")
+    model = [k for k in entries if k.startswith("model.")]
+    assert len(model) == 2 * RUN_SHAPE["n_layer"] * len(TARGET_MODULES)
+    assert all(k.endswith((".lora_a.weight", ".lora_b.weight")) for k in model), model
+    moments = [k for k in entries if k.startswith("optimizer.state.")]
+    assert moments and all(".lora_" in k for k in moments), moments[:4]
+
+
+@pytest.mark.multiprocess
+def test_fsdp_qlora_gives_the_single_process_losses(runs):
+    expected, fsdp = losses_by_step(runs / "qlora"), losses_by_step(runs / "fsdp")
+    assert fsdp.keys() == expected.keys()
+    for step, loss in expected.items():
+        assert fsdp[step] == pytest.approx(loss, rel=RUN_TOLERANCE), step
+
+
+@pytest.mark.multiprocess
+def test_the_launcher_refuses_nf4_on_weights_short_of_a_block_before_any_worker(
+    synthetic_corpus, tmp_path
+):
+    # TINY_RUN's hidden size 32: 3,072 weights in a query_key_value, a block of scales is 16,384.
+    tiny = make_hf_bloom(vocab_size=128, hidden_size=32, n_layer=4, n_head=4)
+    base = save_hf_bloom(tiny, tmp_path / "base")
+    argv = qlora_run(synthetic_corpus, base, tmp_path / "run", shape={})
+    result = run([str(REPO / "run_train.sh"), *argv], check=False)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and 'lora.quantize_base = "nf4": the trainer does not' in lines[0]
+    assert len(lines) == 1, lines
+    assert 'lora.quantize_base = "nf4" with parallelism.dp_shard = 1: layers.0.' in lines[0]
     assert not (tmp_path / "run").exists()

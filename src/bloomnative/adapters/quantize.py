@@ -44,6 +44,23 @@ def nf4_quantizable(numel: int) -> bool:
     return numel % (NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE) == 0
 
 
+def nf4_shard_problem(model: nn.Module, shards: int) -> str | None:
+    """Why the linear weights of `model`'s blocks cannot be stored in NF4 and split into
+    `shards` dim-0 shards (FSDP2's over dp_shard ranks): torchao splits an NF4 tensor's inner
+    tensors evenly, so each shard must hold whole rows and whole blocks of scales. None when
+    they can. `model` may be on the meta device."""
+    for name, module in model.named_modules():
+        if name.startswith("layers.") and isinstance(module, nn.Linear):
+            rows, columns = module.weight.shape
+            if rows % shards or not nf4_quantizable(rows * columns // shards):
+                return (
+                    f"{name}.weight ({rows} x {columns}) does not split into {shards} shard(s) "
+                    f"of whole rows and whole NF4 scale blocks ({NF4_BLOCK_SIZE} x "
+                    f"{NF4_SCALER_BLOCK_SIZE} weights)"
+                )
+    return None
+
+
 def frozen_block_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """(name, layer) of every `nn.Linear` of the model's blocks whose weight is frozen: the
     base's layers once `apply_lora` has frozen them (the adapters' own layers train)."""

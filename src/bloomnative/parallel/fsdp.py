@@ -64,6 +64,8 @@ def apply_fsdp(
         )
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp}
+    if ignored := gathered_wrong_on_one_rank(model, dp_mesh):
+        kwargs["ignored_params"] = ignored
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     reshard = zero_stage == 3
@@ -74,6 +76,17 @@ def apply_fsdp(
     fully_shard(model, reshard_after_forward=False, **kwargs)
     if dp_mesh.size() > 1:
         sum_gradients(model)
+
+
+def gathered_wrong_on_one_rank(model: nn.Module, dp_mesh: DeviceMesh) -> set[nn.Parameter]:
+    """The parameters FSDP2 must leave alone when it shards over one rank (a one-process bf16
+    run): tensor subclasses with their own all-gather (`fsdp_pre_all_gather`: torchao's NF4, a
+    QLoRA run's frozen base), which torch's one-rank shortcut gathers wrong (it keeps the first
+    of their all-gather inputs only). They are frozen, so no gradient needs reducing; left out,
+    they stay whole on the rank, which is all FSDP would hold anyway."""
+    if dp_mesh.size(dp_mesh.ndim - 1) > 1:
+        return set()
+    return {p for p in model.parameters() if hasattr(p, "fsdp_pre_all_gather")}
 
 
 def sum_gradients(model: nn.Module) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from bloomnative.config import Config, ConfigError, LoRAConfig, ModelConfig
-from bloomnative.model import BloomArgs
+from bloomnative.model import Bloom, BloomArgs
 
 
 def _missing(path: Path) -> str:
@@ -41,23 +41,34 @@ def check_data_files(config: Config) -> None:
                 )
 
 
-def check_quantize_base(lora: LoRAConfig) -> None:
+def check_quantize_base(config: Config, args: BloomArgs, dp_shard: int) -> None:
     """`lora.quantize_base = "nf4"` stores the frozen base in torchao's NF4 tensor
-    (bloomnative.adapters.quantize): refused when torchao is not installed. The trainer does
-    not quantise its base yet (`quantize_base_nf4` quantises a model), so nf4 is refused there
-    too, rather than training a base that is not quantised."""
+    (bloomnative.adapters.quantize): refused when torchao is not installed; with replicated
+    data parallelism (HSDP), tensor, pipeline or context parallelism, which the quantised base
+    has not been made to work with or tested under (the trainer quantises a whole part, which
+    FSDP2 then shards over `dp_shard` ranks); and when the block weights of the model `args`
+    describes do not split into `dp_shard` shards of whole NF4 blocks."""
+    lora, par = config.lora, config.parallelism
     if lora.quantize_base != "nf4":
         return
-    from bloomnative.adapters.quantize import NF4_INSTALL, nf4_missing
+    from bloomnative.adapters.quantize import NF4_INSTALL, nf4_missing, nf4_shard_problem
 
     if nf4_missing():
         raise ConfigError(
             f'lora.quantize_base = "nf4" needs torchao, which is not installed: {NF4_INSTALL}'
         )
-    raise ConfigError(
-        'lora.quantize_base = "nf4": the trainer does not quantise its base yet '
-        '(bloomnative.adapters.quantize_base_nf4 quantises a model); use "none"'
-    )
+    for key in ("dp_replicate", "tp", "pp", "cp"):
+        if getattr(par, key) > 1:
+            raise ConfigError(
+                f'parallelism.{key} = {getattr(par, key)}: lora.quantize_base = "nf4" trains '
+                "in one process or with parallelism.dp_shard only; set it to 1"
+            )
+    with torch.device("meta"):
+        problem = nf4_shard_problem(Bloom(args), dp_shard)
+    if problem is not None:
+        raise ConfigError(
+            f'lora.quantize_base = "nf4" with parallelism.dp_shard = {dp_shard}: {problem}'
+        )
 
 
 def check_lora_base(config: Config) -> None:

@@ -23,6 +23,7 @@ from bloomnative.adapters.lora import (
     lora_initial_value,
     store_frozen_in,
 )
+from bloomnative.adapters.quantize import quantize_base_nf4
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint.reading import CheckpointReader, UnsafeCheckpointError
 from bloomnative.checkpoint.resume import (
@@ -158,7 +159,9 @@ class Trainer:
             log=_log.info,
         )
         check_lora_base(config)
-        check_quantize_base(config.lora)
+        check_quantize_base(
+            self.resolved.config, self.resolved.model_args, self.resolved.dims.dp_shard
+        )
         check_data_files(config)
         check_wandb(config.metrics)
         # The run as resolved ("auto" settings replaced by their choice), and its layout.
@@ -254,11 +257,14 @@ class Trainer:
         parts = placement.parts
         param_dtype = torch.bfloat16 if self.bf16 else torch.float32
         lora = cfg.lora
+        quantised = lora.quantize_base == "nf4"
         for part in parts:
             if lora.rank:
                 apply_lora(part, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
                 if self.bf16:  # no fp32 master weights for the frozen base
                     store_frozen_in(part, torch.bfloat16)
+            if quantised:
+                self._materialise_quantised(part)
             parallelize_part(
                 part,
                 self.mesh,
@@ -268,9 +274,8 @@ class Trainer:
                 cfg.compile.enable,
                 param_dtype,
             )
-            part.to_empty(device=self.device)
-            adapters = lora_initial_value(part.initial_value) if lora.rank else None
-            init_weights(part, cfg.job.seed, adapters)
+            if not quantised:
+                self._materialise(part)
             part.train()
         self.model_parts = parts
         self.one_rank_accumulation = (
@@ -303,6 +308,30 @@ class Trainer:
                 for p in parts
                 if p.lm_head is not None and p.word_embeddings is None
             ]
+
+    def _materialise(self, part: Bloom) -> None:
+        """Allocates `part`'s parameters on this device and gives them their initial values
+        (the adapters PEFT's), whatever their layout."""
+        part.to_empty(device=self.device)
+        lora = self.config.lora
+        adapters = lora_initial_value(part.initial_value) if lora.rank else None
+        init_weights(part, self.config.job.seed, adapters)
+
+    def _materialise_quantised(self, part: Bloom) -> None:
+        """QLoRA (`lora.quantize_base = "nf4"`): `part` whole on this device, its base from
+        `checkpoint.initial_hf` and its frozen block linears stored in NF4, before it is
+        sharded. FSDP2 shards and gathers an NF4 tensor it is given (torchao's
+        `fsdp_pre_all_gather`), but cannot have a sharded weight replaced by one. Every start,
+        fresh or resumed, quantises the same bf16 weights the same way, so the checkpoints need
+        not hold the base (`_load_initial_hf` has nothing left to do)."""
+        from bloomnative.interop import load_hf_model
+
+        self._materialise(part)
+        hf_dir = self.config.checkpoint.initial_hf
+        check_initial_hf(hf_dir, self.resolved.model_args)
+        load_model_state([part], model_state([load_hf_model(hf_dir)]), full=True)
+        layers = quantize_base_nf4(part)
+        _log.info(f"base from Hugging Face folder {hf_dir}: {len(layers)} linear layers in NF4")
 
     def pipeline(self, n_microbatches: int) -> Pipeline:
         """The training schedule for this many micro batches (rampup changes the count). Only
@@ -437,9 +466,12 @@ class Trainer:
 
     def _load_initial_hf(self, hf_dir: str) -> None:
         """Continued pretraining, or a LoRA run's frozen base (at every start): every rank reads
-        the Hugging Face folder and keeps its shard."""
+        the Hugging Face folder and keeps its shard. A QLoRA run's base is already in place
+        (`_materialise_quantised`)."""
         from bloomnative.interop import load_hf_model
 
+        if self.config.lora.quantize_base == "nf4":
+            return
         check_initial_hf(hf_dir, self.resolved.model_args)
         source = load_hf_model(hf_dir)
         load_model_state(self.model_parts, model_state([source]), full=True)

@@ -105,6 +105,11 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
         ("--steps 6 --parallelism", "--steps 1 --parallelism", WHY_BENCH),
         ("--hidden 1024 --layers 8 --vocab 50176 --reps 5", SMALL_CKPT, WHY_CKPT),
         ("/tmp/bench_ckpt", "outputs/bench_ckpt", "the test's own folder, not /tmp"),
+        (
+            "configs/bloom-560m.toml --training.steps=12",
+            "configs/bloom-560m.toml --training.steps=12" + SHRUNK_BLOOM,
+            WHY_SHRUNK + " (the measurement's run; the estimate beside it keeps BLOOM-560m)",
+        ),
     ],
     "docs/hf_interop.md": [
         ("outputs/run/checkpoints/step-2000", "outputs/debug/checkpoints/step-2", WHY_RUN),

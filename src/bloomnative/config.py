@@ -38,7 +38,7 @@ PipelineSchedule = Literal[
 ]
 RecomputeMode = Literal["none", "full", "selective"]
 OptimizerImpl = Literal["fused", "foreach", "for-loop"]
-OptimizerState = Literal["fp32", "8bit"]
+OptimizerState = Literal["fp32", "bf16", "8bit"]
 QuantizeBase = Literal["none", "nf4"]
 LoRATarget = Literal["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 """The linear layers of a BLOOM block an adapter may target, by their Hugging Face names."""
@@ -135,10 +135,12 @@ class OptimizerConfig:
     """AdamW kernel: "auto" (fused on CUDA, foreach elsewhere), "fused", "foreach" or "for-loop"."""
     state_dtype: OptimizerState = "fp32"
     """How AdamW keeps its two moments: "fp32" (torch.optim.AdamW, 8 bytes per trained
-    parameter) or "8bit" (torchao.optim.AdamW8bit: block-wise quantized moments, 1 byte per
-    element each plus one fp32 scale per 256 elements, for tensors of at least 4096 elements whose
-    size 256 divides; smaller ones stay fp32; about 2 bytes per parameter). The weights stay fp32.
-    "8bit" needs torchao (pip install 'bloomnative[lowbit]') and ignores `implementation`."""
+    parameter), "bf16" (train/bf16_adamw.py: bf16 moments written with stochastic rounding, 4
+    bytes per parameter; the update itself in fp32) or "8bit" (torchao.optim.AdamW8bit:
+    block-wise quantized moments, 1 byte per element each plus one fp32 scale per 256 elements,
+    for tensors of at least 4096 elements whose size 256 divides; smaller ones stay fp32; about 2
+    bytes per parameter). The weights stay fp32 master weights in every case. "8bit" needs torchao
+    (pip install 'bloomnative[lowbit]'); "bf16" and "8bit" ignore `implementation`."""
 
     def kernel(self, device_type: str) -> OptimizerImpl:
         """The AdamW kernel `implementation` stands for on `device_type`: "auto" is the fused

@@ -84,6 +84,7 @@ def workload_from_config(
             if config.optimizer.state_dtype == "fp32"
             else config.optimizer.state_dtype
         ),
+        offload=config.activation_checkpoint.offload,
         adapters=adapters_from_config(config),
     )
 

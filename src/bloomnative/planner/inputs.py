@@ -126,6 +126,10 @@ class Workload:
     the trainable local parameters) or "for-loop" (one the size of the largest of them), all with
     fp32 moments; or, from optimizer.state_dtype, "bf16" (train/bf16_adamw.py: bf16 moments) or
     "8bit" (torchao's AdamW8bit, 8-bit moments)."""
+    offload: bool = False
+    """activation_checkpoint.offload: the blocks that are not recomputed keep their saved
+    tensors in host memory (parallel/activation_offload.py), counted as "host"; one block's
+    are on the device at a time (the block whose backward runs)."""
     adapters: Adapters | None = None
     """Low-rank adapters, the base frozen; None: every parameter trains. Activations are counted
     as for full training, an upper bound: a frozen layer's input is not kept for its weight's

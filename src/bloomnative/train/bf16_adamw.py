@@ -105,10 +105,12 @@ class AdamWBF16(torch.optim.Optimizer):
             for p in group["params"]:
                 index += 1
                 if p.grad is not None:
-                    self._step_parameter(p, group, index)
+                    self._step_parameter(p, p.grad, group, index)
         return loss
 
-    def _step_parameter(self, p: torch.Tensor, group: dict[str, Any], index: int) -> None:
+    def _step_parameter(
+        self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], index: int
+    ) -> None:
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
@@ -117,7 +119,7 @@ class AdamWBF16(torch.optim.Optimizer):
         state["step"] += 1
         step = int(state["step"].item())
         (beta1, beta2), lr = group["betas"], group["lr"]
-        weight, grad = _local(p), _local(p.grad).float()
+        weight, grad = _local(p), _local(grad).float()
         exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
         generator = self._generator(weight.device, step, index)
 

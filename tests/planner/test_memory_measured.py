@@ -156,10 +156,11 @@ def test_compiled_loss_memory_matches_the_estimate(tmp_path, dtype):
     "overrides",
     [
         ["--optimizer.state_dtype=bf16"],
+        ["--optimizer.state_dtype=bf16", "--training.dtype=bf16"],  # DTensor moments (FSDP2)
         ["--activation_checkpoint.offload=true"],
         ["--activation_checkpoint.offload=true", "--activation_checkpoint.mode=selective"],
     ],
-    ids=["bf16-state", "offload", "offload-selective"],
+    ids=["bf16-state", "bf16-state-fsdp", "offload", "offload-selective"],
 )
 def test_full_fine_tuning_modes_step_peak_matches_the_estimate(tmp_path, overrides):
     """bf16 optimizer state (its moments and step temporaries) and activation offload over one

@@ -6,6 +6,7 @@
         --attention-memory materialized --device-memory-gib 80
     python tools/estimate_memory.py --config configs/bloom-7b1.toml --model.attention=triton \\
         --training.seq_len=16384 --training.micro_batch_size=1 --world-size 8 --layouts
+    python tools/estimate_memory.py --config configs/bloom-7b1.toml --fit 24,40,80
 
 Takes the trainer's own config (--config FILE and any --section.key=value), so what is planned
 is what runs. Prints, for the pipeline rank that needs the most memory, every component
@@ -14,7 +15,12 @@ buffers, framework overhead) with its formula, the total, and the largest micro 
 --device-memory-gib. The formulas are in the bloomnative/planner/ package
 (inputs, model_states, activations, pipeline_buffers, rank_estimate, from_config) and
 docs/performance.md. --layouts instead plans every dp_shard x cp x tp x pp split of
---world-size devices and lists them, those that fit first.
+--world-size devices and lists them, those that fit first. --fit answers "does this model fit one
+GPU of each of these sizes (GiB), and with what": it plans the config on one device with each
+way of training it (full fine-tuning with fp32, bf16 or 8-bit AdamW state; LoRA; QLoRA) and each
+memory saving (activation offload, selective or full recomputation, FSDP2's CPU offload of the
+model states), and prints per size the first way, in that order, with the cheapest saving and the
+largest micro batch that fit, or that nothing does.
 """
 
 from __future__ import annotations
@@ -22,12 +28,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 
 from cli_args import ArgumentParser, number, output_file, whole_number
 
 from bloomnative import planner
-from bloomnative.config import Config, ConfigError, parse_args
+from bloomnative.config import Config, ConfigError, parse_args, validate
 from bloomnative.parallel.dims import LayoutError
 from bloomnative.train.resolved import ResolvedRun, resolve_run
 
@@ -95,10 +102,29 @@ def parse_planner_args(argv: list[str]) -> tuple[argparse.Namespace, Config]:
         "with the config's recompute (its least that fits for mode auto) and list them",
     )
     parser.add_argument(
+        "--fit",
+        type=gib_list,
+        help="comma-separated device sizes in GiB (24,40,80): on one device of each, the first "
+        "way of training that fits, with what (module docstring)",
+    )
+    parser.add_argument(
         "--json", dest="json_path", type=output_file, help="write the plan as JSON ('-': stdout)"
     )
     known, rest = parser.parse_known_args(argv)
     return known, parse_args(rest)
+
+
+def gib_list(text: str) -> list[float]:
+    """--fit's sizes: positive numbers separated by commas."""
+    try:
+        sizes = [float(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or not all(0 < size < math.inf for size in sizes):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of sizes in GiB > 0, like 24,40,80"
+        )
+    return sizes
 
 
 def gib(nbytes: int) -> str:
@@ -192,7 +218,7 @@ def describe(args, layout: planner.Layout, workload: planner.Workload) -> str:
         + (f" every {workload.recompute_every}" if workload.recompute == "selective" else "")
         + f", attention memory {workload.attention}, fused_loss {workload.fused_loss}, "
         f"compiled_loss {workload.compiled_loss}, dropout {workload.dropout}, "
-        f"{workload.optimizer} AdamW"
+        f"{workload.optimizer} AdamW" + (", activation offload" if workload.offload else "")
     )
 
 
@@ -299,10 +325,150 @@ def layouts_table(known, config: Config) -> str:
     return "\n".join(lines)
 
 
+def with_changes(config: Config, **sections: dict) -> Config:
+    """`config` with the given keys of its sections replaced, validated as the trainer's."""
+    changed = dataclasses.replace(
+        config,
+        **{
+            name: dataclasses.replace(getattr(config, name), **keys)
+            for name, keys in sections.items()
+        },
+    )
+    validate(changed)
+    return changed
+
+
+def training_ways(config: Config) -> list[tuple[str, dict]]:
+    """The ways of training `config`'s model that --fit tries, most faithful first: every weight
+    with fp32, bf16 or 8-bit AdamW state, then adapters (the config's [lora], or rank 8 on
+    query_key_value: PEFT's BLOOM target and alpaca-lora's rank) on a bf16 base, then on an NF4
+    base."""
+    full = {"lora": {"rank": 0, "quantize_base": "none", "init_adapter": ""}}
+    rank = config.lora.rank or 8
+    lora = {"rank": rank, "quantize_base": "none"}
+    if not config.lora.rank:
+        lora["target_modules"] = ["query_key_value"]
+    adapters = {"optimizer": {"state_dtype": "fp32"}}
+    return [
+        ("full, fp32 AdamW state", full | {"optimizer": {"state_dtype": "fp32"}}),
+        ("full, bf16 AdamW state", full | {"optimizer": {"state_dtype": "bf16"}}),
+        ("full, 8-bit AdamW state", full | {"optimizer": {"state_dtype": "8bit"}}),
+        (f"LoRA rank {rank}", adapters | {"lora": lora}),
+        (f"QLoRA rank {rank} (NF4 base)", adapters | {"lora": lora | {"quantize_base": "nf4"}}),
+    ]
+
+
+SAVINGS: list[tuple[str, dict]] = [
+    ("nothing else", {"mode": "none", "offload": False}),
+    ("activation offload", {"mode": "none", "offload": True}),
+    ("selective recompute", {"mode": "selective", "every": 2, "offload": False}),
+    (
+        "selective recompute + activation offload",
+        {"mode": "selective", "every": 2, "offload": True},
+    ),
+    ("full recompute", {"mode": "full", "offload": False}),
+]
+"""--fit's activation savings, cheapest first: (what it says, activation_checkpoint keys).
+Offloading activations costs copies that overlap compute; recomputing costs a forward of the
+recomputed blocks."""
+
+
+def one_device(config: Config) -> Config:
+    """`config` on one device: every parallelism degree 1."""
+    return with_changes(
+        config,
+        parallelism={"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1},
+    )
+
+
+def largest_micro_batch(known, config: Config, capacity: int) -> tuple[int, float] | None:
+    """The largest micro batch up to the config's that divides the batch and fits `capacity`
+    bytes, and the GiB it needs; None if none fits (or the trainer would refuse the run)."""
+    try:
+        run = resolve(known, config)
+        layout, workload, _ = plan(known, config, run)
+    except (ConfigError, LayoutError, planner.PlanError, ValueError):
+        return None
+    local = planner.local_batch_size(config, layout)
+    for micro in range(min(config.training.micro_batch_size, local), 0, -1):
+        if local % micro:
+            continue
+        candidate = dataclasses.replace(workload, micro_batch=micro, microbatches=local // micro)
+        worst = planner.estimate(
+            run.model_args, layout, candidate, overhead_from_args(known), known.device_type
+        ).worst
+        if worst.device_bytes <= capacity:
+            return micro, worst.device_bytes / planner.GiB
+    return None
+
+
+def fitting_setting(known, config: Config, way: dict, capacity: int) -> str | None:
+    """How `config` trained `way` fits `capacity` bytes on one device: the cheapest activation
+    saving (`SAVINGS`) and the largest micro batch, with the model states on the device or else
+    in host memory (FSDP2's parallelism.cpu_offload: weights, gradients and the AdamW step); None
+    if nothing fits."""
+    for cpu_offload in (False, True):
+        for saving, ac in SAVINGS:
+            try:
+                candidate = with_changes(
+                    config,
+                    **way,
+                    activation_checkpoint=ac,
+                    parallelism={"cpu_offload": cpu_offload},
+                )
+            except ConfigError:
+                continue
+            found = largest_micro_batch(known, candidate, capacity)
+            if found is not None:
+                what = saving
+                if cpu_offload:
+                    offload = "CPU offload of the model states"
+                    what = offload if saving == "nothing else" else f"{saving} + {offload}"
+                return f"{what}, micro batch {found[0]} ({found[1]:.1f} GiB)"
+    return None
+
+
+def fit_table(known, config: Config) -> str:
+    """--fit's answer: per device size, the first way of training (`training_ways`) that fits
+    with the model states on the device and the first that fits at all, then what each way
+    needs at each size."""
+    config = one_device(config)
+    ways = training_ways(config)
+    answers = {
+        size: [fitting_setting(known, config, way, int(size * planner.GiB)) for _, way in ways]
+        for size in known.fit
+    }
+    lines = [
+        f"one device, seq {config.training.seq_len}, micro batch up to "
+        f"{config.training.micro_batch_size}, {config.training.dtype}:"
+    ]
+    for size, settings in answers.items():
+        fitting = [(name, s) for (name, _), s in zip(ways, settings, strict=True) if s]
+        on_device = [(name, s) for name, s in fitting if "CPU offload" not in s]
+        answer = "does not fit"
+        if on_device:
+            answer = "{}: {}".format(*on_device[0])
+        if fitting and fitting[0] not in on_device[:1]:
+            prefix = f"{answer}; " if on_device else ""
+            answer = prefix + "{}: {}".format(*fitting[0])
+        lines.append(f"  {size:g} GiB: {answer}")
+    lines.append("every way, at each size:")
+    for index, (name, _) in enumerate(ways):
+        lines.append(f"  {name}")
+        lines += [
+            f"    {size:g} GiB: {settings[index] or 'does not fit'}"
+            for size, settings in answers.items()
+        ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         known, config = parse_planner_args(argv)
+        if known.fit:
+            print(fit_table(known, config))
+            return 0
         if known.layouts:
             if not known.world_size:
                 raise ConfigError("--layouts needs --world-size")

@@ -38,7 +38,7 @@ PipelineSchedule = Literal[
 ]
 RecomputeMode = Literal["none", "full", "selective"]
 OptimizerImpl = Literal["fused", "foreach", "for-loop"]
-OptimizerState = Literal["fp32", "8bit"]
+OptimizerState = Literal["fp32", "bf16", "8bit"]
 QuantizeBase = Literal["none", "nf4"]
 LoRATarget = Literal["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 """The linear layers of a BLOOM block an adapter may target, by their Hugging Face names."""
@@ -135,10 +135,12 @@ class OptimizerConfig:
     """AdamW kernel: "auto" (fused on CUDA, foreach elsewhere), "fused", "foreach" or "for-loop"."""
     state_dtype: OptimizerState = "fp32"
     """How AdamW keeps its two moments: "fp32" (torch.optim.AdamW, 8 bytes per trained
-    parameter) or "8bit" (torchao.optim.AdamW8bit: block-wise quantized moments, 1 byte per
-    element each plus one fp32 scale per 256 elements, for tensors of at least 4096 elements whose
-    size 256 divides; smaller ones stay fp32; about 2 bytes per parameter). The weights stay fp32.
-    "8bit" needs torchao (pip install 'bloomnative[lowbit]') and ignores `implementation`."""
+    parameter), "bf16" (train/bf16_adamw.py: bf16 moments written with stochastic rounding, 4
+    bytes per parameter; the update itself in fp32) or "8bit" (torchao.optim.AdamW8bit:
+    block-wise quantized moments, 1 byte per element each plus one fp32 scale per 256 elements,
+    for tensors of at least 4096 elements whose size 256 divides; smaller ones stay fp32; about 2
+    bytes per parameter). The weights stay fp32 master weights in every case. "8bit" needs torchao
+    (pip install 'bloomnative[lowbit]'); "bf16" and "8bit" ignore `implementation`."""
 
     def kernel(self, device_type: str) -> OptimizerImpl:
         """The AdamW kernel `implementation` stands for on `device_type`: "auto" is the fused
@@ -341,6 +343,12 @@ class ActivationCheckpointConfig:
     memory_budget_gib: float = 0.0
     """With mode = "auto": the memory per device to plan against; 0 takes the smallest CUDA
     device's total memory (on CPU, 0 makes "auto" mean "none")."""
+    offload: bool = False
+    """Keep the tensors each block saves for its backward in host memory (pinned, copied on a
+    side CUDA stream during the forward) instead of on the device, for the blocks that are not
+    recomputed; parameters, recomputed blocks' inputs, the embedding, head and loss stay
+    (parallel/activation_offload.py). Costs host memory and PCIe traffic, not compute. Not with
+    mode = "full" (nothing left to offload) or compile.enable."""
 
 
 @dataclass
@@ -781,6 +789,7 @@ def validate(config: Config) -> None:
     _validate_checkpoint(config.checkpoint)
     ac = config.activation_checkpoint
     _check(ac.every > 0, f"activation_checkpoint.every must be positive, got {ac.every}")
+    _validate_offload(ac, config.compile)
     _check(
         config.metrics.peak_tflops >= 0,
         f"metrics.peak_tflops must be >= 0 (0: look the device up), got "
@@ -817,6 +826,22 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
         f"checkpoint.load_step must be a step >= 0, or -1 for the newest, got {c.load_step}",
     )
     _check(c.min_free_gib >= 0, f"checkpoint.min_free_gib must be >= 0, got {c.min_free_gib}")
+
+
+def _validate_offload(ac: ActivationCheckpointConfig, compile_cfg: CompileConfig) -> None:
+    if not ac.offload:
+        return
+    _check(
+        ac.mode != "full",
+        'activation_checkpoint.offload = true with mode = "full": every block is recomputed, '
+        'so no block saves activations to offload; set mode = "none", "selective" or "auto"',
+    )
+    _check(
+        not compile_cfg.enable,
+        "activation_checkpoint.offload = true with compile.enable = true: the offload's "
+        "saved-tensor hooks run around each block, which a compiled block cannot hold; turn "
+        "one of them off",
+    )
 
 
 def _validate_data_format(data: DataConfig) -> None:

@@ -290,3 +290,19 @@ def test_a_config_that_is_a_folder_or_not_utf8_is_named(tmp_path):
     assert str(error.value) == (
         f"{latin1}: not UTF-8 text (byte 0xe9 at offset 17); TOML files are UTF-8"
     )
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (
+            ["--activation_checkpoint.mode=full"],
+            'activation_checkpoint.offload = true with mode = "full"',
+        ),
+        (["--compile.enable=true"], "activation_checkpoint.offload = true with compile.enable"),
+    ],
+)
+def test_activation_offload_that_cannot_work_is_refused_in_one_line(overrides, key):
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--activation_checkpoint.offload=true", *overrides])
+    assert str(error.value).startswith(key) and "\n" not in str(error.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -377,6 +378,27 @@ def test_cli_lists_the_layouts_that_fit_bloom_7b1_at_seq_16384_on_8_gpus(capsys)
     assert layouts[(1, 8, 1, 1)][1] < layouts[(8, 1, 1, 1)][1]
 
 
+def test_cli_fit_says_how_bloom_7b1_fits_one_gpu_of_each_size(capsys):
+    """--fit 1,80 on BLOOM-7b1 at seq 2048: nothing fits 1 GiB (the bf16 weights alone are 13);
+    on 80 GiB every weight training needs the model states in host memory (their fp32 weights
+    and gradients alone are 53 GiB, docs/finetuning.md), LoRA fits with nothing else; every
+    figure is within its size."""
+    argv = ["--config", str(REPO / "configs/bloom-7b1.toml"), "--fit", "1,80"]
+    assert load_tool("estimate_memory").main(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[1] == "  1 GiB: does not fit"
+    assert lines[2].startswith("  80 GiB: LoRA rank 8: nothing else, micro batch 2 (")
+    assert "; full, fp32 AdamW state: CPU offload of the model states" in lines[2]
+    for way in ("fp32", "bf16", "8-bit"):
+        assert (
+            f"  full, {way} AdamW state\n    1 GiB: does not fit\n"
+            "    80 GiB: CPU offload of the model states, micro batch"
+        ) in out
+    for size, need in re.findall(r"(\d+) GiB: .*\((\d+\.\d) GiB\)", out):
+        assert float(need) <= float(size)
+
+
 def test_cli_reports_an_impossible_layout(capsys):
     argv = ["--config", str(REPO / "configs/bloom-1b7.toml"), "--parallelism.tp=3"]
     assert load_tool("estimate_memory").main(argv) == 2
@@ -391,6 +413,7 @@ def test_cli_reports_an_impossible_layout(capsys):
         ("--overhead-gib", "inf", "'inf' is not a finite number >= 0"),
         ("--fragmentation", "-0.1", "'-0.1' is not a finite number >= 0"),
         ("--world-size", "0", "'0' is not a whole number >= 1"),
+        ("--fit", "24,inf", "'24,inf' is not a list of sizes in GiB > 0, like 24,40,80"),
         (
             "--json",
             "/no/such/folder/plan.json",

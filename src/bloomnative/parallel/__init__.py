@@ -1,6 +1,6 @@
 """Parallelism applied from outside to a plain `Bloom`: device mesh, FSDP2, tensor/sequence/loss
-parallelism, context parallelism (ring attention), pipeline stages, activation checkpointing and
-regional compile.
+parallelism, context parallelism (ring attention), pipeline stages, activation checkpointing,
+activation offload to host memory and regional compile.
 
 Each plan is a function of a module, a mesh and plain keyword arguments, applied to the
 meta-device model in the order docs/architecture.md gives with the reason for each place.
@@ -8,6 +8,7 @@ See docs/api.md and examples/own_training_loop.py.
 """
 
 from bloomnative.parallel.activation_checkpoint import apply_activation_checkpointing
+from bloomnative.parallel.activation_offload import apply_activation_offload
 from bloomnative.parallel.compile import apply_compile
 from bloomnative.parallel.context_parallel import apply_context_parallel, shard_sequence
 from bloomnative.parallel.dims import LayoutError, ParallelDims
@@ -32,6 +33,7 @@ __all__ = [
     "PipelineStages",
     "TiedWeightSync",
     "apply_activation_checkpointing",
+    "apply_activation_offload",
     "apply_compile",
     "apply_context_parallel",
     "apply_fsdp",

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from bloomnative.config import ActivationCheckpointConfig, ParallelismConfig
 from bloomnative.model import Bloom
 from bloomnative.parallel.activation_checkpoint import apply_activation_checkpointing
+from bloomnative.parallel.activation_offload import apply_activation_offload
 from bloomnative.parallel.compile import apply_compile
 from bloomnative.parallel.context_parallel import apply_context_parallel
 from bloomnative.parallel.dims import ParallelDims
@@ -39,6 +40,8 @@ def parallelize_part(
             loss_parallel=par.loss_parallel,
         )
     apply_activation_checkpointing(part, ac.mode, ac.every)
+    if ac.offload:
+        apply_activation_offload(part)
     if compile_blocks:
         apply_compile(part, fullgraph=dims.cp == 1)
     if uses_fsdp(dims.dp * dims.cp, bf16=param_dtype == torch.bfloat16):

@@ -80,10 +80,11 @@ def workload_from_config(
         compiled_loss=compiled_loss,
         dropout=dropout or args.uses_dropout,
         optimizer=(
-            "8bit"
-            if config.optimizer.state_dtype == "8bit"
-            else config.optimizer.kernel(device_type)
+            config.optimizer.kernel(device_type)
+            if config.optimizer.state_dtype == "fp32"
+            else config.optimizer.state_dtype
         ),
+        offload=config.activation_checkpoint.offload,
         adapters=adapters_from_config(config),
     )
 

@@ -22,7 +22,7 @@ FP32, BF16, INT64 = 4, 2, 8
 
 RECOMPUTE_MODES: tuple[str, ...] = typing.get_args(RecomputeMode)
 ATTENTION_MEMORY = ("flash", "sdpa_efficient", "materialized", "cpu_math")
-OPTIMIZER_IMPLS: tuple[str, ...] = (*typing.get_args(OptimizerImpl), "8bit")
+OPTIMIZER_IMPLS: tuple[str, ...] = (*typing.get_args(OptimizerImpl), "bf16", "8bit")
 ADAPTER_TARGETS: tuple[str, ...] = typing.get_args(LoRATarget)
 
 
@@ -124,7 +124,12 @@ class Workload:
     optimizer: str = "fused"
     """AdamW implementation: "fused" (no temporaries), "foreach" (one fp32 temporary the size of
     the trainable local parameters) or "for-loop" (one the size of the largest of them), all with
-    fp32 moments; or "8bit" (optimizer.state_dtype: torchao's AdamW8bit, 8-bit moments)."""
+    fp32 moments; or, from optimizer.state_dtype, "bf16" (train/bf16_adamw.py: bf16 moments) or
+    "8bit" (torchao's AdamW8bit, 8-bit moments)."""
+    offload: bool = False
+    """activation_checkpoint.offload: the blocks that are not recomputed keep their saved
+    tensors in host memory (parallel/activation_offload.py), counted as "host"; one block's
+    are on the device at a time (the block whose backward runs)."""
     adapters: Adapters | None = None
     """Low-rank adapters, the base frozen; None: every parameter trains. Activations are counted
     as for full training, an upper bound: a frozen layer's input is not kept for its weight's

@@ -227,9 +227,12 @@ QMAP_8BIT = 256 * FP32
 
 def moment_bytes(workload: Workload, numels: list[int]) -> int:
     """Bytes of AdamW's two moments for local tensors of `numels` elements: 8 per element with
-    fp32 moments; with "8bit" (torchao.optim.AdamW8bit), a tensor of at least 4096 elements that
-    the block divides holds per moment 1 byte per element, an fp32 scale per block of 256 and
-    the 1 KiB table (about 2.03 bytes per element for both); smaller ones keep fp32 moments."""
+    fp32 moments, 2 + 2 with "bf16" (train/bf16_adamw.py); with "8bit" (torchao's AdamW8bit), a
+    tensor of at least 4096 elements that the block divides holds per moment 1 byte per element,
+    an fp32 scale per block of 256 and the 1 KiB table (about 2.03 bytes per element for both);
+    smaller ones keep fp32 moments."""
+    if workload.optimizer == "bf16":
+        return 2 * BF16 * sum(numels)
     if workload.optimizer != "8bit":
         return 2 * FP32 * sum(numels)
     quantized = [n for n in numels if n >= 4096 and n % BLOCK_8BIT == 0]
@@ -242,18 +245,21 @@ def _optimizer_step_temporary(
 ) -> Component:
     """AdamW's foreach path allocates sqrt(exp_avg_sq) for every local parameter at once
     (torch.optim.adamw._multi_tensor_adamw); the for-loop path one parameter at a time;
-    AdamW8bit dequantizes both moments of one parameter at a time (fp32)."""
+    AdamW8bit dequantizes both moments of one parameter at a time (fp32); AdamWBF16 holds one
+    parameter's two moments in fp32 and the 32-bit random bits that round one of them."""
     per_impl = {
         "fused": 0,
         "foreach": local_numel,
         "for-loop": largest_numel,
+        "bf16": 3 * largest_numel,
         "8bit": 2 * largest_numel,
     }
     return Component(
         f"optimizer step temporaries ({workload.optimizer} AdamW)",
         FP32 * per_impl[workload.optimizer],
         "step_end",
-        "4 x local params (foreach sqrt buffer), 0 for fused; 8bit: 2 x 4 x largest param",
+        "4 x local params (foreach sqrt buffer), 0 for fused; bf16: 3 x 4 x largest param; "
+        "8bit: 2 x 4 x largest param",
     )
 
 
@@ -289,7 +295,8 @@ def _fsdp_states(
             "AdamW moments (sharded)",
             moment_bytes(workload, trained),
             states,
-            "2 x 4 x T/(dp_shard cp); 8bit: 2 x (1 + 4/256) x T/(dp_shard cp)",
+            "2 x 4 x T/(dp_shard cp); bf16: 2 x 2 x T/(dp_shard cp); "
+            "8bit: 2 x (1 + 4/256) x T/(dp_shard cp)",
         ),
         Component(
             "fp32 gradients (sharded, reduce dtype)",
@@ -320,7 +327,7 @@ def _unsharded_states(
             "AdamW moments",
             moment_bytes(workload, trained),
             "resident",
-            "2 x 4 x T; 8bit: 2 x (1 + 4/256) x T",
+            "2 x 4 x T; bf16: 2 x 2 x T; 8bit: 2 x (1 + 4/256) x T",
         ),
         Component("fp32 gradients", FP32 * sum(trained), grad_phase, "4 x T"),
         _optimizer_step_temporary(workload, sum(trained), max(trained)),

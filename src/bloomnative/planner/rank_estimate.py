@@ -79,16 +79,9 @@ def stage_activation_components(
     full = len(blocks) - recomputed
     block_bytes = _sum(terms["block"])
     ckpt_bytes = _sum(terms["checkpointed block"])
-    per_microbatch = full * block_bytes + recomputed * ckpt_bytes
-    detail = f"{in_flight} micro batch(es) x ({full} blocks x {block_bytes / 2**20:.1f} MiB"
-    if recomputed:
-        detail += f" + {recomputed} checkpointed x {ckpt_bytes / 2**20:.1f} MiB"
-    detail += ")"
-    components = [
-        Component(
-            f"activations: stage {stage_id} blocks", in_flight * per_microbatch, "fwd_bwd", detail
-        )
-    ]
+    components = block_activation_components(
+        stage_id, in_flight, full, recomputed, block_bytes, ckpt_bytes, workload.offload
+    )
     if first:
         components.append(
             Component(
@@ -122,6 +115,50 @@ def stage_activation_components(
     if recomputed:
         working += block_bytes
     return components, working
+
+
+def block_activation_components(
+    stage_id: int,
+    in_flight: int,
+    full: int,
+    recomputed: int,
+    block_bytes: int,
+    ckpt_bytes: int,
+    offload: bool,
+) -> list[Component]:
+    """The blocks' stored activations for `in_flight` micro batches: `full` blocks keeping
+    `block_bytes` each and `recomputed` ones keeping their input. With `offload`, the full
+    blocks' are in host memory and one block's are on the device (brought back for its
+    backward, or on their way out in the forward)."""
+    stored = f"{full} blocks x {block_bytes / 2**20:.1f} MiB"
+    checkpointed = f"{recomputed} checkpointed x {ckpt_bytes / 2**20:.1f} MiB"
+    name = f"activations: stage {stage_id} blocks"
+    if not offload:
+        detail = stored + (f" + {checkpointed}" if recomputed else "")
+        return [
+            Component(
+                name,
+                in_flight * (full * block_bytes + recomputed * ckpt_bytes),
+                "fwd_bwd",
+                f"{in_flight} micro batch(es) x ({detail})",
+            )
+        ]
+    on_device = min(full, 1) * block_bytes + in_flight * recomputed * ckpt_bytes
+    return [
+        Component(
+            f"{name} (offloaded)",
+            in_flight * full * block_bytes,
+            "host",
+            f"{in_flight} micro batch(es) x {stored}",
+        ),
+        Component(
+            f"{name} (on the device with offload)",
+            on_device,
+            "fwd_bwd",
+            f"one block's, {block_bytes / 2**20:.1f} MiB"
+            + (f" + {in_flight} micro batch(es) x {checkpointed}" if recomputed else ""),
+        ),
+    ]
 
 
 def block_backward_buffers(

@@ -1,6 +1,6 @@
 """AdamW over one or several model parts (pipeline stages held by this rank): torch.optim.AdamW
-with fp32 moments, or torchao's AdamW8bit with 8-bit block-quantized ones
-(optimizer.state_dtype)."""
+with fp32 moments, bloomnative's AdamWBF16 with bf16 ones rounded stochastically, or torchao's
+AdamW8bit with 8-bit block-quantized ones (optimizer.state_dtype)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from bloomnative.config import ConfigError, OptimizerConfig
+from bloomnative.train.bf16_adamw import AdamWBF16
 
 
 def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
@@ -39,8 +40,8 @@ def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
 
 def check_state_library(cfg: OptimizerConfig) -> None:
     """Raises ConfigError (one line) when `cfg.state_dtype` needs a library that cannot be
-    imported (torchao for "8bit")."""
-    if cfg.state_dtype == "fp32":
+    imported (torchao for "8bit"; "fp32" and "bf16" need none)."""
+    if cfg.state_dtype != "8bit":
         return
     try:
         import torchao.optim  # noqa: F401
@@ -66,8 +67,15 @@ def trains(part: nn.Module) -> bool:
 def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """The AdamW `cfg.state_dtype` names: torch.optim.AdamW ("fp32") with the kernel
     `cfg.implementation` names, which must be resolved (`OptimizerConfig.kernel`;
-    train/resolved.py resolves it for the trainer), or torchao.optim.AdamW8bit ("8bit", its
-    default block size of 256)."""
+    train/resolved.py resolves it for the trainer), AdamWBF16 ("bf16": train/bf16_adamw.py), or
+    torchao.optim.AdamW8bit ("8bit", its default block size of 256)."""
+    if cfg.state_dtype == "bf16":
+        return AdamWBF16(
+            param_groups(parts, cfg.weight_decay),
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+        )
     if cfg.state_dtype == "8bit":
         from torchao.optim import AdamW8bit
 

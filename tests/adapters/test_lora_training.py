@@ -26,7 +26,7 @@ from harness.mtf_pairs import write_pairs
 from harness.shared_world import SharedWorld
 from harness.training import (
     REPO,
-    TINY_RUN,
+    adapter_run,
     checkpoint_entries,
     losses_by_step,
     write_word_tokenizer,
@@ -55,18 +55,10 @@ BF16_TOLERANCE = 2e-3  # tests/parallel/test_layouts.py says why
 
 def lora_run(corpus: str, base: Path, dump: Path, *extra: str) -> list[str]:
     return [
-        *TINY_RUN,
+        *adapter_run(base, dump, STEPS, STOP, TARGETS),
         f"--data.blend={corpus}",
-        f"--job.dump_folder={dump}",
-        f"--checkpoint.initial_hf={base}",
-        f"--checkpoint.interval={STOP}",
-        f"--training.steps={STEPS}",
         "--optimizer.lr=3e-2",  # adapters on a random base need it to learn in a few steps
         "--optimizer.min_lr=3e-3",
-        f"--lr_scheduler.decay_steps={STEPS}",  # a run stopped early keeps the schedule
-        "--lora.rank=4",
-        "--lora.alpha=8",
-        f"--lora.target_modules={TARGETS}",
         *extra,
     ]
 

@@ -30,7 +30,7 @@ from bloomnative.train.input_files import check_quantize_base
 from harness.hf_models import make_hf_bloom, save_hf_bloom, tokens
 from harness.launching import run
 from harness.shared_world import SharedWorld
-from harness.training import REPO, TINY_RUN, checkpoint_entries, losses_by_step
+from harness.training import REPO, adapter_run, checkpoint_entries, losses_by_step
 
 torchao = pytest.importorskip("torchao")
 from torchao.quantization import NF4Tensor, to_nf4  # noqa: E402
@@ -193,18 +193,10 @@ def qlora_run(
     """A run of `shape` (over TINY_RUN's) with adapters on every linear layer, on `base`, in
     NF4."""
     return [
-        *TINY_RUN,
+        *adapter_run(base, dump, STEPS, STOP, ",".join(TARGET_MODULES)),
         *[f"--model.{key}={value}" for key, value in shape.items()],
         f"--data.blend={corpus}",
-        f"--job.dump_folder={dump}",
-        f"--checkpoint.initial_hf={base}",
-        f"--checkpoint.interval={STOP}",
-        f"--training.steps={STEPS}",
-        f"--lr_scheduler.decay_steps={STEPS}",  # a run stopped early keeps the schedule
         "--optimizer.lr=1e-2",
-        "--lora.rank=4",
-        "--lora.alpha=8",
-        f"--lora.target_modules={','.join(TARGET_MODULES)}",
         "--lora.quantize_base=nf4",
         *extra,
     ]

@@ -110,6 +110,26 @@ SAMPLE_PROMPT = "w1 w2 w3"
 """The end-of-training sample's prompt in the conftest's 2-process run."""
 
 
+def adapter_run(
+    base: Path, dump: Path, steps: int, save_every: int, targets: str, rank: int = 4
+) -> list[str]:
+    """TINY_RUN's settings for a run with rank-`rank` adapters (alpha 2 x rank) on `targets`
+    (comma-separated), on the Hugging Face folder `base`: `steps` steps, saved every
+    `save_every`, the learning rate decaying over `steps` (a run stopped early keeps the
+    schedule). The caller adds its data and optimizer settings."""
+    return [
+        *TINY_RUN,
+        f"--job.dump_folder={dump}",
+        f"--checkpoint.initial_hf={base}",
+        f"--checkpoint.interval={save_every}",
+        f"--training.steps={steps}",
+        f"--lr_scheduler.decay_steps={steps}",
+        f"--lora.rank={rank}",
+        f"--lora.alpha={2 * rank}",
+        f"--lora.target_modules={targets}",
+    ]
+
+
 def train_command(args: list[str], nproc: int = 0, max_restarts: int = 0) -> list[str]:
     """`python -m bloomnative.launch.worker ARGS` (a world of one), or under torchrun (which
     restarts a failed job up to `max_restarts` times)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -69,30 +70,15 @@ def build_optimizer(parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim
     `cfg.implementation` names, which must be resolved (`OptimizerConfig.kernel`;
     train/resolved.py resolves it for the trainer), AdamWBF16 ("bf16": train/bf16_adamw.py), or
     torchao.optim.AdamW8bit ("8bit", its default block size of 256)."""
+    groups = param_groups(parts, cfg.weight_decay)
+    hyper: dict[str, Any] = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
     if cfg.state_dtype == "bf16":
-        return AdamWBF16(
-            param_groups(parts, cfg.weight_decay),
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps,
-        )
+        return AdamWBF16(groups, **hyper)
     if cfg.state_dtype == "8bit":
         from torchao.optim import AdamW8bit
 
-        return AdamW8bit(
-            param_groups(parts, cfg.weight_decay),
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps,
-        )
+        return AdamW8bit(groups, **hyper)
     impl = cfg.implementation
     if impl == "auto":
         raise ValueError('optimizer.implementation = "auto" must be resolved before building')
-    return torch.optim.AdamW(
-        param_groups(parts, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        fused=impl == "fused",
-        foreach=impl == "foreach",
-    )
+    return torch.optim.AdamW(groups, **hyper, fused=impl == "fused", foreach=impl == "foreach")

@@ -65,7 +65,7 @@ def test_only_the_adapters_have_gradients_and_moments(parallelism):
     rank = planner.estimate_rank(ARGS, layout, workload, device_type="cpu")
     by_name = {c.name: c.bytes for c in rank.components}
     sharded = "sharded" if parallelism else None
-    weights = by_name["fp32 master weights (sharded)" if sharded else "fp32 weights"]
+    weights = by_name["fp32 masters + frozen weights (sharded)" if sharded else "fp32 weights"]
     moments = by_name["AdamW moments (sharded)" if sharded else "AdamW moments"]
     grads = by_name["fp32 gradients (sharded, reduce dtype)" if sharded else "fp32 gradients"]
     # every dim 0 here is even: a shard is exactly 1/shards

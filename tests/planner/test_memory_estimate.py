@@ -66,7 +66,7 @@ def test_fsdp_states_are_sharded_hand_computed():
     layout = layout_of(dp_shard=2, zero_stage=3)
     rank = planner.estimate_rank(TINY, layout, workload(), device_type="cpu")
     total = 4 * BLOCK + EMBEDDING + 2 * NORM  # 3648, every dim 0 even: exactly half per rank
-    assert rank.component("fp32 master weights (sharded)").bytes == 4 * total // 2
+    assert rank.component("fp32 masters + frozen weights (sharded)").bytes == 4 * total // 2
     assert rank.component("AdamW moments (sharded)").bytes == 8 * total // 2
     assert rank.component("fp32 gradients (sharded, reduce dtype)").bytes == 4 * total // 2
     # zero 3 keeps only the root unit (embedding + 2 LayerNorms) gathered through the step, and
@@ -114,7 +114,7 @@ def test_bf16_without_data_parallelism_is_fsdp_on_one_rank():
     """bf16 is FSDP2's mixed precision on every layout: with dp = 1 the "shards" are whole."""
     rank = planner.estimate_rank(TINY, layout_of(), workload(microbatches=2))
     p = 4 * BLOCK + EMBEDDING + 2 * NORM
-    assert rank.component("fp32 master weights (sharded)").bytes == 4 * p
+    assert rank.component("fp32 masters + frozen weights (sharded)").bytes == 4 * p
     assert rank.component("fp32 gradients (sharded, reduce dtype)").phase == "resident"
     root = EMBEDDING + 2 * NORM  # zero_stage 3 keeps only the root unit gathered
     assert rank.component("gathered weights (FSDP all-gather outputs)").bytes == 2 * root
@@ -173,7 +173,7 @@ def test_context_parallel_shards_model_states_over_dp_shard_times_cp():
     wl = workload()
     mixed = planner.estimate_rank(TINY, layout_of(dp_shard=2, cp=2), wl, device_type="cpu")
     sharded = planner.estimate_rank(TINY, layout_of(dp_shard=4), wl, device_type="cpu")
-    for name in ("fp32 master weights (sharded)", "AdamW moments (sharded)"):
+    for name in ("fp32 masters + frozen weights (sharded)", "AdamW moments (sharded)"):
         assert mixed.component(name).bytes == sharded.component(name).bytes
     # cp alone shards too (FSDP over the cp ranks), in fp32 as well.
     assert planner.Precision.of(layout_of(cp=2), workload(precision="fp32")).fsdp

@@ -286,7 +286,7 @@ def _fsdp_states(
     step = _optimizer_step_temporary(workload, sum(trained), max(trained))
     return [
         Component(
-            "fp32 master weights (sharded)",
+            "fp32 masters + frozen weights (sharded)",
             stored,
             states,
             "(4 x T + compute x frozen)/(dp_shard cp)",

@@ -402,7 +402,16 @@ def largest_micro_batch(known, config: Config, capacity: int) -> tuple[int, floa
     return None
 
 
-def fitting_setting(known, config: Config, way: dict, capacity: int) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """How a way of training fits a device: `text` says with what; `states_on_device`: without
+    moving the model states to host memory."""
+
+    text: str
+    states_on_device: bool
+
+
+def fitting_setting(known, config: Config, way: dict, capacity: int) -> Fit | None:
     """How `config` trained `way` fits `capacity` bytes on one device: the cheapest activation
     saving (`SAVINGS`) and the largest micro batch, with the model states on the device or else
     in host memory (FSDP2's parallelism.cpu_offload: weights, gradients and the AdamW step); None
@@ -424,7 +433,8 @@ def fitting_setting(known, config: Config, way: dict, capacity: int) -> str | No
                 if cpu_offload:
                     offload = "CPU offload of the model states"
                     what = offload if saving == "nothing else" else f"{saving} + {offload}"
-                return f"{what}, micro batch {found[0]} ({found[1]:.1f} GiB)"
+                text = f"{what}, micro batch {found[0]} ({found[1]:.1f} GiB)"
+                return Fit(text, states_on_device=not cpu_offload)
     return None
 
 
@@ -444,19 +454,19 @@ def fit_table(known, config: Config) -> str:
     ]
     for size, settings in answers.items():
         fitting = [(name, s) for (name, _), s in zip(ways, settings, strict=True) if s]
-        on_device = [(name, s) for name, s in fitting if "CPU offload" not in s]
+        on_device = [(name, s) for name, s in fitting if s.states_on_device]
         answer = "does not fit"
         if on_device:
-            answer = "{}: {}".format(*on_device[0])
+            answer = f"{on_device[0][0]}: {on_device[0][1].text}"
         if fitting and fitting[0] not in on_device[:1]:
             prefix = f"{answer}; " if on_device else ""
-            answer = prefix + "{}: {}".format(*fitting[0])
+            answer = f"{prefix}{fitting[0][0]}: {fitting[0][1].text}"
         lines.append(f"  {size:g} GiB: {answer}")
     lines.append("every way, at each size:")
     for index, (name, _) in enumerate(ways):
         lines.append(f"  {name}")
         lines += [
-            f"    {size:g} GiB: {settings[index] or 'does not fit'}"
+            f"    {size:g} GiB: {fit.text if (fit := settings[index]) else 'does not fit'}"
             for size, settings in answers.items()
         ]
     return "\n".join(lines)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from cli_args import ArgumentParser, whole_number
 
 from bloomnative.data import IndexedDatasetBuilder
 from bloomnative.model import Bloom, BloomArgs
@@ -44,22 +45,25 @@ CORPUS_DOCUMENTS = 64
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=250880)
-    parser.add_argument("--seq", type=int, default=256, help="sequence length (batch: 1)")
-    parser.add_argument("--steps", type=int, default=3, help="steps per mode, the first untimed")
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=whole_number(1), default=24)
+    parser.add_argument("--hidden", type=whole_number(1), default=1024)
+    parser.add_argument("--heads", type=whole_number(1), default=16)
+    parser.add_argument("--vocab", type=whole_number(1), default=250880)
+    parser.add_argument(
+        "--seq", type=whole_number(1), default=256, help="sequence length (batch: 1)"
+    )
+    parser.add_argument(
+        "--steps", type=whole_number(2), default=3, help="steps per mode, the first untimed"
+    )
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    parser.add_argument("--rank", type=int, default=8, help="the adapters' rank (LoRA, QLoRA)")
+    parser.add_argument(
+        "--rank", type=whole_number(1), default=8, help="the adapters' rank (LoRA, QLoRA)"
+    )
     parser.add_argument("--targets", default="query_key_value", help="lora.target_modules")
     parser.add_argument("--work", help="folder for the base, the corpus and the runs (temporary)")
     parser.add_argument("--json", dest="json_path", help="write the report here ('-': stdout)")
-    args = parser.parse_args(argv)
-    if args.steps < 2:
-        parser.error("--steps must be at least 2: the first step is not timed")
-    return args
+    return parser.parse_args(argv)
 
 
 def write_base(args: argparse.Namespace, folder: Path) -> BloomArgs:

@@ -61,6 +61,7 @@ WHY_SAME_BENCH = (
     "docs/benchmarks.md's command, which writes there: it is run once (a command the scratch root "
     "has run as it stands is not run again)"
 )
+WHY_REPEAT = "one timed run per model: the test checks that it runs, not the timing"
 WHY_RUN = "README.md's training run (2 steps) stands for a run's dump folder"
 WHY_HF = "the export above, of the debug model, stands for a downloaded BLOOM-560m"
 WHY_DEBUG = "the placeholder, as configs/debug.toml sets it"
@@ -97,12 +98,22 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
         ("test_memory_measured.py", "test_memory_measured.py --collect-only", WHY_COLLECT),
         ("OUT_DIR", "outputs/memory_worker", "a placeholder"),
         (
+            "--model.n_layer=8 --model.vocab_size=50176",
+            "--model.n_layer=4 --model.vocab_size=8192",
+            "a smaller row of the same table: the test checks that the scenario runs",
+        ),
+        (
             "tools/bench_data.py",
             "tools/bench_data.py --only index blend loader",
             "its check section writes and reads 2-4 GB; docs/data.md's command preprocesses",
         ),
         ("--reps 9", SMALL_CKPT, WHY_CKPT),
         ("--steps 6 --parallelism", "--steps 1 --parallelism", WHY_BENCH),
+        (
+            "tools/bench_one_rank_fsdp.py",
+            "tools/bench_one_rank_fsdp.py --model.n_layer=1 --training.global_batch_size=4",
+            "one block, two micro batches: the test checks that it runs, not the figures",
+        ),
         ("--hidden 1024 --layers 8 --vocab 50176 --reps 5", SMALL_CKPT, WHY_CKPT),
         ("/tmp/bench_ckpt", "outputs/bench_ckpt", "the test's own folder, not /tmp"),
         (
@@ -160,6 +171,7 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
     ],
     "docs/evaluation.md": [
         ("outputs/debug/checkpoints/step-1200", "outputs/debug/checkpoints/step-2", WHY_RUN),
+        ("--repeat 5", "--repeat 1", WHY_REPEAT),
     ],
 }
 TRAINING_STEPS = "--training.steps=2"

@@ -32,6 +32,8 @@ process switch it off. The killed job keeps it on: its resume must restore every
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -40,6 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bloomnative.config import parse_args
 from bloomnative.interop import load_native_model
 from bloomnative.launch.torchrun import children
 from harness.launching import start, wait_for
@@ -182,6 +185,25 @@ def test_recipe_killed_mid_rampup_resumes_under_torchrun_with_identical_losses(r
     for key in (*LOSS_KEYS, "grad_norm"):
         expected = {s: v for s, v in by_step(uninterrupted, key).items() if s > 4}
         assert by_step(dump, key) == expected  # exactly
+
+
+def test_docs_toy_recipe_command_is_the_killed_job(monkeypatch):
+    """docs/parallelism.md shows the job this module kills and resumes (its uninterrupted run is
+    `dropout_8`), and tests/test_doc_commands.py leaves that command to this module."""
+    text = (REPO / "docs" / "parallelism.md").read_text()
+    block = re.search(
+        r"```bash\n(# Not run in tests: tests/train/test_bloom_recipe.py.*?)```", text, re.S
+    )
+    assert block, "docs/parallelism.md no longer shows the toy recipe's command"
+    words = shlex.split(block.group(1).replace("\\\n", " "), comments=True)
+    assert words[: words.index("bloomnative.launch.worker") + 1] == [
+        *("OMP_NUM_THREADS=1", "python", "-m", "torch.distributed.run", "--standalone"),
+        *("--nproc-per-node=8", "-m", "bloomnative.launch.worker"),
+    ]
+    documented = words[words.index("bloomnative.launch.worker") + 1 :]
+    monkeypatch.chdir(REPO)  # the doc's paths are relative to the repository's root
+    dump = "--job.dump_folder=outputs/toy-176b"
+    assert parse_args(documented) == parse_args(train_args(Path("x"), "fp32", 8, True) + [dump])
 
 
 def losses_if_written(dump: Path) -> dict:

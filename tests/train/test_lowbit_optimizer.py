@@ -28,6 +28,14 @@ LOSS_RTOL = 0.02
 """Low-bit moments against fp32 ones over 6 steps of the tiny model: each step's loss within 2%."""
 
 
+EAGER_STEP = {"TORCHDYNAMO_DISABLE": "1"}
+"""torchao compiles AdamW8bit's step for each parameter shape in every process (about 15 CPU
+seconds per process here). The runs that test bloomnative's side of it (the losses against
+fp32's, the moments through a checkpoint) take the same step uncompiled; the compiled step is
+run by test_build_optimizer_is_the_library_optimizer and, on FSDP2's sharded parameters, by
+test_dp_shard_2_matches_one_process."""
+
+
 DP_RTOL = 1e-4
 """dp_shard 2 against one process: the gradients' reduction order differs, so a moment's code
 may round the other way; each step's loss within 1e-4."""
@@ -63,7 +71,7 @@ def state(request) -> str:
 @pytest.fixture(scope="module")
 def uninterrupted(state, synthetic_corpus, tmp_path_factory) -> dict[int, float]:
     dump = tmp_path_factory.mktemp(f"uninterrupted_{state}")
-    run_training(args(dump, synthetic_corpus, state=state))
+    run_training(args(dump, synthetic_corpus, state=state), env=EAGER_STEP)
     return losses_by_step(dump)
 
 
@@ -109,8 +117,10 @@ def test_low_bit_losses_track_fp32(uninterrupted, fp32_losses):
 
 @pytest.mark.multiprocess
 def test_resume_after_a_stop_is_bit_identical(state, uninterrupted, synthetic_corpus, tmp_path):
-    run_training(args(tmp_path, synthetic_corpus, "--training.steps=3", state=state))
-    run_training(args(tmp_path, synthetic_corpus, state=state))
+    run_training(
+        args(tmp_path, synthetic_corpus, "--training.steps=3", state=state), env=EAGER_STEP
+    )
+    run_training(args(tmp_path, synthetic_corpus, state=state), env=EAGER_STEP)
     assert losses_by_step(tmp_path) == uninterrupted
 
 

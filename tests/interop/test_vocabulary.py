@@ -1,0 +1,172 @@
+"""tools/vocab.py trim / extend on a tiny Hugging Face BLOOM with the bundled byte-level BPE
+tokenizer, against transformers and the original tokenizer (the tokenizers library)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bloomnative.config import Config
+from bloomnative.interop import load_hf_model
+from bloomnative.interop.vocabulary import MAPPING_FILE
+from bloomnative.train.input_files import model_section
+from harness.hf_models import make_hf_bloom, save_hf_bloom, transformers
+from harness.training import REPO, load_tool
+
+tokenizers = pytest.importorskip("tokenizers")
+vocab = load_tool("vocab")
+
+BUNDLED = REPO / "assets" / "pydocs"
+TOKENIZER_SIZE = 8192
+# 64 rows beyond the tokenizer, as BLOOM's 250,880 rows hold 200 beyond its 250,680 tokens.
+SHAPE = dict(hidden_size=32, n_head=2, n_layer=2, vocab_size=TOKENIZER_SIZE + 64)
+DOCUMENTS = 60
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """The original folder, its corpus (the bundled corpus' first documents) and the trims with
+    --keep-min-count 1 and 3."""
+    root = tmp_path_factory.mktemp("vocab")
+    original = save_hf_bloom(make_hf_bloom(**SHAPE, seed=3), root / "hf")
+    shutil.copyfile(BUNDLED / "tokenizer.json", original / "tokenizer.json")
+    corpus = root / "corpus.jsonl"
+    with gzip.open(BUNDLED / "pydocs.jsonl.gz", "rt") as lines:
+        corpus.write_text("".join(next(lines) for _ in range(DOCUMENTS)))
+    found = {"hf": original, "corpus": corpus}
+    for n in (1, 3):
+        found[f"trim{n}"] = root / f"trim{n}"
+        argv = ["trim", "--model", str(original), "--corpus", str(corpus)]
+        assert vocab.main([*argv, "--keep-min-count", str(n), "--out", str(found[f"trim{n}"])]) == 0
+    return found
+
+
+def documents(corpus: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+
+
+def words(encoding) -> dict[int, list[str]]:
+    """The token strings of each pre-tokenized word of an encoding."""
+    grouped: dict[int, list[str]] = {}
+    for word, token in zip(encoding.word_ids, encoding.tokens, strict=True):
+        grouped.setdefault(word, []).append(token)
+    return grouped
+
+
+def old_ids(folder: Path) -> list[int]:
+    return json.loads((folder / MAPPING_FILE).read_text())["old_id"]
+
+
+def test_trim_keeps_the_token_strings_of_every_document(folders):
+    original = tokenizers.Tokenizer.from_file(str(folders["hf"] / "tokenizer.json"))
+    trimmed = tokenizers.Tokenizer.from_file(str(folders["trim1"] / "tokenizer.json"))
+    texts = documents(folders["corpus"])
+    before, after = original.encode_batch(texts), trimmed.encode_batch(texts)
+    assert [e.tokens for e in after] == [e.tokens for e in before]
+    assert trimmed.get_vocab_size() < original.get_vocab_size()
+
+
+def test_a_higher_min_count_keeps_every_word_made_of_kept_tokens_and_encodes_all_text(folders):
+    original = tokenizers.Tokenizer.from_file(str(folders["hf"] / "tokenizer.json"))
+    trimmed = tokenizers.Tokenizer.from_file(str(folders["trim3"] / "tokenizer.json"))
+    texts = documents(folders["corpus"])
+    before, after = original.encode_batch(texts), trimmed.encode_batch(texts)
+    counts = Counter(token for encoding in before for token in encoding.tokens)
+    compared = 0
+    for old, new in zip(before, after, strict=True):
+        new_words = words(new)
+        for word, pieces in words(old).items():
+            if all(counts[piece] >= 3 for piece in pieces):
+                assert new_words[word] == pieces
+                compared += 1
+    assert compared > 1000 and any(counts[t] < 3 for e in before for t in e.tokens)
+    assert [trimmed.decode(e.ids) for e in after] == texts
+    assert trimmed.decode(trimmed.encode("Ünïcødé ✓ never seen").ids) == "Ünïcødé ✓ never seen"
+
+
+def test_trimmed_model_gives_the_original_logits_at_the_kept_rows(folders):
+    mapping = torch.tensor(old_ids(folders["trim1"]))
+    text = documents(folders["corpus"])[0]
+    new_tokenizer = transformers.AutoTokenizer.from_pretrained(folders["trim1"])
+    old_tokenizer = tokenizers.Tokenizer.from_file(str(folders["hf"] / "tokenizer.json"))
+    ids = torch.tensor([new_tokenizer(text)["input_ids"][:64]])
+    assert mapping[ids].tolist() == [old_tokenizer.encode(text).ids[:64]]
+    with torch.no_grad():
+        trimmed = transformers.BloomForCausalLM.from_pretrained(folders["trim1"]).eval()
+        original = transformers.BloomForCausalLM.from_pretrained(folders["hf"]).eval()
+        new_logits, old_logits = trimmed(ids).logits, original(mapping[ids]).logits
+    kept = mapping >= 0
+    assert (mapping >= TOKENIZER_SIZE).any() and not kept.all()  # both kinds of padding row
+    torch.testing.assert_close(
+        new_logits[..., kept], old_logits[..., mapping[kept]], rtol=0, atol=1e-6
+    )
+    assert new_logits[..., ~kept].abs().max() == 0
+    # The loss is the original's with the softmax over the kept rows (a zero row's logit is 0).
+    restricted = torch.where(kept, old_logits[..., mapping.clamp(min=0)], 0.0)
+    loss = F.cross_entropy(new_logits[0, :-1], ids[0, 1:])
+    torch.testing.assert_close(
+        loss, F.cross_entropy(restricted[0, :-1], ids[0, 1:]), rtol=0, atol=1e-6
+    )
+    # bloomnative reads the folder with its new size, as checkpoint.initial_hf and as a model.
+    config = Config()
+    config.checkpoint.initial_hf = str(folders["trim1"])
+    assert model_section(config).vocab_size == len(mapping) == trimmed.config.vocab_size
+    ours = load_hf_model(folders["trim1"])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), new_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_extend_adds_rows_that_are_the_mean_of_the_pieces_and_keeps_the_old_rows(folders, tmp_path):
+    new_tokens = [" bloomnative", "trim_and_extend", " tokenizer.json"]
+    (tmp_path / "tokens.txt").write_text("\n".join(new_tokens) + "\n")
+    out = tmp_path / "extended"
+    argv = ["extend", "--model", str(folders["hf"]), "--tokens", str(tmp_path / "tokens.txt")]
+    assert vocab.main([*argv, "--out", str(out)]) == 0
+    original = transformers.BloomForCausalLM.from_pretrained(folders["hf"])
+    extended = transformers.BloomForCausalLM.from_pretrained(out)
+    old_rows = original.get_input_embeddings().weight.detach()
+    new_rows = extended.get_input_embeddings().weight.detach()
+    old_tokenizer = tokenizers.Tokenizer.from_file(str(folders["hf"] / "tokenizer.json"))
+    new_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    for number, token in enumerate(new_tokens):
+        (new_id,) = new_tokenizer(token)["input_ids"]
+        assert new_id == TOKENIZER_SIZE + number  # on the rows beyond the old tokenizer
+        pieces = old_tokenizer.encode(token).ids
+        assert len(pieces) > 1
+        torch.testing.assert_close(
+            new_rows[new_id], old_rows[pieces].mean(dim=0), rtol=0, atol=1e-7
+        )
+    assert torch.equal(new_rows[:TOKENIZER_SIZE], old_rows[:TOKENIZER_SIZE])
+    assert new_rows.shape[0] == SHAPE["vocab_size"]
+    text = "see bloomnative's tokenizer.json"
+    assert new_tokenizer.decode(new_tokenizer(text)["input_ids"]) == text
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["--model", "{tmp}/absent", "--keep-min-count", "1"], "no such folder"),
+        (["--model", "{hf}", "--keep-min-count", "0"], "'0' is not a whole number >= 1"),
+        (
+            ["--model", "{hf}", "--keep-min-count", "1", "--corpus", "{tmp}/none.jsonl"],
+            "not a file",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(folders, tmp_path, capsys, argv, problem):
+    argv = [a.format(tmp=tmp_path, hf=folders["hf"]) for a in argv]
+    if "--corpus" not in argv:
+        argv += ["--corpus", str(folders["corpus"])]
+    with pytest.raises(SystemExit) as stop:
+        code = vocab.main(["trim", *argv, "--out", str(tmp_path / "out")])
+        raise SystemExit(code)
+    assert stop.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert problem in line

@@ -5,6 +5,7 @@
           special token, so any text still encodes); the embedding and tied head keep their rows
   extend  add the tokens of a file, each new row the mean of the rows of the pieces the old
           tokenizer cut it into
+  remap-data  an indexed dataset tokenized with the original tokenizer, in a trim's ids
 
 The output folder loads in transformers and as checkpoint.initial_hf; vocab_mapping.json in it
 gives the original row of each new row. The logic lives in bloomnative.interop.vocabulary.
@@ -19,12 +20,14 @@ from pathlib import Path
 
 from cli_args import ArgumentParser, whole_number
 
+from bloomnative.data import IndexedDatasetError
 from bloomnative.interop import CheckpointFormatError
 from bloomnative.interop.vocabulary import (
     PAD_TO_MULTIPLE,
     VocabularyError,
     extend_hf_folder,
     read_new_tokens,
+    remap_indexed_dataset,
     trim_hf_folder,
 )
 
@@ -68,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     extend.add_argument(
         "--tokens", required=True, type=existing_file, help="one token per line, as typed"
     )
+    remap = commands.add_parser("remap-data", help="an indexed dataset in a trim's ids")
+    remap.add_argument("--model", required=True, type=Path, help="the trim's output folder")
+    remap.add_argument(
+        "--original", required=True, type=Path, help="the folder the trim was made from"
+    )
+    remap.add_argument("--data", required=True, help="dataset prefix (no .bin/.idx)")
+    remap.add_argument("--out-prefix", required=True, help="writes <out-prefix>.bin/.idx")
     return parser
 
 
@@ -92,14 +102,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{summary.for_encoding} byte-level/special, {summary.for_reachability} kept "
                 f"for their merges, {summary.padding} padding rows"
             )
-        else:
+        elif args.command == "extend":
             tokens = read_new_tokens(args.tokens)
             extend_hf_folder(args.model, tokens, args.out, args.pad_to_multiple, args.overwrite)
             log(f"added {len(tokens)} tokens")
-    except (VocabularyError, CheckpointFormatError, OSError, ValueError) as e:
+        else:
+            again = remap_indexed_dataset(args.data, args.model, args.original, args.out_prefix)
+            log(f"{again} sequences held dropped tokens and were encoded again")
+    except (VocabularyError, CheckpointFormatError, IndexedDatasetError, OSError) as e:
         log(f"error: {e}")
         return 2
-    log(f"wrote {args.out} in {time.perf_counter() - start:.1f} s")
+    written = args.out_prefix if args.command == "remap-data" else args.out
+    log(f"wrote {written} in {time.perf_counter() - start:.1f} s")
     return 0
 
 

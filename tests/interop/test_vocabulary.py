@@ -9,11 +9,14 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from bloomnative.config import Config
+from bloomnative.data import IndexedDataset
+from bloomnative.data.preprocess import PreprocessConfig, preprocess
 from bloomnative.interop import load_hf_model
 from bloomnative.interop.vocabulary import MAPPING_FILE
 from bloomnative.train.input_files import model_section
@@ -147,6 +150,36 @@ def test_extend_adds_rows_that_are_the_mean_of_the_pieces_and_keeps_the_old_rows
     assert new_rows.shape[0] == SHAPE["vocab_size"]
     text = "see bloomnative's tokenizer.json"
     assert new_tokenizer.decode(new_tokenizer(text)["input_ids"]) == text
+
+
+def test_a_dataset_remapped_to_a_trim_is_the_corpus_tokenized_with_the_trimmed_tokenizer(
+    folders, tmp_path, capsys
+):
+    """Against preprocessing: the original's dataset renumbered (and its documents with dropped
+    tokens encoded again) equals the corpus tokenized with the trimmed tokenizer."""
+    prefixes = {}
+    for name in ("hf", "trim1", "trim3"):
+        tokenizer = str(folders[name] / "tokenizer.json")
+        config = PreprocessConfig(
+            (str(folders["corpus"]),), tokenizer, str(tmp_path / name), append_eod=True
+        )
+        preprocess(config, log=lambda message: None)
+        prefixes[name] = str(tmp_path / f"{name}_text_document")
+    for name in ("trim1", "trim3"):
+        argv = ["remap-data", "--model", str(folders[name]), "--original", str(folders["hf"])]
+        argv += ["--data", prefixes["hf"], "--out-prefix", str(tmp_path / f"remapped_{name}")]
+        assert vocab.main(argv) == 0
+        log = capsys.readouterr().err
+        again = int(log.split(" sequences held dropped tokens")[0].split()[-1])
+        # trim1 keeps every token of the corpus: renumbered only; trim3 encodes most again.
+        assert again == 0 if name == "trim1" else again > DOCUMENTS // 2
+        remapped, expected = (
+            IndexedDataset(str(tmp_path / f"remapped_{name}")),
+            IndexedDataset(prefixes[name]),
+        )
+        assert remapped.dtype == expected.dtype and len(remapped) == len(expected) == DOCUMENTS
+        assert all(np.array_equal(remapped[i], expected[i]) for i in range(DOCUMENTS))
+        assert np.array_equal(remapped.document_indices, expected.document_indices)
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,14 @@ strings; with `keep_min_count` 1 that is every document of the corpus.
 Extend adds tokens as the tokenizer's added tokens (as transformers' `add_tokens` does) and gives
 each a row: the mean of the rows of the pieces the old tokenizer cut its text into.
 
-Both write a new folder: config.json with the new vocab_size (the special token ids renumbered),
-the weights with the embedding (and so the tied head) cut or grown, the tokenizer files and
-vocab_mapping.json, the old row of every new row.
+An indexed dataset tokenized with the original tokenizer is renumbered for a trimmed folder: a
+document whose tokens are all kept gets their new ids (the same token strings, as above); any
+other is decoded with the original tokenizer and encoded with the trimmed one, which is what
+preprocessing its text again gives.
+
+Trim and extend write a new folder: config.json with the new vocab_size (the special token ids
+renumbered), the weights with the embedding (and so the tied head) cut or grown, the tokenizer
+files and vocab_mapping.json, the old row of every new row.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from bloomnative.data import IndexedDataset, IndexedDatasetBuilder
+from bloomnative.data.indexed_format import optimal_token_dtype
 from bloomnative.data.preprocess import is_json_lines
 from bloomnative.interop.hf import (
     CONFIG_FILE,
@@ -74,7 +81,10 @@ def read_documents(paths: Iterable[str | Path], json_key: str = "text") -> Itera
             for number, line in enumerate(stream, start=1):
                 if not line.strip():
                     continue
-                record = json.loads(line)
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise VocabularyError(f"{path}:{number}: not JSON ({e.msg})") from None
                 if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
                     raise VocabularyError(f"{path}:{number}: no string under key {json_key!r}")
                 yield record[json_key]
@@ -395,3 +405,46 @@ def extend_hf_folder(
     data = json.loads(tokenizer.to_str())
     _write_folder(model_dir, out_dir, old_rows, data, mapping, overwrite, embedding)
     return pieces
+
+
+def remap_indexed_dataset(
+    prefix: str | Path, trimmed_dir: str | Path, original_dir: str | Path, out_prefix: str | Path
+) -> int:
+    """Writes `out_prefix`.bin/.idx: the dataset `prefix`, tokenized with the tokenizer of
+    `original_dir`, in the ids of the trimmed folder `trimmed_dir` (module docstring), with the
+    same sequences and documents. Returns how many sequences were encoded again."""
+    from tokenizers import Tokenizer
+
+    trimmed_dir, original_dir = Path(trimmed_dir), Path(original_dir)
+    check_model_folder(trimmed_dir)
+    check_model_folder(original_dir)
+    mapping = json.loads((trimmed_dir / MAPPING_FILE).read_text())
+    if mapping.get("operation") != "trim":
+        raise VocabularyError(f"{trimmed_dir / MAPPING_FILE}: not the mapping of a trim")
+    original = Tokenizer.from_file(str(original_dir / TOKENIZER_FILES[0]))
+    trimmed = Tokenizer.from_file(str(trimmed_dir / TOKENIZER_FILES[0]))
+    old_ids = np.asarray(mapping["old_id"])
+    new_of_old = np.full(original.get_vocab_size(with_added_tokens=True), -1, dtype=np.int64)
+    is_token = (old_ids >= 0) & (old_ids < new_of_old.size)  # padding rows are no token
+    new_of_old[old_ids[is_token]] = np.flatnonzero(is_token)
+    dataset = IndexedDataset(str(prefix))
+    encoded_again = 0
+    dtype = optimal_token_dtype(trimmed.get_vocab_size(with_added_tokens=True))
+    ends = set(dataset.document_indices[1:].tolist())
+    with IndexedDatasetBuilder(str(out_prefix), dtype=dtype) as builder:
+        for index in range(len(dataset)):
+            sequence = dataset.get(index).astype(np.int64)
+            if sequence.size and sequence.max() >= new_of_old.size:
+                raise VocabularyError(
+                    f"{prefix}: sequence {index} holds id {sequence.max()}, beyond the "
+                    f"{new_of_old.size} ids of the tokenizer of {original_dir}"
+                )
+            renumbered = new_of_old[sequence]
+            if (renumbered < 0).any():
+                text = original.decode(sequence.tolist(), skip_special_tokens=False)
+                renumbered = np.asarray(trimmed.encode(text, add_special_tokens=False).ids)
+                encoded_again += 1
+            builder.add_item(renumbered)
+            if index + 1 in ends:
+                builder.end_document()
+    return encoded_again

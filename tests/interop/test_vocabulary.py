@@ -182,6 +182,24 @@ def test_a_dataset_remapped_to_a_trim_is_the_corpus_tokenized_with_the_trimmed_t
         assert np.array_equal(remapped.document_indices, expected.document_indices)
 
 
+def test_extend_grows_the_embedding_to_the_multiple_when_the_spare_rows_run_out(folders, tmp_path):
+    new_tokens = [f" zq{number}xj" for number in range(SHAPE["vocab_size"] - TOKENIZER_SIZE + 1)]
+    (tmp_path / "tokens.txt").write_text("\n".join(new_tokens))
+    argv = ["extend", "--model", str(folders["hf"]), "--tokens", str(tmp_path / "tokens.txt")]
+    assert vocab.main([*argv, "--out", str(tmp_path / "out"), "--pad-to-multiple", "128"]) == 0
+    old_rows = transformers.BloomForCausalLM.from_pretrained(folders["hf"]).transformer
+    new_rows = transformers.BloomForCausalLM.from_pretrained(tmp_path / "out").transformer
+    old_rows, new_rows = old_rows.word_embeddings.weight, new_rows.word_embeddings.weight
+    last = TOKENIZER_SIZE + len(new_tokens) - 1
+    pieces = tokenizers.Tokenizer.from_file(str(folders["hf"] / "tokenizer.json")).encode(
+        new_tokens[-1]
+    )
+    assert new_rows.shape[0] == 128 * -(-(last + 1) // 128) > SHAPE["vocab_size"]
+    torch.testing.assert_close(new_rows[last], old_rows[pieces.ids].mean(dim=0), rtol=0, atol=1e-7)
+    assert torch.equal(new_rows[:TOKENIZER_SIZE], old_rows[:TOKENIZER_SIZE])
+    assert new_rows[last + 1 :].abs().max() == 0
+
+
 @pytest.mark.parametrize(
     "argv, problem",
     [
@@ -193,7 +211,7 @@ def test_a_dataset_remapped_to_a_trim_is_the_corpus_tokenized_with_the_trimmed_t
         ),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(folders, tmp_path, capsys, argv, problem):
+def test_bad_trim_input_is_one_line_and_exit_2(folders, tmp_path, capsys, argv, problem):
     argv = [a.format(tmp=tmp_path, hf=folders["hf"]) for a in argv]
     if "--corpus" not in argv:
         argv += ["--corpus", str(folders["corpus"])]
@@ -203,3 +221,11 @@ def test_bad_input_is_one_line_and_exit_2(folders, tmp_path, capsys, argv, probl
     assert stop.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert problem in line
+
+
+def test_a_token_the_tokenizer_has_is_one_line_and_exit_2(folders, tmp_path, capsys):
+    (tmp_path / "tokens.txt").write_text(" new_word\n the\n")
+    argv = ["extend", "--model", str(folders["hf"]), "--tokens", str(tmp_path / "tokens.txt")]
+    assert vocab.main([*argv, "--out", str(tmp_path / "out")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "' the' is already token" in line and not (tmp_path / "out").exists()

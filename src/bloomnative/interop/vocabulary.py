@@ -60,12 +60,11 @@ class VocabularyError(ValueError):
     """An input that cannot be trimmed or extended, said in one line naming it."""
 
 
-def byte_level_alphabet() -> list[str]:
-    """The 256 characters byte-level BPE writes the bytes 0..255 as (GPT-2's table)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    shifted = iter(range(256, 512))
-    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+def byte_level_alphabet() -> set[str]:
+    """The 256 characters byte-level BPE writes the bytes 0..255 as."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    return set(ByteLevel.alphabet())
 
 
 def read_documents(paths: Iterable[str | Path], json_key: str = "text") -> Iterator[str]:
@@ -104,7 +103,11 @@ class ByteLevelBPE:
         data = json.loads(path.read_text(encoding="utf-8"))
         model = data.get("model", {})
         if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(data.get("pre_tokenizer")):
-            raise VocabularyError(f"{path}: not a byte-level BPE tokenizer (model.type BPE)")
+            raise VocabularyError(
+                f"{path}: model.type {model.get('type')!r}, pre_tokenizer "
+                f"{json.dumps(data.get('pre_tokenizer'))[:80]}: only a byte-level BPE (model.type "
+                "BPE and a ByteLevel pre-tokenizer) can be trimmed"
+            )
         merges = [
             tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]
         ]
@@ -210,13 +213,13 @@ def kept_ids(bpe: ByteLevelBPE, counts: np.ndarray, keep_min_count: int) -> tupl
     required = {t for t in byte_level_alphabet() if t in bpe.vocab} | set(bpe.added.values())
     encodable = by_count | required
     reachable = bpe.reachable_closure(encodable)
-    ids = sorted(bpe.vocab.get(t, -1) for t in reachable) + sorted(bpe.added)
+    ids = {bpe.vocab[t] for t in reachable if t in bpe.vocab} | set(bpe.added)
     reasons = {
         "by_count": len(by_count),
         "for_encoding": len(encodable) - len(by_count),
         "for_reachability": len(reachable) - len(encodable),
     }
-    return sorted(set(ids)), reasons
+    return sorted(ids), reasons
 
 
 def padded_rows(kept: list[int], tokenizer_size: int, rows: int, multiple: int) -> list[int]:
@@ -376,10 +379,10 @@ def extend_hf_folder(
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_model_folder(model_dir)
     tokenizer = Tokenizer.from_file(str(model_dir / TOKENIZER_FILES[0]))
-    for token in tokens:
-        if (existing := tokenizer.token_to_id(token)) is not None:
-            raise VocabularyError(f"{token!r} is already token {existing} of {model_dir}")
     pieces = {t: tokenizer.encode(t, add_special_tokens=False).ids for t in tokens}
+    for token, ids in pieces.items():
+        if len(ids) == 1:
+            raise VocabularyError(f"{token!r} is already token {ids[0]} of {model_dir}")
     tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in tokens])
     new_ids = {t: new for t in tokens if (new := tokenizer.token_to_id(t)) is not None}
     state = read_hf_weights(model_dir, dtype=None)

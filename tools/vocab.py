@@ -26,6 +26,7 @@ from bloomnative.interop.vocabulary import (
     PAD_TO_MULTIPLE,
     VocabularyError,
     extend_hf_folder,
+    is_dataset_prefix,
     read_new_tokens,
     remap_indexed_dataset,
     trim_hf_folder,
@@ -33,7 +34,9 @@ from bloomnative.interop.vocabulary import (
 
 CORPUS_HELP = """\
 corpus files, as tools/preprocess_data.py reads them: .jsonl / .json / .ndjson (optionally .gz)
-hold one JSON object per line with the text under --json-key; any other file is one document"""
+hold one JSON object per line with the text under --json-key; any other file is one document.
+Or indexed dataset prefixes (no .bin/.idx), tokenized with the --model's tokenizer: counted as
+they are"""
 PAD_HELP = f"""\
 pad the vocabulary to a multiple of this (default {PAD_TO_MULTIPLE}, Megatron's: every tensor
 parallel degree dividing it divides the vocabulary); the padding rows are no token"""
@@ -46,6 +49,15 @@ def log(message: str) -> None:
 def existing_file(text: str) -> Path:
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"{text!r} is not a file")
+    return Path(text)
+
+
+def corpus_entry(text: str) -> Path:
+    """A corpus file, or the prefix of an indexed dataset."""
+    if not (Path(text).is_file() or is_dataset_prefix(text)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a file nor a dataset prefix (with .bin and .idx)"
+        )
     return Path(text)
 
 
@@ -64,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--pad-to-multiple", type=whole_number(1), default=PAD_TO_MULTIPLE, help=PAD_HELP
         )
     trim.add_argument(
-        "--corpus", required=True, nargs="+", type=existing_file, metavar="FILE", help=CORPUS_HELP
+        "--corpus", required=True, nargs="+", type=corpus_entry, metavar="FILE", help=CORPUS_HELP
     )
     trim.add_argument("--keep-min-count", required=True, type=whole_number(1), metavar="N")
     trim.add_argument("--json-key", default="text", help="the text's key in JSON lines")

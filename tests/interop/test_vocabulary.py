@@ -51,6 +51,21 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return found
 
 
+@pytest.fixture(scope="module")
+def datasets(folders, tmp_path_factory) -> dict[str, str]:
+    """The corpus preprocessed (with EOD) by the original's and the trims' tokenizers."""
+    root = tmp_path_factory.mktemp("vocab_data")
+    prefixes = {}
+    for name in ("hf", "trim1", "trim3"):
+        tokenizer = str(folders[name] / "tokenizer.json")
+        config = PreprocessConfig(
+            (str(folders["corpus"]),), tokenizer, str(root / name), append_eod=True
+        )
+        preprocess(config, log=lambda message: None)
+        prefixes[name] = str(root / f"{name}_text_document")
+    return prefixes
+
+
 def documents(corpus: Path) -> list[str]:
     return [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
 
@@ -153,18 +168,11 @@ def test_extend_adds_rows_that_are_the_mean_of_the_pieces_and_keeps_the_old_rows
 
 
 def test_a_dataset_remapped_to_a_trim_is_the_corpus_tokenized_with_the_trimmed_tokenizer(
-    folders, tmp_path, capsys
+    folders, datasets, tmp_path, capsys
 ):
     """Against preprocessing: the original's dataset renumbered (and its documents with dropped
     tokens encoded again) equals the corpus tokenized with the trimmed tokenizer."""
-    prefixes = {}
-    for name in ("hf", "trim1", "trim3"):
-        tokenizer = str(folders[name] / "tokenizer.json")
-        config = PreprocessConfig(
-            (str(folders["corpus"]),), tokenizer, str(tmp_path / name), append_eod=True
-        )
-        preprocess(config, log=lambda message: None)
-        prefixes[name] = str(tmp_path / f"{name}_text_document")
+    prefixes = datasets
     for name in ("trim1", "trim3"):
         argv = ["remap-data", "--model", str(folders[name]), "--original", str(folders["hf"])]
         argv += ["--data", prefixes["hf"], "--out-prefix", str(tmp_path / f"remapped_{name}")]
@@ -180,6 +188,14 @@ def test_a_dataset_remapped_to_a_trim_is_the_corpus_tokenized_with_the_trimmed_t
         assert remapped.dtype == expected.dtype and len(remapped) == len(expected) == DOCUMENTS
         assert all(np.array_equal(remapped[i], expected[i]) for i in range(DOCUMENTS))
         assert np.array_equal(remapped.document_indices, expected.document_indices)
+
+
+def test_a_dataset_of_the_corpus_trims_as_its_text_does(folders, datasets, tmp_path):
+    argv = ["trim", "--model", str(folders["hf"]), "--corpus", datasets["hf"]]
+    assert vocab.main([*argv, "--keep-min-count", "3", "--out", str(tmp_path / "out")]) == 0
+    for name in ("tokenizer.json", "model.safetensors"):
+        assert (tmp_path / "out" / name).read_bytes() == (folders["trim3"] / name).read_bytes()
+    assert old_ids(tmp_path / "out") == old_ids(folders["trim3"])
 
 
 def test_extend_grows_the_embedding_to_the_multiple_when_the_spare_rows_run_out(folders, tmp_path):
@@ -207,7 +223,7 @@ def test_extend_grows_the_embedding_to_the_multiple_when_the_spare_rows_run_out(
         (["--model", "{hf}", "--keep-min-count", "0"], "'0' is not a whole number >= 1"),
         (
             ["--model", "{hf}", "--keep-min-count", "1", "--corpus", "{tmp}/none.jsonl"],
-            "not a file",
+            "neither a file nor a dataset prefix",
         ),
     ],
 )

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from bloomnative.data import IndexedDataset, IndexedDatasetBuilder
-from bloomnative.data.indexed_format import optimal_token_dtype
+from bloomnative.data.indexed_dataset import token_counts as dataset_token_counts
+from bloomnative.data.indexed_format import bin_path, idx_path, optimal_token_dtype
 from bloomnative.data.preprocess import is_json_lines
 from bloomnative.interop.hf import (
     CONFIG_FILE,
@@ -170,6 +171,25 @@ def _renumbered_post_processor(node: dict[str, Any], new_id: dict[int, int]) -> 
     if kind in ("BertProcessing", "RobertaProcessing"):
         return {**node, **{k: [node[k][0], new_id[node[k][1]]] for k in ("sep", "cls")}}
     return node
+
+
+def is_dataset_prefix(path: str | Path) -> bool:
+    """Whether `path` names an indexed dataset (its .bin and .idx exist) rather than a file."""
+    return Path(bin_path(str(path))).is_file() and Path(idx_path(str(path))).is_file()
+
+
+def corpus_counts(
+    tokenizer_file: Path, corpus: Iterable[str | Path], size: int, json_key: str = "text"
+) -> np.ndarray:
+    """How often each id occurs in the corpus: text files tokenized (`token_counts`), indexed
+    datasets (prefixes tokenized with this tokenizer) counted as they are."""
+    paths = list(corpus)
+    prefixes = [p for p in paths if is_dataset_prefix(p)]
+    files = [p for p in paths if p not in prefixes]
+    counts = token_counts(tokenizer_file, read_documents(files, json_key), size)
+    for prefix in prefixes:
+        counts += dataset_token_counts(IndexedDataset(str(prefix)), size)
+    return counts
 
 
 def token_counts(tokenizer_file: Path, documents: Iterable[str], size: int) -> np.ndarray:
@@ -313,8 +333,9 @@ def trim_hf_folder(
     json_key: str = "text",
     overwrite: bool = False,
 ) -> TrimSummary:
-    """Writes `out_dir`: the model of `model_dir` with the vocabulary `corpus` uses at least
-    `keep_min_count` times (module docstring), its rows in the original order, padded to a
+    """Writes `out_dir`: the model of `model_dir` with the vocabulary `corpus` (text files, or
+    prefixes of datasets tokenized with its tokenizer) uses at least `keep_min_count` times
+    (module docstring), its rows in the original order, padded to a
     multiple of `pad_to_multiple`. vocab_mapping.json's "old_id" lists the original row of each
     new row (-1: a zero padding row)."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -328,9 +349,7 @@ def trim_hf_folder(
             f"{model_dir / CONFIG_FILE}: vocab_size = {rows} is smaller than its tokenizer's "
             f"{bpe.size()} ids"
         )
-    counts = token_counts(
-        model_dir / TOKENIZER_FILES[0], read_documents(corpus, json_key), bpe.size()
-    )
+    counts = corpus_counts(model_dir / TOKENIZER_FILES[0], corpus, bpe.size(), json_key)
     kept, reasons = kept_ids(bpe, counts, keep_min_count)
     old_rows = padded_rows(kept, bpe.size(), rows, pad_to_multiple)
     summary = TrimSummary(

@@ -216,6 +216,61 @@ def test_extend_grows_the_embedding_to_the_multiple_when_the_spare_rows_run_out(
     assert new_rows[last + 1 :].abs().max() == 0
 
 
+def bloom_like_tokenizer(lines: list[str]):
+    """A byte-level BPE trained on `lines` the way BLOOM's is built (a Split pre-tokenizer, then
+    ByteLevel without its regex), with a special token added last that a template puts first."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(" ?[^(\\s|[.,!?…。，、।۔،])]+"), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(lines, trainer)
+    tokenizer.add_special_tokens(["<lang>"])
+    lang = tokenizer.token_to_id("<lang>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<lang> $A </s>", special_tokens=[("<lang>", lang), ("</s>", 2)]
+    )
+    return tokenizer
+
+
+def test_a_bloom_like_tokenizer_keeps_its_template_and_special_ids(tmp_path):
+    lines = [
+        "The cat sat on the mat.",
+        "Le chat s'assoit sur le tapis!",
+        "Der Hund läuft, die Katze schläft.",
+        "猫がマットの上に座った。",
+    ]
+    original = bloom_like_tokenizer(lines * 3)
+    model = make_hf_bloom(hidden_size=8, n_head=2, n_layer=1, vocab_size=original.get_vocab_size())
+    model.config.eos_token_id = original.token_to_id("<lang>")
+    folder = save_hf_bloom(model, tmp_path / "hf")
+    original.save(str(folder / "tokenizer.json"))
+    (tmp_path / "english_french.txt").write_text("\n".join(lines[:2]))
+    argv = ["trim", "--model", str(folder), "--corpus", str(tmp_path / "english_french.txt")]
+    assert vocab.main([*argv, "--keep-min-count", "1", "--out", str(tmp_path / "out")]) == 0
+    trimmed = tokenizers.Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    corpus = "\n".join(lines[:2])
+    assert trimmed.encode(corpus).tokens == original.encode(corpus).tokens
+    assert trimmed.encode(corpus).tokens[0] == "<lang>"
+    assert trimmed.get_vocab_size() < original.get_vocab_size()
+    lang = trimmed.token_to_id("<lang>")
+    assert trimmed.encode(corpus).ids[0] == lang < original.token_to_id("<lang>")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["eos_token_id"] == lang
+    for line in lines:  # the other languages still encode, in smaller pieces
+        assert trimmed.decode(trimmed.encode(line).ids) == line
+
+
 @pytest.mark.parametrize(
     "argv, problem",
     [

@@ -127,6 +127,10 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
         ("path/to/bloom-560m", "exports/run-step-2000", WHY_HF),
         ("configs/bloom-560m.toml", "configs/bloom-560m.toml" + SHRUNK_BLOOM, WHY_HF),
     ],
+    "docs/continuing.md": [
+        ("path/to/bloom-560m", "exports/run-step-2000", WHY_HF),
+        ("my_language.jsonl", "a.jsonl", "the documents `write_inputs` makes"),
+    ],
     "docs/finetuning.md": [
         ("path/to/bloomz-560m", "exports/run-step-2000", WHY_HF),
         ("pairs.jsonl", "xp3_en.jsonl", "the pairs `write_inputs` makes"),
@@ -184,6 +188,8 @@ TO_HF = ("docs/hf_interop.md", "python tools/convert_hf.py to-hf --checkpoint ou
 LORA_PAIRS = ("docs/finetuning.md", "python tools/preprocess_data.py *")
 LORA_RUN = ("docs/finetuning.md", "./run_train.sh *")
 EVAL_EXPORT = ("docs/evaluation.md", "python tools/convert_hf.py to-hf *")
+VOCAB_TRIM = ("docs/continuing.md", "python tools/vocab.py trim *")
+VOCAB_EXTEND = ("docs/continuing.md", "python tools/vocab.py extend *")
 READS = {
     ("docs/evaluation.md", "python tools/evaluate.py *"): README_RUN,
     ("docs/evaluation.md", "python -m bloomnative.evaluation *"): README_RUN,
@@ -198,6 +204,9 @@ READS = {
     LORA_RUN: LORA_PAIRS,
     ("docs/finetuning.md", "python tools/generate.py *"): LORA_RUN,
     ("docs/finetuning.md", "python tools/convert_hf.py to-peft *"): LORA_RUN,
+    VOCAB_TRIM: TO_HF,
+    VOCAB_EXTEND: VOCAB_TRIM,
+    ("docs/continuing.md", "python tools/preprocess_data.py *"): VOCAB_EXTEND,
     ("docs/hf_interop.md", "python tools/convert_hf.py to-peft *"): LORA_RUN,
     ("docs/hf_interop.md", "python tools/convert_hf.py to-hf --merge *"): LORA_RUN,
 }

@@ -286,6 +286,22 @@ def holds_token(dataset: IndexedDataset, token_id: int, chunk_tokens: int = 1 <<
     return False
 
 
+def token_counts(dataset: IndexedDataset, size: int, chunk_tokens: int = 1 << 26) -> np.ndarray:
+    """How often each id occurs in `dataset`, a vector of `size` counts (ids >= `size` are an
+    IndexedDatasetError naming the largest); read `chunk_tokens` at a time."""
+    tokens = dataset._tokens
+    counts = np.zeros(size, dtype=np.int64)
+    for start in range(0, len(tokens), chunk_tokens):
+        chunk = np.asarray(tokens[start : start + chunk_tokens], dtype=np.int64)
+        if chunk.size and (chunk.min() < 0 or chunk.max() >= size):
+            raise IndexedDatasetError(
+                f"{bin_path(dataset.prefix)}: token ids {chunk.min()}..{chunk.max()} are outside "
+                f"[0, {size})"
+            )
+        counts += np.bincount(chunk, minlength=size)
+    return counts
+
+
 def _describe_size_mismatch(actual: int, expected: int, num_sequences: int) -> str:
     if actual < expected:
         return f"truncated: {actual} bytes"

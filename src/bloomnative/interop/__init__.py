@@ -1,13 +1,18 @@
-"""Import and export: Hugging Face BLOOM folders and bloomnative's model-only DCP checkpoints."""
+"""Import and export: Hugging Face BLOOM folders and bloomnative's model-only DCP checkpoints,
+and Hugging Face folders with a trimmed or extended vocabulary."""
 
 from bloomnative.interop.checkpoint_model import load_native_model
 from bloomnative.interop.hf import load_hf_model, save_hf_model
 from bloomnative.interop.native_checkpoint import CheckpointFormatError, save_native_checkpoint
+from bloomnative.interop.vocabulary import VocabularyError, extend_hf_folder, trim_hf_folder
 
 __all__ = [
     "CheckpointFormatError",
+    "VocabularyError",
+    "extend_hf_folder",
     "load_hf_model",
     "load_native_model",
     "save_hf_model",
     "save_native_checkpoint",
+    "trim_hf_folder",
 ]

@@ -189,15 +189,15 @@ def _indexed_files(index_path: Path) -> list[Path]:
     return files
 
 
-def read_hf_weights(hf_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_hf_weights(hf_dir: str | Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Every tensor of the folder under its Hugging Face name, cast to `dtype` one tensor at a
-    time (never two full copies of the model in memory)."""
+    time (never two full copies of the model in memory); None keeps the stored dtypes."""
     state: dict[str, torch.Tensor] = {}
     for path in hf_weight_files(hf_dir):
         for name, tensor in _tensors_in(path):
             if name in state:
                 raise CheckpointFormatError(f"{path}: tensor {name} also appears in another shard")
-            state[name] = tensor.to(dtype)
+            state[name] = tensor if dtype is None else tensor.to(dtype)
     return state
 
 

@@ -162,10 +162,10 @@ def test_dp_shard_2_matches_one_process(torchao_optim, synthetic_corpus, tmp_pat
     # hidden 128: every matrix's half (a dp_shard 2 rank's shard) still has >= 4096 elements, so
     # both runs quantize the same tensors (AdamW8bit decides on the rank's local size)
     losses = {}
-    for nproc, extra in ((0, []), (2, ["--parallelism.dp_shard=2"])):
+    for nproc, extra, env in ((0, [], EAGER_STEP), (2, ["--parallelism.dp_shard=2"], None)):
         dump = tmp_path / f"nproc{nproc}"
         options = ["--model.hidden_size=128", "--training.steps=3", "--checkpoint.enable=false"]
-        run_training(args(dump, synthetic_corpus, *options, *extra), nproc=nproc)
+        run_training(args(dump, synthetic_corpus, *options, *extra), nproc=nproc, env=env)
         losses[nproc] = losses_by_step(dump)
     assert losses[0].keys() == losses[2].keys() == {1, 2, 3}
     for step, loss in losses[0].items():

@@ -1,0 +1,147 @@
+"""`[downstream]`: rank 0 scores the checkpoints a run saves on lm-evaluation-harness tasks in a
+process of its own while training goes on. Against two independent references: the training
+losses of the conftest's 2-process run without it (the same settings otherwise), and the
+harness itself, in this process, on the checkpoints the run saved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
+
+from bloomnative.evaluation import BloomnativeLM  # noqa: E402
+from bloomnative.evaluation.task_names import task_manager  # noqa: E402
+from bloomnative.launch.preflight import main as preflight  # noqa: E402
+from bloomnative.train.downstream import metric_rows  # noqa: E402
+from harness.local_tasks import TASKS, write_local_tasks  # noqa: E402
+from harness.training import (  # noqa: E402
+    TINY_RUN,
+    losses_by_step,
+    run_training,
+    write_word_tokenizer,
+)
+from harness.training import metric_rows as rows_of  # noqa: E402
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+LIMIT = 3
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tasks")
+    write_local_tasks(folder)
+    broken = folder / "broken"  # a task that resolves, on a data file that is not there
+    broken.mkdir()
+    spec = (folder / "text.yaml").read_text().replace("local_text", "local_gone", 1)
+    (broken / "gone.yaml").write_text(
+        spec.replace(str(folder / "text.jsonl"), "/nonexistent.jsonl")
+    )
+    return folder
+
+
+def fsdp_run_settings(fsdp_run, synthetic_corpus, dump: Path) -> list[str]:
+    """The conftest's 2-process run's training settings (its profiling and end-of-training
+    sample aside, which change no loss), with another dump folder."""
+    tokenizer = fsdp_run[0].parent / "tokenizer.json"
+    return [
+        *TINY_RUN,
+        f"--data.blend={synthetic_corpus}",
+        f"--data.tokenizer={tokenizer}",
+        "--training.steps=3",
+        "--parallelism.dp_shard=2",
+        f"--job.dump_folder={dump}",
+    ]
+
+
+def downstream(tasks: Path, names: list[str], freq: int) -> list[str]:
+    return [
+        f"--checkpoint.interval={freq}",
+        "--checkpoint.keep_latest_k=0",
+        f"--downstream.freq={freq}",
+        f"--downstream.tasks={','.join(names)}",
+        f"--downstream.include_path={tasks}",
+        f"--downstream.limit={LIMIT}",
+        "--downstream.batch_size=4",
+    ]
+
+
+def test_each_due_checkpoint_is_scored_as_the_harness_scores_it_and_losses_do_not_change(
+    fsdp_run, synthetic_corpus, tasks, tmp_path
+):
+    dump = tmp_path / "run"
+    args = fsdp_run_settings(fsdp_run, synthetic_corpus, dump) + downstream(tasks, TASKS, 1)
+    proc = run_training(args, nproc=2)
+    assert losses_by_step(dump) == losses_by_step(fsdp_run[0])  # bit-equal
+    scored = {row["step"]: row for row in rows_of(dump) if "downstream_seconds" in row}
+    # One evaluation at a time, each taking longer than a step: step 1's starts, step 2 waits
+    # and is replaced by step 3, which the end of training waits for.
+    assert {1, 3} <= set(scored) <= {1, 2, 3}
+    if 2 not in scored:
+        assert "downstream: step-2 is not scored: step-3 replaces it" in proc.stdout
+    manager = task_manager(TASKS, tasks)
+    for step, row in scored.items():
+        model = BloomnativeLM(dump / "checkpoints" / f"step-{step}", batch_size=4, device="cpu")
+        reference = lm_eval.simple_evaluate(
+            model=model, tasks=TASKS, limit=LIMIT, task_manager=manager
+        )
+        expected = metric_rows(reference)
+        assert {"downstream/local_choice/acc", "downstream/local_text/word_perplexity"} <= set(
+            expected
+        )
+        assert {k: v for k, v in row.items() if k.startswith("downstream/")} == pytest.approx(
+            expected, rel=1e-9
+        )
+
+
+def test_a_failing_evaluation_is_one_line_and_changes_nothing_in_training(
+    fsdp_run, synthetic_corpus, tasks, tmp_path
+):
+    dump = tmp_path / "run"
+    settings = downstream(tasks / "broken", ["local_gone"], 3)
+    proc = run_training(fsdp_run_settings(fsdp_run, synthetic_corpus, dump) + settings, nproc=2)
+    assert losses_by_step(dump) == losses_by_step(fsdp_run[0])
+    assert not [row for row in rows_of(dump) if "downstream_seconds" in row]
+    output = (proc.stdout + proc.stderr).splitlines()
+    failed = [line for line in output if "downstream: scoring" in line]
+    assert len(failed) == 2, failed  # started, failed
+    assert "scoring step-3 failed (exit code 1)" in failed[1]
+    assert "nonexistent.jsonl" in failed[1] or "local_gone" in failed[1], failed[1]
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            ["--downstream.tasks=local_choise"],
+            "config error: downstream.tasks: unknown task 'local_choise' (not in lm_eval's "
+            "registry or in {tasks}); nearest: local_choice",
+        ),
+        (["--downstream.limit=0"], "config error: downstream.limit must be >= 1, got 0"),
+        (["--downstream.include_path={bad}"], "config error: downstream.tasks: task file {bad}/"),
+        (
+            ["--downstream.freq=3"],
+            "config error: downstream.freq = 3 must be a multiple of checkpoint.interval = 2",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_training(
+    settings, message, synthetic_corpus, tasks, tmp_path, capsys
+):
+    bad = tmp_path / "unparsable"
+    bad.mkdir()
+    (bad / "task.yaml").write_text("task: broken\n  dataset_path: [json\n")
+    tokenizer = write_word_tokenizer(tmp_path / "tokenizer.json")
+    argv = [*TINY_RUN, f"--data.blend={synthetic_corpus}", f"--data.tokenizer={tokenizer}"]
+    argv += [f"--job.dump_folder={tmp_path / 'run'}", "--checkpoint.interval=2"]
+    argv += ["--downstream.freq=2", "--downstream.tasks=local_choice"]
+    argv += [f"--downstream.include_path={tasks}"]
+    argv += [s.format(tasks=tasks, bad=bad) for s in settings]
+    assert preflight(["--world-size=1", *argv]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(message.format(tasks=tasks, bad=bad)), line
+    assert not (tmp_path / "run").exists()

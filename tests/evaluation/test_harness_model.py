@@ -19,7 +19,14 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from bloomnative.evaluation import BloomnativeLM  # noqa: E402
 from bloomnative.generate import load_model  # noqa: E402
 from bloomnative.interop import save_native_checkpoint  # noqa: E402
-from harness.local_tasks import STOP, TASKS, write_local_tasks  # noqa: E402
+from harness.local_tasks import (  # noqa: E402
+    STOP,
+    TASKS,
+    correct,
+    loglikelihoods,
+    responses,
+    write_local_tasks,
+)
 from harness.training import REPO, load_tool  # noqa: E402
 
 pytestmark = [
@@ -80,24 +87,6 @@ def ours(setup) -> dict:
     dump, _, _, manager = setup
     model = BloomnativeLM(checkpoint=dump, batch_size=5, device="cpu")
     return lm_eval.simple_evaluate(model=model, tasks=TASKS, task_manager=manager, log_samples=True)
-
-
-def responses(results: dict, task: str) -> list:
-    return [sample["resps"] for sample in results["samples"][task]]
-
-
-def loglikelihoods(results: dict, task: str) -> list[float]:
-    """Every log-likelihood the task asked for, item by item, choice by choice."""
-    out = []
-    for sample in results["samples"][task]:
-        for resp in sample["resps"]:
-            value = resp[0]
-            out.append(float(value[0] if isinstance(value, (list, tuple)) else value))
-    return out
-
-
-def correct(results: dict, task: str, metric: str) -> int:
-    return sum(int(sample[metric]) for sample in results["samples"][task])
 
 
 def test_multiple_choice_gives_the_hf_models_answers_and_scores(ours, reference):

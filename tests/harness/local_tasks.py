@@ -1,5 +1,6 @@
 """Local lm-evaluation-harness tasks for the evaluation tests: task YAMLs reading JSONL files, in
-the words of the synthetic corpus's word tokenizer (harness.training.write_word_tokenizer)."""
+the words of the synthetic corpus's word tokenizer (harness.training.write_word_tokenizer), and
+what the tests read from the harness's per-sample records (simple_evaluate with log_samples)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,21 @@ def write_local_tasks(folder: Path, seed: int = 0) -> Path:
         data = f"    test: {folder / (name + '.jsonl')}\n"
         (folder / f"{name}.yaml").write_text(f"task: local_{name}\n{common}{data}{spec}")
     return folder
+
+
+def responses(results: dict, task: str) -> list:
+    return [sample["resps"] for sample in results["samples"][task]]
+
+
+def loglikelihoods(results: dict, task: str) -> list[float]:
+    """Every log-likelihood the task asked for, item by item, choice by choice."""
+    out = []
+    for sample in results["samples"][task]:
+        for resp in sample["resps"]:
+            value = resp[0]
+            out.append(float(value[0] if isinstance(value, (list, tuple)) else value))
+    return out
+
+
+def correct(results: dict, task: str, metric: str) -> int:
+    return sum(int(sample[metric]) for sample in results["samples"][task])

@@ -5,16 +5,19 @@ harness itself, in this process, on the checkpoints the run saved."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
 
+from bloomnative.config import DownstreamConfig  # noqa: E402
 from bloomnative.evaluation import BloomnativeLM  # noqa: E402
 from bloomnative.evaluation.task_names import task_manager  # noqa: E402
 from bloomnative.launch.preflight import main as preflight  # noqa: E402
-from bloomnative.train.downstream import metric_rows  # noqa: E402
+from bloomnative.train import downstream as downstream_module  # noqa: E402
+from bloomnative.train.downstream import DownstreamEvaluator, metric_rows  # noqa: E402
 from harness.local_tasks import TASKS, write_local_tasks  # noqa: E402
 from harness.shared_world import SharedWorld  # noqa: E402
 from harness.training import TINY_RUN, losses_by_step, write_word_tokenizer  # noqa: E402
@@ -152,3 +155,116 @@ def test_bad_input_is_one_line_and_exit_2_before_training(
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(message.format(tasks=tasks, bad=bad)), line
     assert not (tmp_path / "run").exists()
+
+
+class Lines:
+    """The module's logger, recording its lines."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def info(self, line: str) -> None:
+        self.lines.append(line)
+
+    warning = info
+
+
+class FakeProcess:
+    """An evaluation process that ends when the test says (`returncode`)."""
+
+    def __init__(self, started: list, command: list[str], env: dict[str, str], **_):
+        self.command, self.env, self.pid, self.returncode = command, env, len(started), None
+        started.append(self)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def kill(self) -> None:
+        self.returncode = -9
+
+    def wait(self) -> int | None:
+        return self.returncode
+
+
+class Rows:
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def log(self, row: dict) -> None:
+        self.rows.append(row)
+
+
+@pytest.fixture
+def fake_evaluations(tmp_path, monkeypatch):
+    """(make an evaluator, the processes it started, its log lines, its metrics rows); no
+    process is started."""
+    started: list[FakeProcess] = []
+    lines, rows = Lines(), Rows()
+    monkeypatch.setattr(downstream_module, "_log", lines)
+    monkeypatch.setattr(
+        downstream_module.subprocess,
+        "Popen",
+        lambda command, **kwargs: FakeProcess(started, command, **kwargs),
+    )
+    monkeypatch.setenv("RANK", "0")  # torchrun's, which the evaluation must not see
+
+    def make(**settings) -> DownstreamEvaluator:
+        cfg = DownstreamConfig(tasks=["t"], freq=2, **settings)
+        return DownstreamEvaluator(cfg, tmp_path / "checkpoints", tmp_path, rows)
+
+    return make, started, lines.lines, rows.rows
+
+
+def test_one_evaluation_at_a_time_the_newest_due_checkpoint_waits(fake_evaluations, tmp_path):
+    make, started, lines, rows = fake_evaluations
+    evaluator = make()
+
+    def saved(step: int) -> None:
+        (tmp_path / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        evaluator.checkpoint_saved(step)
+
+    evaluator.checkpoint_saved(1)  # not due
+    evaluator.checkpoint_saved(2)  # an async save: not complete yet
+    assert started == []
+    saved(4)  # step-2 is not there: replaced
+    assert [p.command[-3] for p in started] == [str(tmp_path / "checkpoints" / "step-4")]
+    assert "RANK" not in started[0].env
+    saved(6)
+    saved(8)
+    assert len(started) == 1
+    assert lines[-2:] == [
+        "downstream: step-6 waits: step-4 is still being scored",
+        "downstream: step-6 is not scored: step-8 replaces it",
+    ]
+    (tmp_path / "eval" / "step-4.log").write_text("Traceback\n  ...\nFileNotFoundError: x\n")
+    started[0].returncode = 1
+    evaluator.poll()
+    assert "downstream: scoring step-4 failed (exit code 1)" in lines[-2]
+    assert ": FileNotFoundError: x (log: " in lines[-2]
+    assert started[1].command[-3].endswith("step-8") and rows == []
+    results = {"results": {"t": {"alias": "t", "sample_len": 3, "acc,none": 0.5}}}
+    results["results"]["t"] |= {"acc_stderr,none": 0.1, "exact_match,strip": 1, "ppl,none": "N/A"}
+    Path(started[1].command[-2]).write_text(json.dumps(results))
+    started[1].returncode = 0
+    evaluator.finish()
+    (row,) = rows
+    assert row["step"] == 8 and row["downstream_seconds"] >= 0
+    assert {k: v for k, v in row.items() if k.startswith("downstream/")} == {
+        "downstream/t/acc": 0.5,
+        "downstream/t/exact_match,strip": 1.0,
+    }
+
+
+def test_unparsable_results_and_an_evaluation_past_wait_s_are_one_line(fake_evaluations, tmp_path):
+    make, started, lines, rows = fake_evaluations
+    evaluator = make(wait_s=0)
+    for step in (2, 4):
+        (tmp_path / "checkpoints" / f"step-{step}").mkdir(parents=True)
+    evaluator.checkpoint_saved(2)
+    Path(started[0].command[-2]).write_text("{not json")
+    started[0].returncode = 0
+    evaluator.checkpoint_saved(4)
+    assert "downstream: the results of step-2" in lines[-2] and "do not parse" in lines[-2]
+    evaluator.finish()
+    assert lines[-1].startswith("downstream: abandoned the score of step-4 after ")
+    assert started[1].returncode == -9 and rows == []

@@ -105,6 +105,7 @@ class DownstreamEvaluator:
         """Training saved (or, async, started saving) checkpoint `step`: scores it if it is due."""
         if step % self.cfg.freq:
             return
+        self.poll()  # an async save completes the previous one: that one starts first
         if self.queued is not None:
             _log.info(f"downstream: step-{self.queued} is not scored: step-{step} replaces it")
         elif self.running is not None:

@@ -3,8 +3,8 @@ worker would otherwise meet is found here, one line, exit code 2. The config, th
 for the world size, the data files, the split of every dataset, the tokenizer and, with
 `data.eod_mask_loss`, its EOD, the folders the run writes to, the checkpoint asked for by
 `checkpoint.load_step`, the Hugging Face folder of `checkpoint.initial_hf` and the tasks of
-`[downstream]`. `run_train.sh`
-runs it (in its launcher process, `bloomnative.launch.cli`) before starting torchrun; alone:
+`[downstream]`. `run_train.sh` runs it (in its launcher process, `bloomnative.launch.cli`)
+before starting torchrun; alone:
 
     python -m bloomnative.launch.preflight --world-size 8 --config configs/X.toml --k=v ...
 

@@ -89,11 +89,18 @@ class _Running:
 
 
 class DownstreamEvaluator:
-    """Rank 0's evaluations of its checkpoints (see the module docstring)."""
+    """Rank 0's evaluations of its checkpoints (see the module docstring). Disabled (`enabled`
+    false: the other ranks; or `cfg.freq` 0) its methods do nothing."""
 
     def __init__(
-        self, cfg: DownstreamConfig, checkpoints: Path, dump: Path, metrics: MetricsLogger
+        self,
+        cfg: DownstreamConfig,
+        checkpoints: Path,
+        dump: Path,
+        metrics: MetricsLogger,
+        enabled: bool = True,
     ):
+        self.enabled = enabled and cfg.freq > 0
         self.cfg = cfg
         self.checkpoints = checkpoints
         self.folder = dump / EVAL_FOLDER
@@ -103,7 +110,7 @@ class DownstreamEvaluator:
 
     def checkpoint_saved(self, step: int) -> None:
         """Training saved (or, async, started saving) checkpoint `step`: scores it if it is due."""
-        if step % self.cfg.freq:
+        if not self.enabled or step % self.cfg.freq:
             return
         self.poll()  # an async save completes the previous one: that one starts first
         if self.queued is not None:
@@ -118,6 +125,8 @@ class DownstreamEvaluator:
     def poll(self) -> None:
         """Collects a finished evaluation, starts the queued one when its checkpoint is complete;
         never waits."""
+        if not self.enabled:
+            return
         if self.running is not None and self.running.process.poll() is not None:
             self._collect(self.running)
             self.running = None
@@ -129,6 +138,8 @@ class DownstreamEvaluator:
     def finish(self) -> None:
         """At the end of training (every checkpoint complete): waits up to `wait_s` for the
         running and queued evaluations; one left then is stopped, with a line."""
+        if not self.enabled:
+            return
         if self.queued is not None and not (self.checkpoints / f"step-{self.queued}").is_dir():
             _log.warning(f"downstream: step-{self.queued} was not saved, so it is not scored")
             self.queued = None

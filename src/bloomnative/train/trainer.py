@@ -226,11 +226,9 @@ class Trainer:
         sinks = self._scalar_sinks() if self.rank == 0 else []
         self.metrics = MetricsLogger(self.dump, sinks, self.rank == 0)
         # [downstream]: rank 0 scores checkpoints in a process of its own.
-        self.downstream = None
-        if self.rank == 0 and self.config.downstream.freq:
-            self.downstream = DownstreamEvaluator(
-                self.config.downstream, self.ckpt_folder, self.dump, self.metrics
-            )
+        self.downstream = DownstreamEvaluator(
+            self.config.downstream, self.ckpt_folder, self.dump, self.metrics, self.rank == 0
+        )
         self.peak_memory = PeakMemory(self.device)
         peak = device_peak_tflops(self.device, self.config.metrics.peak_tflops)
         args = self.resolved.model_args
@@ -677,8 +675,7 @@ class Trainer:
             while self.step < t.steps:
                 loss, grad_norm, lr, gbs = self.train_step()
                 self.checkpointer.poll(self.step)  # an async save's failed write, at once
-                if self.downstream is not None:
-                    self.downstream.poll()
+                self.downstream.poll()
                 profiler.after_step(self.step)
                 self.interval_losses.append(loss)
                 self.throughput.add_tokens(gbs * t.seq_len)
@@ -703,17 +700,14 @@ class Trainer:
                 if checkpoint_step or (ckpt_cfg.enable and stopping):
                     self.progress.phase = "checkpoint"
                     self.save_checkpoint()
-                    if self.downstream is not None:
-                        self.downstream.checkpoint_saved(self.step)
+                    self.downstream.checkpoint_saved(self.step)
                 if stopping:
                     _log.info(f"stopping at step {self.step}: {stop.reason}")
                     break
             self.checkpointer.wait()
-            if self.downstream is not None:
-                self.downstream.finish()
+            self.downstream.finish()
         finally:
-            if self.downstream is not None:
-                self.downstream.close()
+            self.downstream.close()
             profiler.close()
             stop.restore()
             self.metrics.close()

@@ -255,7 +255,9 @@ def test_one_evaluation_at_a_time_the_newest_due_checkpoint_waits(fake_evaluatio
     }
 
 
-def test_unparsable_results_and_an_evaluation_past_wait_s_are_one_line(fake_evaluations, tmp_path):
+def test_unparsable_results_one_past_wait_s_and_one_that_cannot_start_are_one_line(
+    fake_evaluations, tmp_path, monkeypatch
+):
     make, started, lines, rows = fake_evaluations
     evaluator = make(wait_s=0)
     for step in (2, 4):
@@ -268,3 +270,14 @@ def test_unparsable_results_and_an_evaluation_past_wait_s_are_one_line(fake_eval
     evaluator.finish()
     assert lines[-1].startswith("downstream: abandoned the score of step-4 after ")
     assert started[1].returncode == -9 and rows == []
+
+    def no_process(command, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(downstream_module.subprocess, "Popen", no_process)
+    (tmp_path / "checkpoints" / "step-6").mkdir()
+    evaluator.checkpoint_saved(6)  # not started: one line, and training goes on
+    assert (
+        lines[-1] == "downstream: scoring step-6 could not start: [Errno 12] Cannot allocate memory"
+    )
+    assert len(started) == 2 and evaluator.running is None

@@ -177,16 +177,22 @@ class DownstreamEvaluator:
         return "" if self.queued is None else f" (step-{self.queued} was not started)"
 
     def _start(self, step: int) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        """Starts the evaluation of checkpoint `step`; one that cannot start (its folder or log
+        cannot be written, no process can be made) is one warning, as a failed one is."""
         output, log = self.folder / f"step-{step}.json", self.folder / f"step-{step}.log"
-        output.unlink(missing_ok=True)  # a results file left by an earlier run is not this one's
         settings = json.dumps(dataclasses.asdict(self.cfg))
         command = [sys.executable, "-m", "bloomnative.evaluation.score_checkpoint"]
         command += [str(self.checkpoints / f"step-{step}"), str(output), settings]
-        with log.open("w") as out:
-            process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=_evaluation_env()
-            )
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            output.unlink(missing_ok=True)  # a results file of an earlier run is not this one's
+            with log.open("w") as out:
+                process = subprocess.Popen(
+                    command, stdout=out, stderr=subprocess.STDOUT, env=_evaluation_env()
+                )
+        except OSError as e:
+            _log.warning(f"downstream: scoring step-{step} could not start: {e}")
+            return
         self.running = _Running(step, process, output, log, time.monotonic())
         _log.info(f"downstream: scoring step-{step} in process {process.pid} (log: {log})")
 

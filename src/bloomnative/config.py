@@ -410,6 +410,35 @@ class ProfilingConfig:
 
 
 @dataclass
+class DownstreamConfig:
+    tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks, groups or tags to score checkpoints on during training: the
+    harness's registry (tasks on the Hugging Face Hub need the network) or `include_path`'s
+    (docs/evaluation.md). Preflight checks that each one resolves."""
+    freq: int = 0
+    """Score the checkpoint saved every this many steps, a multiple of checkpoint.interval (0:
+    never). Rank 0 starts a separate process on it (one at a time) and training goes on."""
+    include_path: str = ""
+    """A folder of task YAMLs (local tasks, e.g. reading JSONL files), as tools/evaluate.py's
+    --include-path; empty: the harness's registry only."""
+    limit: int | None = None
+    """Score the first `limit` items of each task (at least 1); unset: every item."""
+    num_fewshot: int | None = None
+    """Examples in each prompt; unset: each task's own default."""
+    batch_size: int = 8
+    """Sequences per forward of the evaluation."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the evaluation process runs: "cpu" takes no device memory from training (and
+    shares the CPU cores with it), "cuda" holds a second copy of the model on the first visible
+    GPU (rank 0's on one node), beside training's."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The evaluation's dtype: "bfloat16" halves the copy's memory."""
+    wait_s: int = 600
+    """At the end of training, wait at most this many seconds for the evaluations still running
+    or queued (their rows then land in metrics.jsonl); an evaluation left then is stopped."""
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -428,6 +457,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -535,6 +565,8 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp == int | None:  # unset is the default: TOML has no null
+        return _coerce(key, value, int, from_cli)
     if tp is int:
         if from_cli and isinstance(value, str):
             try:
@@ -805,6 +837,7 @@ def validate(config: Config) -> None:
         config.validation.seq_len >= 0,
         f"validation.seq_len must be >= 0 (0: no second length), got {config.validation.seq_len}",
     )
+    _validate_downstream(config.downstream, config.checkpoint)
     prof = config.profiling
     _check(
         prof.start_step >= 1 and prof.steps >= 1,
@@ -826,6 +859,31 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
         f"checkpoint.load_step must be a step >= 0, or -1 for the newest, got {c.load_step}",
     )
     _check(c.min_free_gib >= 0, f"checkpoint.min_free_gib must be >= 0, got {c.min_free_gib}")
+
+
+def _validate_downstream(d: DownstreamConfig, c: CheckpointConfig) -> None:
+    """The values of [downstream]; which tasks exist is preflight's check (it needs the harness's
+    task index)."""
+    _check(d.freq >= 0, f"downstream.freq must be >= 0 (0: never), got {d.freq}")
+    _check(d.limit is None or d.limit >= 1, f"downstream.limit must be >= 1, got {d.limit}")
+    _check(
+        d.num_fewshot is None or d.num_fewshot >= 0,
+        f"downstream.num_fewshot must be >= 0, got {d.num_fewshot}",
+    )
+    _check(d.batch_size >= 1, f"downstream.batch_size must be >= 1, got {d.batch_size}")
+    _check(d.wait_s >= 0, f"downstream.wait_s must be >= 0, got {d.wait_s}")
+    if not d.freq:
+        return
+    _check(bool(d.tasks), "downstream.freq is set but downstream.tasks is empty: name the tasks")
+    _check(
+        c.enable,
+        "downstream.freq scores saved checkpoints, but checkpoint.enable = false saves none",
+    )
+    _check(
+        d.freq % c.interval == 0,
+        f"downstream.freq = {d.freq} must be a multiple of checkpoint.interval = {c.interval}: "
+        "it scores the checkpoint saved at that step",
+    )
 
 
 def _validate_offload(ac: ActivationCheckpointConfig, compile_cfg: CompileConfig) -> None:

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,57 +19,26 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from bloomnative.evaluation import BloomnativeLM  # noqa: E402
 from bloomnative.generate import load_model  # noqa: E402
 from bloomnative.interop import save_native_checkpoint  # noqa: E402
+from harness.local_tasks import (  # noqa: E402
+    STOP,
+    TASKS,
+    correct,
+    loglikelihoods,
+    responses,
+    write_local_tasks,
+)
 from harness.training import REPO, load_tool  # noqa: E402
 
 pytestmark = [
     pytest.mark.multiprocess,  # the conftest's 2-process run
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
 ]
-TASKS = ["local_choice", "local_text", "local_qa"]
-STOP = " "
-"""The generation task's stop string: the word tokenizer decodes tokens joined by spaces, so
-every continuation longer than one word is cut by it."""
 
 REPO_TOKENIZER = REPO / "assets" / "pydocs" / "tokenizer.json"
 """The bundled corpus's tokenizer: 8,192 tokens, more than the test run's model has."""
 
 evaluate_tool = load_tool("evaluate")
 convert_hf = load_tool("convert_hf")
-
-
-def write_local_tasks(folder: Path, seed: int = 0) -> Path:
-    """Three task YAMLs reading JSONL files in `folder`, in the synthetic corpus's words."""
-    rng = random.Random(seed)
-
-    def words(least: int, most: int) -> str:
-        return " ".join(f"w{rng.randint(1, 127)}" for _ in range(rng.randint(least, most)))
-
-    rows = {
-        "choice": [
-            {"context": words(2, 9), "choices": [words(1, 4) for _ in range(4)], "answer": i % 4}
-            for i in range(12)
-        ],
-        "text": [{"text": words(5, 40)} for _ in range(6)],
-        "qa": [{"question": words(2, 6), "answer": words(1, 1)} for _ in range(6)],
-    }
-    for name, records in rows.items():
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    common = "dataset_path: json\ntest_split: test\ndataset_kwargs:\n  data_files:\n"
-    specs = {
-        "choice": "output_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
-        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
-        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n",
-        "text": "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
-        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n",
-        "qa": "output_type: generate_until\ndoc_to_text: '{{question}}'\n"
-        "doc_to_target: '{{answer}}'\ngeneration_kwargs:\n"
-        f"  until: [{json.dumps(STOP)}]\n  max_gen_toks: 5\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n",
-    }
-    for name, spec in specs.items():
-        data = f"    test: {folder / (name + '.jsonl')}\n"
-        (folder / f"{name}.yaml").write_text(f"task: local_{name}\n{common}{data}{spec}")
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -120,24 +87,6 @@ def ours(setup) -> dict:
     dump, _, _, manager = setup
     model = BloomnativeLM(checkpoint=dump, batch_size=5, device="cpu")
     return lm_eval.simple_evaluate(model=model, tasks=TASKS, task_manager=manager, log_samples=True)
-
-
-def responses(results: dict, task: str) -> list:
-    return [sample["resps"] for sample in results["samples"][task]]
-
-
-def loglikelihoods(results: dict, task: str) -> list[float]:
-    """Every log-likelihood the task asked for, item by item, choice by choice."""
-    out = []
-    for sample in results["samples"][task]:
-        for resp in sample["resps"]:
-            value = resp[0]
-            out.append(float(value[0] if isinstance(value, (list, tuple)) else value))
-    return out
-
-
-def correct(results: dict, task: str, metric: str) -> int:
-    return sum(int(sample[metric]) for sample in results["samples"][task])
 
 
 def test_multiple_choice_gives_the_hf_models_answers_and_scores(ours, reference):

@@ -31,9 +31,11 @@ LOSS_RTOL = 0.02
 EAGER_STEP = {"TORCHDYNAMO_DISABLE": "1"}
 """torchao compiles AdamW8bit's step for each parameter shape in every process (about 15 CPU
 seconds per process here). The runs that test bloomnative's side of it (the losses against
-fp32's, the moments through a checkpoint) take the same step uncompiled; the compiled step is
-run by test_build_optimizer_is_the_library_optimizer and, on FSDP2's sharded parameters, by
-test_dp_shard_2_matches_one_process."""
+fp32's, the moments through a checkpoint) take the same step uncompiled, and so does the
+one-process reference of test_dp_shard_2_matches_one_process (Inductor's fused arithmetic may
+round a moment's code the other way, as the reduction order does: within DP_RTOL). The compiled
+step runs in test_build_optimizer_is_the_library_optimizer and, on FSDP2's sharded parameters,
+in test_dp_shard_2_matches_one_process's two ranks."""
 
 
 DP_RTOL = 1e-4

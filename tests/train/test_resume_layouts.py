@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.local_tasks import TASKS, correct, loglikelihoods, responses, write_local_tasks
 from harness.shared_world import SharedWorld
-from harness.training import TINY_RUN, losses_by_step
+from harness.training import TINY_RUN, losses_by_step, write_word_tokenizer
 
 STEPS, SAVED = 6, 3
 
@@ -136,3 +137,34 @@ def test_ranks_agree_on_a_shard_damaged_on_one_of_them(runs):
     reference, resumed = runs.losses("reference"), losses_by_step(runs.folder / DAMAGED)
     for step in range(1, STEPS + 1):
         assert abs(resumed[step] - reference[step]) / reference[step] < 1e-5, step
+
+
+@pytest.mark.multiprocess
+def test_the_step_3_save_of_each_layout_scores_as_the_one_process_save(runs, tmp_path):
+    """lm-evaluation-harness's model (bloomnative.evaluation) reads a checkpoint saved under
+    tensor, pipeline or data parallelism whole: on local tasks, the step-3 checkpoints of the
+    same training under tp2 and pp2 give the one-process save's answers and
+    log-likelihoods (the layouts' weights agree to fp32 rounding, as their losses do)."""
+    lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
+    from bloomnative.evaluation import BloomnativeLM
+    from bloomnative.evaluation.task_names import task_manager
+
+    tokenizer = write_word_tokenizer(tmp_path / "tokenizer.json")
+    manager = task_manager(TASKS, write_local_tasks(tmp_path))
+
+    def scores(layout: str) -> dict:
+        runs.worlds[f"saved_{layout}"].result(f"saved_{layout}")
+        checkpoint = runs.folder / f"saved_{layout}" / "checkpoints" / f"step-{SAVED}"
+        model = BloomnativeLM(checkpoint, tokenizer=tokenizer, batch_size=4, device="cpu")
+        return lm_eval.simple_evaluate(
+            model=model, tasks=TASKS, limit=3, task_manager=manager, log_samples=True
+        )
+
+    single = scores("single")
+    for layout in ("tp2", "pp2"):
+        saved = scores(layout)
+        assert correct(saved, "local_choice", "acc") == correct(single, "local_choice", "acc")
+        assert responses(saved, "local_qa") == responses(single, "local_qa")
+        for task in ("local_choice", "local_text"):
+            expected = loglikelihoods(single, task)
+            assert loglikelihoods(saved, task) == pytest.approx(expected, abs=1e-4), layout

@@ -33,12 +33,18 @@ def check_task_folder(folder: str | Path) -> None:
 
 def task_manager(names: Sequence[str], include_path: str | Path | None = None) -> TaskManager:
     """The harness's task index (its own tasks and those of `include_path`), once every name in
-    `names` (a task, group or tag) is found in it. Raises TaskError naming the first unknown
-    one and the nearest known names."""
+    `names` (a task, group or tag) is found in it. When every name is a task of `include_path`
+    the index holds that folder alone: indexing the harness's registry costs seconds (docs/
+    evaluation.md), and a task read from one YAML needs nothing else. Raises TaskError naming
+    the first unknown one and the nearest known names."""
     if not names:
         raise TaskError("no task named")
     if include_path is not None:
         check_task_folder(include_path)
+        local = TaskManager(include_path=str(include_path), include_defaults=False)
+        index = local.task_index
+        if all(name in index and index[name].kind.name == "TASK" for name in names):
+            return local
     manager = TaskManager(include_path=None if include_path is None else str(include_path))
     known = manager.all_tasks
     for name in names:

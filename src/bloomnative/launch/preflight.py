@@ -2,8 +2,9 @@
 worker would otherwise meet is found here, one line, exit code 2. The config, the parallel layout
 for the world size, the data files, the split of every dataset, the tokenizer and, with
 `data.eod_mask_loss`, its EOD, the folders the run writes to, the checkpoint asked for by
-`checkpoint.load_step` and the Hugging Face folder of `checkpoint.initial_hf`. `run_train.sh`
-runs it (in its launcher process, `bloomnative.launch.cli`) before starting torchrun; alone:
+`checkpoint.load_step`, the Hugging Face folder of `checkpoint.initial_hf` and the tasks of
+`[downstream]`. `run_train.sh` runs it (in its launcher process, `bloomnative.launch.cli`)
+before starting torchrun; alone:
 
     python -m bloomnative.launch.preflight --world-size 8 --config configs/X.toml --k=v ...
 
@@ -28,6 +29,7 @@ from bloomnative.device import pick_device
 from bloomnative.log import get_logger, setup_logging
 from bloomnative.parallel import LayoutError
 from bloomnative.planner import PlanError
+from bloomnative.train.downstream import check_tasks
 from bloomnative.train.input_files import (
     check_data_files,
     check_initial_hf,
@@ -288,6 +290,7 @@ def checked_config(
         data = check_data(config, run)
         check_output_folders(config, run)
         check_start(config, run)
+        check_tasks(config)
     except IndexedDatasetError as e:
         raise PreflightError(f"data error: {e}") from e
     except (ConfigError, LayoutError, PlanError, ValueError) as e:

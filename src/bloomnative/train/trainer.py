@@ -58,6 +58,7 @@ from bloomnative.parallel.pipeline import (
 )
 from bloomnative.train.attention_choice import resolve_auto_attention
 from bloomnative.train.distributed import init_distributed
+from bloomnative.train.downstream import DownstreamEvaluator
 from bloomnative.train.faults import StopRequest
 from bloomnative.train.hang import HangRecorder, enable_flight_recorder
 from bloomnative.train.input_files import (
@@ -224,6 +225,10 @@ class Trainer:
 
         sinks = self._scalar_sinks() if self.rank == 0 else []
         self.metrics = MetricsLogger(self.dump, sinks, self.rank == 0)
+        # [downstream]: rank 0 scores checkpoints in a process of its own.
+        self.downstream = DownstreamEvaluator(
+            self.config.downstream, self.ckpt_folder, self.dump, self.metrics, self.rank == 0
+        )
         self.peak_memory = PeakMemory(self.device)
         peak = device_peak_tflops(self.device, self.config.metrics.peak_tflops)
         args = self.resolved.model_args
@@ -670,6 +675,7 @@ class Trainer:
             while self.step < t.steps:
                 loss, grad_norm, lr, gbs = self.train_step()
                 self.checkpointer.poll(self.step)  # an async save's failed write, at once
+                self.downstream.poll()
                 profiler.after_step(self.step)
                 self.interval_losses.append(loss)
                 self.throughput.add_tokens(gbs * t.seq_len)
@@ -694,11 +700,14 @@ class Trainer:
                 if checkpoint_step or (ckpt_cfg.enable and stopping):
                     self.progress.phase = "checkpoint"
                     self.save_checkpoint()
+                    self.downstream.checkpoint_saved(self.step)
                 if stopping:
                     _log.info(f"stopping at step {self.step}: {stop.reason}")
                     break
             self.checkpointer.wait()
+            self.downstream.finish()
         finally:
+            self.downstream.close()
             profiler.close()
             stop.restore()
             self.metrics.close()

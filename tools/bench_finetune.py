@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """Peak memory and step time of the three ways to fine-tune a BLOOM, side by side in one run:
 a full fine-tune (every weight trains, fp32 AdamW state), LoRA (adapters on a frozen base held
-in the run's dtype) and QLoRA (the same adapters on a base whose block linears are NF4).
+in the run's dtype) and QLoRA (the same adapters on a base whose block linears are NF4); with
+`--baseline peft`, also Hugging Face PEFT's LoRA and QLoRA on transformers' BloomForCausalLM
+from the same folder (tools/peft_baseline.py; its QLoRA needs bitsandbytes and a CUDA device,
+and is reported as skipped, with the reason, where they are missing).
 
     PYTHONPATH=src python tools/bench_finetune.py [--layers 24 --hidden 1024 --heads 16
-        --vocab 250880] [--seq 256] [--steps 3] [--dtype bf16] [--rank 8]
-        [--targets query_key_value] [--work DIR] [--json OUT]
+        --vocab 250880] [--seq 256] [--steps 3] [--dtype bf16] [--rank 8] [--alpha 16]
+        [--targets query_key_value] [--baseline peft] [--work DIR] [--json OUT]
 
 The defaults are BLOOM-560m's shape. The script writes a random base of that shape as a Hugging
 Face folder and a corpus of random tokens under --work, then runs the real trainer
@@ -16,7 +19,8 @@ every step (tokens of the step / its tokens_per_sec) and their median after the 
 includes the first-call costs); `mem_peak_gib`, the trainer's peak resident set while training
 (train/metrics.py PeakMemory); and the process's peak resident set from start to end
 (`wait4`'s ru_maxrss, which includes reading the folder and, for QLoRA, the base whole before
-it is quantised).
+it is quantised). A PEFT run reports its own step times (synchronised on CUDA) and the same
+two peaks.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from bloomnative.model import Bloom, BloomArgs
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("full", "lora", "qlora")
+PEFT_MODES = {"peft lora": "none", "peft qlora": "nf4"}
+"""PEFT's runs, by the quantisation of their base."""
 CORPUS_DOCUMENTS = 64
 
 
@@ -60,7 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--rank", type=whole_number(1), default=8, help="the adapters' rank (LoRA, QLoRA)"
     )
+    parser.add_argument("--alpha", type=float, default=16.0, help="lora.alpha (PEFT's lora_alpha)")
     parser.add_argument("--targets", default="query_key_value", help="lora.target_modules")
+    parser.add_argument(
+        "--baseline", choices=("none", "peft"), default="none", help="also PEFT's LoRA and QLoRA"
+    )
     parser.add_argument("--work", help="folder for the base, the corpus and the runs (temporary)")
     parser.add_argument("--json", dest="json_path", help="write the report here ('-': stdout)")
     return parser.parse_args(argv)
@@ -114,25 +124,31 @@ def trainer_argv(args: argparse.Namespace, mode: str, base: Path, corpus: str, d
         f"--job.dump_folder={dump}",
     ]
     if mode != "full":
-        argv += [f"--lora.rank={args.rank}", f"--lora.target_modules={args.targets}"]
+        argv += [
+            f"--lora.rank={args.rank}",
+            f"--lora.alpha={args.alpha}",
+            f"--lora.target_modules={args.targets}",
+        ]
     if mode == "qlora":
         argv.append("--lora.quantize_base=nf4")
     return argv
 
 
-def run_mode(argv: list[str], log: Path) -> int:
-    """Runs the trainer in a process of its own, its output in `log`; returns that process's
-    peak resident set in bytes. Raises RuntimeError, with the log's last lines, if it fails."""
+def run_mode(program: list[str], log: Path) -> int:
+    """Runs `python PROGRAM...` (the trainer, or PEFT's baseline) in a process of its own, its
+    output in `log`; returns that process's peak resident set in bytes. Raises RuntimeError,
+    with the log's last lines, if it fails."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "bloomnative.train.main", *argv]
+    path = [str(REPO / "src"), str(REPO / "tools"), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
+    command = [sys.executable, *program]
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode:
         tail = "\n".join(log.read_text().splitlines()[-20:])
-        raise RuntimeError(f"the trainer exited with {process.returncode}; {log} ends:\n{tail}")
+        raise RuntimeError(f"{program[:2]} exited with {process.returncode}; {log} ends:\n{tail}")
     return usage.ru_maxrss * 1024  # KiB on Linux
 
 
@@ -149,6 +165,33 @@ def summarize(mode: str, dump: Path, seq: int, peak_rss: int) -> dict:
         "mem_peak_gib": max(row["mem_peak_gib"] for row in rows),
         "process_peak_rss_gib": peak_rss / 2**30,
         "losses": [row["loss"] for row in rows],
+    }
+
+
+def peft_argv(args: argparse.Namespace, quantize: str, base: Path, corpus: str, out: Path):
+    """tools/peft_baseline.py's arguments: the bloomnative runs' batch, adapters and lr."""
+    return [
+        str(REPO / "tools" / "peft_baseline.py"),
+        *("--base", str(base), "--corpus", corpus, "--seq", str(args.seq)),
+        *("--steps", str(args.steps), "--dtype", args.dtype, "--rank", str(args.rank)),
+        *("--alpha", str(args.alpha), "--targets", args.targets, "--lr", "1e-4"),
+        *("--quantize", quantize, "--json", str(out)),
+    ]
+
+
+def summarize_peft(mode: str, result: dict, peak_rss: int) -> dict:
+    """One PEFT run's figures in summarize's terms (or why it was skipped)."""
+    if result.get("skipped"):
+        return {"mode": mode, "skipped": result["skipped"]}
+    return {
+        "mode": mode,
+        "steps": len(result["step_s"]),
+        "step_s": result["step_s"],
+        "median_step_s": statistics.median(result["step_s"][1:]),
+        "mem_peak_gib": result["mem_peak_gib"],
+        "process_peak_rss_gib": peak_rss / 2**30,
+        "losses": result["losses"],
+        "trainable_parameters": result["trainable_parameters"],
     }
 
 
@@ -169,10 +212,13 @@ def environment() -> dict:
 
 
 def format_table(runs: list[dict]) -> str:
-    lines = [f"{'mode':6} {'median step':>12} {'mem_peak_gib':>13} {'process peak':>13}"]
+    lines = [f"{'mode':10} {'median step':>12} {'mem_peak_gib':>13} {'process peak':>13}"]
     for r in runs:
+        if "skipped" in r:
+            lines.append(f"{r['mode']:10} skipped: {r['skipped']}")
+            continue
         lines.append(
-            f"{r['mode']:6} {r['median_step_s']:>10.2f} s {r['mem_peak_gib']:>9.2f} GiB "
+            f"{r['mode']:10} {r['median_step_s']:>10.2f} s {r['mem_peak_gib']:>9.2f} GiB "
             f"{r['process_peak_rss_gib']:>9.2f} GiB"
         )
     return "\n".join(lines)
@@ -189,8 +235,14 @@ def main(argv: list[str] | None = None) -> int:
         for mode in MODES:
             dump = work / mode
             argv_mode = trainer_argv(args, mode, work / "base", corpus, dump)
-            peak = run_mode(argv_mode, work / f"{mode}.log")
+            program = ["-m", "bloomnative.train.main", *argv_mode]
+            peak = run_mode(program, work / f"{mode}.log")
             runs.append(summarize(mode, dump, args.seq, peak))
+        for mode, quantize in PEFT_MODES.items() if args.baseline == "peft" else ():
+            out = work / f"{mode.replace(' ', '_')}.json"
+            program = peft_argv(args, quantize, work / "base", corpus, out)
+            peak = run_mode(program, work / f"{mode.replace(' ', '_')}.log")
+            runs.append(summarize_peft(mode, json.loads(out.read_text()), peak))
     report = {
         "environment": environment(),
         "shape": {"parameters": shape.num_params(), **vars(args)},

@@ -160,7 +160,7 @@ class Trainer:
         )
         check_lora_base(config)
         check_quantize_base(
-            self.resolved.config, self.resolved.model_args, self.resolved.dims.dp_shard
+            self.resolved.config, self.resolved.model_args, self.resolved.dims.fsdp_shards
         )
         check_data_files(config)
         check_wandb(config.metrics)

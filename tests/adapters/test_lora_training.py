@@ -1,13 +1,16 @@
 """Training with low-rank adapters (`[lora]`) the way a user runs it: the trainer's entry point
-from a Hugging Face base (`checkpoint.initial_hf`). The single-process run is the reference of
-the FSDP2 run (dp_shard 2), of bf16 on packed pairs with a batch-size rampup, and of a stopped
-and resumed run; the frozen base after training is compared with the Hugging Face folder it came
+from a Hugging Face base (`checkpoint.initial_hf`), recomputing every block and evaluating at
+every save. The single-process run is the reference of the FSDP2 run (dp_shard 2), of bf16 on
+packed pairs with a batch-size rampup, of a stopped and resumed run and of one killed (SIGKILL)
+and resumed; the frozen base after training is compared with the Hugging Face folder it came
 from (the checkpoints hold the adapters only), and a checkpoint read as a model with that base
 and its adapters folded in."""
 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +24,7 @@ from bloomnative.config import ConfigError, LoRAConfig, parse_args
 from bloomnative.interop import load_hf_model, load_native_model
 from bloomnative.interop.hf_fingerprint import hf_fingerprint
 from harness.hf_models import make_hf_bloom, save_hf_bloom
-from harness.launching import SCENARIO_DIR, run
+from harness.launching import SCENARIO_DIR, python_command, run, start, wait_for
 from harness.mtf_pairs import write_pairs
 from harness.shared_world import SharedWorld
 from harness.training import (
@@ -29,6 +32,8 @@ from harness.training import (
     adapter_run,
     checkpoint_entries,
     losses_by_step,
+    metric_rows,
+    run_training,
     write_word_tokenizer,
 )
 from scenarios.lora_scenario import FROZEN_FILE
@@ -54,11 +59,16 @@ BF16_TOLERANCE = 2e-3  # tests/parallel/test_layouts.py says why
 
 
 def lora_run(corpus: str, base: Path, dump: Path, *extra: str) -> list[str]:
+    """The runs' settings: recomputation of every block, and an evaluation at every save."""
     return [
         *adapter_run(base, dump, STEPS, STOP, TARGETS),
         f"--data.blend={corpus}",
         "--optimizer.lr=3e-2",  # adapters on a random base need it to learn in a few steps
         "--optimizer.min_lr=3e-3",
+        "--activation_checkpoint.mode=full",
+        "--data.split=900,100,0",
+        f"--validation.freq={STOP}",
+        "--validation.steps=1",
         *extra,
     ]
 
@@ -197,6 +207,40 @@ def test_fsdp_bf16_and_a_resume_give_the_single_process_losses(runs):
     assert sorted(bf16) == sorted(bf16_fsdp) == [1, 2, 3, 4, 5]
     for step, loss in bf16.items():
         assert bf16_fsdp[step] == pytest.approx(loss, rel=BF16_TOLERANCE), step
+
+
+@pytest.mark.multiprocess
+def test_resume_after_sigkill_gives_the_uninterrupted_losses_and_adapters(
+    runs, synthetic_corpus, base, tmp_path
+):
+    """The reference run killed (SIGKILL) once its step-STOP checkpoint is complete, then
+    resumed: its training and evaluation losses, and the final adapters with their optimizer
+    state, equal the run's that was never stopped, bit for bit. Each save is held 1 s before it
+    is marked complete, so the kill lands while the run is still busy."""
+    run_args = lora_run(synthetic_corpus, base, tmp_path)
+    command = python_command([str(SCENARIO_DIR / "slow_save_scenario.py"), "1", *run_args])
+    proc = start(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = tmp_path / "checkpoints"
+    wait_for(lambda: (ckpts / f"step-{STOP}").is_dir(), proc, what=f"step-{STOP}")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (ckpts / f"step-{STEPS}").exists()
+    run_training(run_args)
+    reference = runs.out / "one"
+    assert losses_by_step(tmp_path) == losses_by_step(reference)
+    assert eval_losses(tmp_path) == eval_losses(reference)
+    assert sorted(eval_losses(reference)) == [STOP, STEPS]
+    final = checkpoint_entries(ckpts / f"step-{STEPS}")
+    expected = checkpoint_entries(reference / "checkpoints" / f"step-{STEPS}")
+    trained = [k for k in expected if k.startswith(("model.", "optimizer.state."))]
+    assert len(trained) > ADAPTER_ENTRIES
+    for key in trained:
+        assert torch.equal(final[key], expected[key]), key
+
+
+def eval_losses(dump: Path) -> dict[int, float]:
+    """Evaluation loss per step, the last value of a step logged twice."""
+    return {row["step"]: row["eval_loss"] for row in metric_rows(dump) if "eval_loss" in row}
 
 
 @pytest.mark.multiprocess

@@ -4,8 +4,9 @@ the planner counts the bytes the quantised model holds (torchao's inner tensors)
 (loss, adapter gradients, AdamW) equals a LoRA step on that dequantised base (fp32, a tiny BLOOM
 whose weights fill torchao's blocks, adapters with non-zero B). The trainer's QLoRA run
 (`lora.quantize_base = "nf4"`) against a LoRA run on the dequantised base, against itself stopped
-and resumed, and against itself over two FSDP2 ranks. `nf4` without torchao, on weights that do
-not fill its blocks or with a layout it does not train under is refused in one line."""
+and resumed, and against itself over two FSDP2 ranks, two pipeline stages and two
+context-parallel ranks. `nf4` without torchao, on weights that do not fill its blocks or with a
+layout it does not train under (tp, dp_replicate) is refused in one line."""
 
 from __future__ import annotations
 
@@ -145,13 +146,16 @@ NF4_CONFIG = Config(lora=LoRAConfig(rank=4, quantize_base="nf4"))
 def test_nf4_is_refused_where_its_blocks_or_layout_do_not_hold():
     args = BloomArgs(**SHAPE)
     check_quantize_base(NF4_CONFIG, args, 1)  # every weight fills whole blocks
-    with pytest.raises(ConfigError, match="dp_shard = 2: layers.0.self_attention.query_key_"):
+    with pytest.raises(ConfigError, match="cp = 2 FSDP2 shard.s.: layers.0.self_attention.query"):
         # 384 x 128 weights: 1.5 blocks of scales a shard.
         check_quantize_base(NF4_CONFIG, args, 2)
-    for key in ("dp_replicate", "tp", "pp", "cp"):
+    for key, why in [("tp", "cannot be split by tensor parallelism"), ("dp_replicate", "HSDP")]:
         config = Config(lora=NF4_CONFIG.lora, parallelism=ParallelismConfig(**{key: 2}))
-        with pytest.raises(ConfigError, match=f"{key} = 2: .* with parallelism.dp_shard only"):
+        with pytest.raises(ConfigError, match=f"{key} = 2: .*{why}.*; set it to 1"):
             check_quantize_base(config, args, 1)
+    for key in ("pp", "cp"):  # each stage quantises its blocks; cp ranks shard the same weights
+        config = Config(lora=NF4_CONFIG.lora, parallelism=ParallelismConfig(**{key: 2}))
+        check_quantize_base(config, args, 1)
 
 
 def test_nf4_without_torchao_is_refused_in_one_line(monkeypatch):
@@ -215,6 +219,12 @@ def save_dequantised(base: Path, folder: Path) -> Path:
     return folder
 
 
+# Pipeline (1F1B: a stage per rank, each quantising its own block) and context parallelism
+# (FSDP2 shards the NF4 weights over the cp ranks), 3 steps without checkpoints.
+LAYOUTS = {"pp2": "--parallelism.pp=2", "cp2": "--parallelism.cp=2"}
+SHORT = ["--training.steps=3", "--checkpoint.enable=false"]
+
+
 @pytest.fixture(scope="module")
 def runs(synthetic_corpus, tmp_path_factory) -> Path:
     """In one process: a QLoRA run, the same run stopped at STOP and resumed, and a LoRA run on
@@ -234,6 +244,8 @@ def runs(synthetic_corpus, tmp_path_factory) -> Path:
     bf16_lora = ["--lora.quantize_base=none", *BF16]
     one.train("lora_bf16", qlora_run(synthetic_corpus, dequantised, out / "lora_bf16", *bf16_lora))
     two.train("fsdp", qlora_run(synthetic_corpus, base, out / "fsdp", "--parallelism.dp_shard=2"))
+    for name, layout in LAYOUTS.items():
+        two.train(name, qlora_run(synthetic_corpus, base, out / name, layout, *SHORT))
     one.run()
     two.run()
     return out
@@ -274,11 +286,12 @@ def test_a_qlora_checkpoint_holds_the_adapters_and_their_optimizer_state_only(ru
 
 
 @pytest.mark.multiprocess
-def test_fsdp_qlora_gives_the_single_process_losses(runs):
-    expected, fsdp = losses_by_step(runs / "qlora"), losses_by_step(runs / "fsdp")
-    assert fsdp.keys() == expected.keys()
-    for step, loss in expected.items():
-        assert fsdp[step] == pytest.approx(loss, rel=RUN_TOLERANCE), step
+@pytest.mark.parametrize("layout", ["fsdp", *LAYOUTS])
+def test_a_qlora_layout_gives_the_single_process_losses(runs, layout):
+    expected, got = losses_by_step(runs / "qlora"), losses_by_step(runs / layout)
+    assert sorted(got) == list(range(1, len(got) + 1)) and len(got) >= 3
+    for step, loss in got.items():
+        assert loss == pytest.approx(expected[step], rel=RUN_TOLERANCE), step
 
 
 @pytest.mark.multiprocess
@@ -293,5 +306,8 @@ def test_the_launcher_refuses_nf4_on_weights_short_of_a_block_before_any_worker(
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
-    assert 'lora.quantize_base = "nf4" with parallelism.dp_shard = 1: layers.0.' in lines[0]
+    assert (
+        'lora.quantize_base = "nf4" with parallelism.dp_shard x cp = 1 FSDP2 shard(s): layers.0.'
+        in lines[0]
+    )
     assert not (tmp_path / "run").exists()

@@ -81,10 +81,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def held_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding `t`'s bytes on this rank: `local(t)`, or the inner tensors of
+    a wrapper subclass without storage of its own (QLoRA's NF4 weights)."""
+    t = local(t)
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    return [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors`."""
     storages = {}
-    for t in map(local, tensors):
+    for t in (inner for tensor in tensors for inner in held_tensors(tensor)):
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
 
@@ -157,10 +166,12 @@ def saved_activation_bytes(trainer: Trainer) -> int:
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = local(t).untyped_storage()
-        weights = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
+        weights = {
+            w.untyped_storage().data_ptr() for p in model.parameters() for w in held_tensors(p)
+        }
+        for storage in (inner.untyped_storage() for inner in held_tensors(t)):
+            if storage.data_ptr() not in weights:
+                saved[storage.data_ptr()] = storage.nbytes()
         return t
 
     micro = trainer.train_loader.next_batch(MICRO_BATCH * MICRO_BATCHES)[0]

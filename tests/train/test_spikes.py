@@ -16,10 +16,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from bloomnative.config import SpikesConfig
 from bloomnative.train.spikes import SpikeDetector
 from harness import launching
+from harness.hf_models import make_hf_bloom, save_hf_bloom
 from harness.launching import SCENARIO_DIR
 from harness.shared_world import SharedWorld
-from harness.training import losses_by_step, metric_rows
-from scenarios.spike_scenario import BAD, TRAIN_WITH_SPIKES, spike_argv
+from harness.training import checkpoint_entries, losses_by_step, metric_rows
+from scenarios.spike_scenario import BAD, ROLLBACK_STATE, TRAIN_WITH_SPIKES, spike_argv
 
 INJECT = SCENARIO_DIR / "spike_scenario.py"
 GBS = 8  # TINY_RUN's global batch
@@ -33,12 +34,18 @@ def run(dump: Path, corpus: str, spec: dict) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def runs(synthetic_corpus, tmp_path_factory) -> SharedWorld:
-    """ "spiked" (the BAD window, TensorBoard on) and "endless" (every batch from position 48 on
-    spikes: exit code 2, final), in one shared world; each dump folder is <world.out>/../<name>."""
+    """ "spiked" (the BAD window, TensorBoard on), "lora" (the same with adapters on a Hugging
+    Face base, recording its state after the rollback) and "endless" (every batch from position
+    48 on spikes: exit code 2, final), in one shared world; each dump folder is
+    <world.out>/../<name>."""
     out = tmp_path_factory.mktemp("spikes")
     world = SharedWorld(out / "world")
     spiked = spike_argv(out / "spiked", synthetic_corpus, "--metrics.tensorboard=true")
     world.add("spiked", TRAIN_WITH_SPIKES, BAD, spiked)
+    base = save_hf_bloom(make_hf_bloom(32, 4, 4, 128, seed=3), out / "base")
+    adapters = [f"--checkpoint.initial_hf={base}", "--lora.rank=4", "--lora.alpha=8"]
+    lora = spike_argv(out / "lora", synthetic_corpus, *adapters)
+    world.add("lora", TRAIN_WITH_SPIKES, {**BAD, "record_rollback_state": True}, lora)
     world.add(
         "endless",
         TRAIN_WITH_SPIKES,
@@ -103,6 +110,26 @@ def test_a_restart_right_after_a_rollback_skips_the_same_data(
     assert "resumed from" in restarted.stdout and "step-6 at step 6" in restarted.stdout
     assert losses_by_step(tmp_path) == losses_by_step(spiked_run)
     assert not [row for row in metric_rows(tmp_path)[-6:] if "rollback" in row]
+
+
+@pytest.mark.multiprocess
+def test_a_rollback_restores_the_adapters_and_their_optimizer_state(runs):
+    """With adapters, what the run holds just after rolling back to step-6 is that checkpoint's
+    adapters and AdamW moments exactly; the rolled-back step-8 holds others (the restore is not
+    a no-op), and the run trains on to its end."""
+    runs.result("lora")
+    dump = runs.out.parent / "lora"
+    after = torch.load(dump / ROLLBACK_STATE)
+    restored = checkpoint_entries(dump / "checkpoints" / "step-6")
+    rolled_back = checkpoint_entries(dump / "checkpoints" / "step-8.rolled-back")
+    tensors = {k for k, v in restored.items() if isinstance(v, torch.Tensor)}
+    assert after.keys() == {k for k in tensors if k.startswith(("model.", "optimizer."))}
+    assert any(".lora_b." in k for k in after) and any("exp_avg_sq" in k for k in after)
+    assert all(".lora_" in k for k in after if k.startswith(("model.", "optimizer.state.")))
+    for key, value in after.items():
+        assert torch.equal(value, restored[key]), key
+    assert any(not torch.equal(after[k], rolled_back[k]) for k in after if ".lora_b." in k)
+    assert sorted(losses_by_step(dump)) == list(range(1, 13))
 
 
 @pytest.mark.multiprocess

@@ -275,6 +275,19 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype = torch.float32, **over
     return bloom_from_state_dict(args, state, hf_dir, dtype, display_name=hf_name)
 
 
+def hf_model_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The folder's fp32 weights under canonical names, checked as `load_hf_model` checks them.
+
+    Taken with `state_dict()`, not `model_state`: torch's `get_model_state_dict` walks a module
+    with a recursive closure that keeps every submodule in a reference cycle, so the loaded
+    copy (the model's weights a second time in host memory) would stay until the garbage
+    collector's next full pass, which may come in the middle of training.
+    """
+    state = load_hf_model(hf_dir).state_dict()
+    del state[TIED_HEAD]
+    return state
+
+
 def save_hf_model(
     model: Bloom,
     out_dir: str | Path,

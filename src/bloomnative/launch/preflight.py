@@ -210,7 +210,7 @@ def check_run(config: Config, world_size: int, device: torch.device | str = "cpu
     its API key where wandb looks for one, and the library optimizer.state_dtype needs."""
     run = resolve_run(config, world_size, device)
     check_lora_base(config)
-    check_quantize_base(run.config, run.model_args, run.dims.dp_shard)
+    check_quantize_base(run.config, run.model_args, run.dims.fsdp_shards)
     check_data_files(config)
     check_wandb(config.metrics)
     check_state_library(config.optimizer)

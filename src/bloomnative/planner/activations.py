@@ -126,6 +126,8 @@ def block_activation_terms(
     mask and output (3as^2b); `workload.dropout` adds them back (flash kernels regenerate their
     dropout mask, so with them only the hidden masks return).
     The softmax output (2as^2b) is dropped for flash kernels (see `attention_terms`).
+    With adapters (`workload.adapters`) the input of a block linear without one is dropped
+    (`frozen_linear_inputs`).
     """
     h, c = args.hidden_size, prec.compute
     tokens = micro_batch_tokens(layout, workload)
@@ -138,7 +140,8 @@ def block_activation_terms(
             ActivationTerm("attention output dropout mask", stream, 1, "K22: sbh"),
             ActivationTerm("MLP output dropout mask", stream, 1, "K22: sbh"),
         ]
-    return masks + [
+    frozen = frozen_linear_inputs(layout, workload)
+    terms = masks + [
         ActivationTerm("input_layernorm input", stream, c, "K22: 2sbh LayerNorm input"),
         ActivationTerm("input_layernorm mean, rstd", stats, FP32, "added: fp32 statistics"),
         ActivationTerm("query_key_value input", tokens * h, c, "K22: 2sbh (gathered under SP)"),
@@ -149,6 +152,31 @@ def block_activation_terms(
         ActivationTerm("GeLU input", tokens * h4_local, c, "K22: 8sbh"),
         ActivationTerm("dense_4h_to_h input", tokens * h4_local, c, "K22: 8sbh"),
     ]
+    return [term for term in terms if term.name not in frozen]
+
+
+# The term of `block_activation_terms` that is each block linear's saved input.
+LINEAR_INPUT_TERMS = {
+    "query_key_value": "query_key_value input",
+    "dense": "output projection input",
+    "dense_h_to_4h": "dense_h_to_4h input",
+    "dense_4h_to_h": "dense_4h_to_h input",
+}
+
+
+def frozen_linear_inputs(layout: Layout, workload: Workload) -> set[str]:
+    """The linear-input terms that adapters drop: a frozen linear without an adapter computes
+    no weight gradient, so autograd keeps its weight (for the input's gradient) but not its
+    input; an adapted one keeps it for its A's gradient. Under SDPA's efficient kernel the
+    projection's input is a view of the output the kernel keeps anyway."""
+    if workload.adapters is None:
+        return set()
+    targets = workload.adapters.targets
+    frozen = {term for linear, term in LINEAR_INPUT_TERMS.items() if linear not in targets}
+    kind = "flash" if layout.dims.cp > 1 else workload.attention
+    if kind == "sdpa_efficient":
+        frozen.discard(LINEAR_INPUT_TERMS["dense"])
+    return frozen
 
 
 def checkpointed_block_terms(

@@ -131,9 +131,8 @@ class Workload:
     tensors in host memory (parallel/activation_offload.py), counted as "host"; one block's
     are on the device at a time (the block whose backward runs)."""
     adapters: Adapters | None = None
-    """Low-rank adapters, the base frozen; None: every parameter trains. Activations are counted
-    as for full training, an upper bound: a frozen layer's input is not kept for its weight's
-    gradient where nothing else keeps it."""
+    """Low-rank adapters, the base frozen; None: every parameter trains. A block linear without
+    an adapter keeps no input for backward (`activations.block_activation_terms`)."""
 
 
 @dataclass(frozen=True)

@@ -41,13 +41,14 @@ def check_data_files(config: Config) -> None:
                 )
 
 
-def check_quantize_base(config: Config, args: BloomArgs, dp_shard: int) -> None:
+def check_quantize_base(config: Config, args: BloomArgs, fsdp_shards: int) -> None:
     """`lora.quantize_base = "nf4"` stores the frozen base in torchao's NF4 tensor
-    (bloomnative.adapters.quantize): refused when torchao is not installed; with replicated
-    data parallelism (HSDP), tensor, pipeline or context parallelism, which the quantised base
-    has not been made to work with or tested under (the trainer quantises a whole part, which
-    FSDP2 then shards over `dp_shard` ranks); and when the block weights of the model `args`
-    describes do not split into `dp_shard` shards of whole NF4 blocks."""
+    (bloomnative.adapters.quantize): refused when torchao is not installed; with tensor
+    parallelism or replicated data parallelism (HSDP), see `NF4_LAYOUT_REFUSALS`; and when the
+    block weights of the model `args` describes do not split into `fsdp_shards` shards of whole
+    NF4 blocks. The trainer quantises each part (a pipeline stage quantises its own blocks),
+    which FSDP2 then shards over dp_shard x cp ranks (`fsdp_shards`): context-parallel ranks
+    hold the same weights and shard them."""
     lora, par = config.lora, config.parallelism
     if lora.quantize_base != "nf4":
         return
@@ -57,18 +58,32 @@ def check_quantize_base(config: Config, args: BloomArgs, dp_shard: int) -> None:
         raise ConfigError(
             f'lora.quantize_base = "nf4" needs torchao, which is not installed: {NF4_INSTALL}'
         )
-    for key in ("dp_replicate", "tp", "pp", "cp"):
+    for key, why in NF4_LAYOUT_REFUSALS.items():
         if getattr(par, key) > 1:
             raise ConfigError(
-                f'parallelism.{key} = {getattr(par, key)}: lora.quantize_base = "nf4" trains '
-                "in one process or with parallelism.dp_shard only; set it to 1"
+                f'parallelism.{key} = {getattr(par, key)}: lora.quantize_base = "nf4" {why}; '
+                "set it to 1 (NF4 trains in one process and with dp_shard, pp and cp)"
             )
     with torch.device("meta"):
-        problem = nf4_shard_problem(Bloom(args), dp_shard)
+        problem = nf4_shard_problem(Bloom(args), fsdp_shards)
     if problem is not None:
         raise ConfigError(
-            f'lora.quantize_base = "nf4" with parallelism.dp_shard = {dp_shard}: {problem}'
+            f'lora.quantize_base = "nf4" with parallelism.dp_shard x cp = {fsdp_shards} FSDP2 '
+            f"shard(s): {problem}"
         )
+
+
+NF4_LAYOUT_REFUSALS = {
+    "tp": (
+        "cannot be split by tensor parallelism: torchao's NF4 tensor splits only along its "
+        "rows into whole blocks (FSDP2's sharding), not into TP's column and row shards"
+    ),
+    "dp_replicate": (
+        "has not been tested under HSDP's two-dimensional FSDP2 mesh, and a quantised base "
+        "small enough for one GPU needs no replication"
+    ),
+}
+"""The layouts NF4 is refused under, and why."""
 
 
 def check_lora_base(config: Config) -> None:

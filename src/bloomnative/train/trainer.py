@@ -41,7 +41,7 @@ from bloomnative.device import pick_device
 from bloomnative.interop.hf_fingerprint import base_record
 from bloomnative.log import get_logger
 from bloomnative.model import Bloom
-from bloomnative.model.state import load_model_state, model_state
+from bloomnative.model.state import load_model_state
 from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.context_parallel import shard_sequence
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
@@ -161,7 +161,7 @@ class Trainer:
         )
         check_lora_base(config)
         check_quantize_base(
-            self.resolved.config, self.resolved.model_args, self.resolved.dims.dp_shard
+            self.resolved.config, self.resolved.model_args, self.resolved.dims.fsdp_shards
         )
         check_data_files(config)
         check_wandb(config.metrics)
@@ -329,12 +329,12 @@ class Trainer:
         `fsdp_pre_all_gather`), but cannot have a sharded weight replaced by one. Every start,
         fresh or resumed, quantises the same bf16 weights the same way, so the checkpoints need
         not hold the base (`_load_initial_hf` has nothing left to do)."""
-        from bloomnative.interop import load_hf_model
+        from bloomnative.interop.hf import hf_model_state
 
         self._materialise(part)
         hf_dir = self.config.checkpoint.initial_hf
         check_initial_hf(hf_dir, self.resolved.model_args)
-        load_model_state([part], model_state([load_hf_model(hf_dir)]), full=True)
+        load_model_state([part], hf_model_state(hf_dir), full=True)
         layers = quantize_base_nf4(part)
         _log.info(f"base from Hugging Face folder {hf_dir}: {len(layers)} linear layers in NF4")
 
@@ -473,13 +473,12 @@ class Trainer:
         """Continued pretraining, or a LoRA run's frozen base (at every start): every rank reads
         the Hugging Face folder and keeps its shard. A QLoRA run's base is already in place
         (`_materialise_quantised`)."""
-        from bloomnative.interop import load_hf_model
+        from bloomnative.interop.hf import hf_model_state
 
         if self.config.lora.quantize_base == "nf4":
             return
         check_initial_hf(hf_dir, self.resolved.model_args)
-        source = load_hf_model(hf_dir)
-        load_model_state(self.model_parts, model_state([source]), full=True)
+        load_model_state(self.model_parts, hf_model_state(hf_dir), full=True)
         _log.info(f"weights from Hugging Face folder {hf_dir}")
 
     def _load_init_adapter(self) -> None:

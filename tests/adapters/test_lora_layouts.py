@@ -5,10 +5,10 @@ adapters at the end. The layouts: tensor + sequence + loss parallelism (tp 2), t
 pipeline schedule ZBV (pp 2, two stages per rank: split input / weight backward passes with the
 base frozen, and one rank holding only the frozen embedding and head) and Interleaved1F1B (one
 backward pass per micro batch, a stage holding only the frozen embedding), 1F1B and
-InterleavedZeroBubble (GPipe, all forwards then all backwards, is left out for CI time), context
-parallelism (cp 2), FSDP2 (dp 2), dp 2 x tp 2 and compiled blocks (in one process: the compile's cost once);
-and a checkpoint saved under dp 2 resumed under tp 2 continues the losses. One shared world per
-world size (tests/harness/shared_world.py); on CPU with gloo."""
+InterleavedZeroBubble (GPipe, all forwards then all backwards, is left out for CI time),
+context parallelism (cp 2), FSDP2 (dp 2), dp 2 x tp 2 and compiled blocks (in one process: the
+compile's cost once); and a checkpoint saved under dp 2 resumed under tp 2 continues the
+losses. One shared world per world size (tests/harness/shared_world.py); on CPU with gloo."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ whose weights fill torchao's blocks, adapters with non-zero B). The trainer's QL
 (`lora.quantize_base = "nf4"`) against a LoRA run on the dequantised base, against itself stopped
 and resumed, and against itself over two FSDP2 ranks, two pipeline stages and two
 context-parallel ranks. `nf4` without torchao, on weights that do not fill its blocks or with a
-layout it does not train under (tp, dp_replicate) is refused in one line."""
+layout it does not train under (tp) is refused in one line."""
 
 from __future__ import annotations
 
@@ -149,11 +149,11 @@ def test_nf4_is_refused_where_its_blocks_or_layout_do_not_hold():
     with pytest.raises(ConfigError, match="cp = 2 FSDP2 shard.s.: layers.0.self_attention.query"):
         # 384 x 128 weights: 1.5 blocks of scales a shard.
         check_quantize_base(NF4_CONFIG, args, 2)
-    for key, why in [("tp", "cannot be split by tensor parallelism"), ("dp_replicate", "HSDP")]:
-        config = Config(lora=NF4_CONFIG.lora, parallelism=ParallelismConfig(**{key: 2}))
-        with pytest.raises(ConfigError, match=f"{key} = 2: .*{why}.*; set it to 1"):
-            check_quantize_base(config, args, 1)
-    for key in ("pp", "cp"):  # each stage quantises its blocks; cp ranks shard the same weights
+    config = Config(lora=NF4_CONFIG.lora, parallelism=ParallelismConfig(tp=2))
+    with pytest.raises(ConfigError, match="tp = 2: .*cannot be split by tensor .*; set it to 1"):
+        check_quantize_base(config, args, 1)
+    # Each stage quantises its blocks; cp ranks shard the same weights; replicas hold them whole.
+    for key in ("pp", "cp", "dp_replicate"):
         config = Config(lora=NF4_CONFIG.lora, parallelism=ParallelismConfig(**{key: 2}))
         check_quantize_base(config, args, 1)
 
@@ -221,7 +221,11 @@ def save_dequantised(base: Path, folder: Path) -> Path:
 
 # Pipeline (1F1B: a stage per rank, each quantising its own block) and context parallelism
 # (FSDP2 shards the NF4 weights over the cp ranks), 3 steps without checkpoints.
-LAYOUTS = {"pp2": "--parallelism.pp=2", "cp2": "--parallelism.cp=2"}
+LAYOUTS = {
+    "pp2": "--parallelism.pp=2",
+    "cp2": "--parallelism.cp=2",
+    "ddp2": "--parallelism.dp_replicate=2",
+}
 SHORT = ["--training.steps=3", "--checkpoint.enable=false"]
 
 

@@ -44,11 +44,11 @@ def check_data_files(config: Config) -> None:
 def check_quantize_base(config: Config, args: BloomArgs, fsdp_shards: int) -> None:
     """`lora.quantize_base = "nf4"` stores the frozen base in torchao's NF4 tensor
     (bloomnative.adapters.quantize): refused when torchao is not installed; with tensor
-    parallelism or replicated data parallelism (HSDP), see `NF4_LAYOUT_REFUSALS`; and when the
+    parallelism, see `NF4_LAYOUT_REFUSALS`; and when the
     block weights of the model `args` describes do not split into `fsdp_shards` shards of whole
     NF4 blocks. The trainer quantises each part (a pipeline stage quantises its own blocks),
     which FSDP2 then shards over dp_shard x cp ranks (`fsdp_shards`): context-parallel ranks
-    hold the same weights and shard them."""
+    hold the same weights and shard them, and dp_replicate's replicas each hold their shards."""
     lora, par = config.lora, config.parallelism
     if lora.quantize_base != "nf4":
         return
@@ -62,7 +62,7 @@ def check_quantize_base(config: Config, args: BloomArgs, fsdp_shards: int) -> No
         if getattr(par, key) > 1:
             raise ConfigError(
                 f'parallelism.{key} = {getattr(par, key)}: lora.quantize_base = "nf4" {why}; '
-                "set it to 1 (NF4 trains in one process and with dp_shard, pp and cp)"
+                "set it to 1 (NF4 trains in one process and with dp_replicate, dp_shard, pp and cp)"
             )
     with torch.device("meta"):
         problem = nf4_shard_problem(Bloom(args), fsdp_shards)
@@ -77,10 +77,6 @@ NF4_LAYOUT_REFUSALS = {
     "tp": (
         "cannot be split by tensor parallelism: torchao's NF4 tensor splits only along its "
         "rows into whole blocks (FSDP2's sharding), not into TP's column and row shards"
-    ),
-    "dp_replicate": (
-        "has not been tested under HSDP's two-dimensional FSDP2 mesh, and a quantised base "
-        "small enough for one GPU needs no replication"
     ),
 }
 """The layouts NF4 is refused under, and why."""

@@ -8,7 +8,8 @@ and is reported as skipped, with the reason, where they are missing).
 
     PYTHONPATH=src python tools/bench_finetune.py [--layers 24 --hidden 1024 --heads 16
         --vocab 250880] [--seq 256] [--steps 3] [--dtype bf16] [--rank 8] [--alpha 16]
-        [--targets query_key_value] [--baseline peft] [--work DIR] [--json OUT]
+        [--targets query_key_value] [--modes full,lora,qlora] [--baseline peft] [--work DIR]
+        [--json OUT]
 
 The defaults are BLOOM-560m's shape. The script writes a random base of that shape as a Hugging
 Face folder and a corpus of random tokens under --work, then runs the real trainer
@@ -69,11 +70,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--alpha", type=float, default=16.0, help="lora.alpha (PEFT's lora_alpha)")
     parser.add_argument("--targets", default="query_key_value", help="lora.target_modules")
     parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"bloomnative's runs, some of {','.join(MODES)}"
+    )
+    parser.add_argument(
         "--baseline", choices=("none", "peft"), default="none", help="also PEFT's LoRA and QLoRA"
     )
     parser.add_argument("--work", help="folder for the base, the corpus and the runs (temporary)")
     parser.add_argument("--json", dest="json_path", help="write the report here ('-': stdout)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown:
+        parser.error(f"--modes {args.modes}: {', '.join(sorted(unknown))} is not one of {MODES}")
+    return args
 
 
 def write_base(args: argparse.Namespace, folder: Path) -> BloomArgs:
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = write_base(args, work / "base")
         corpus = write_corpus(work / "corpus", args.vocab, args.seq)
         runs = []
-        for mode in MODES:
+        for mode in args.modes.split(","):
             dump = work / mode
             argv_mode = trainer_argv(args, mode, work / "base", corpus, dump)
             program = ["-m", "bloomnative.train.main", *argv_mode]

@@ -6,13 +6,14 @@ harness itself, in this process, on the checkpoints the run saved."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
 
-from bloomnative.config import DownstreamConfig  # noqa: E402
+from bloomnative.config import ConfigError, DownstreamConfig, parse_args  # noqa: E402
 from bloomnative.evaluation import BloomnativeLM  # noqa: E402
 from bloomnative.evaluation.task_names import task_manager  # noqa: E402
 from bloomnative.launch.preflight import main as preflight  # noqa: E402
@@ -155,6 +156,22 @@ def test_bad_input_is_one_line_and_exit_2_before_training(
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(message.format(tasks=tasks, bad=bad)), line
     assert not (tmp_path / "run").exists()
+
+
+def test_without_the_harness_downstream_is_refused_in_one_line(monkeypatch, tmp_path):
+    # lm_eval made absent (an import of it fails, as when not installed), and the module that
+    # imports it forgotten, so that preflight's check imports it again.
+    for module in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")]:
+        monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.delitem(sys.modules, "bloomnative.evaluation.task_names")
+    argv = ["--downstream.freq=2", "--downstream.tasks=local_choice", "--checkpoint.interval=2"]
+    tokenizer = write_word_tokenizer(tmp_path / "tokenizer.json")
+    config = parse_args([*argv, f"--data.tokenizer={tokenizer}"])
+    with pytest.raises(ConfigError) as refusal:
+        downstream_module.check_tasks(config)
+    (line,) = str(refusal.value).splitlines()
+    assert line.startswith("downstream.freq = 2 needs lm-evaluation-harness"), line
+    assert "pip install 'bloomnative[eval]'" in line
 
 
 class Lines:

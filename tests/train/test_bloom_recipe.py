@@ -46,8 +46,9 @@ from bloomnative.config import parse_args
 from bloomnative.interop import load_native_model
 from bloomnative.launch.torchrun import children
 from harness.launching import start, wait_for
+from harness.local_tasks import TASKS, correct, loglikelihoods, responses, write_local_tasks
 from harness.shared_world import SharedWorld
-from harness.training import REPO, metric_rows, train_command
+from harness.training import REPO, metric_rows, train_command, write_word_tokenizer
 
 STEPS = 8
 TOY = [
@@ -155,6 +156,34 @@ def test_recipe_on_8_processes_matches_one_process(runs, dtype):
             torch.testing.assert_close(
                 weights[name], value, rtol=FP32_TOLERANCE, atol=WEIGHT_ATOL, msg=name
             )
+
+
+@pytest.mark.multiprocess
+def test_the_8_process_save_scores_as_the_one_process_save(runs, tmp_path):
+    """lm-evaluation-harness's model (bloomnative.evaluation) reads the dp 2 x tp 2 x pp 2 save
+    (every weight in FSDP2 and TP shards, two pipeline stages per rank) as it reads the
+    one-process save: on local tasks the same answers, generations and log-likelihoods (the two
+    runs' weights agree to about 1e-8, test above)."""
+    lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
+    from bloomnative.evaluation import BloomnativeLM
+    from bloomnative.evaluation.task_names import task_manager
+
+    tokenizer = write_word_tokenizer(tmp_path / "tokenizer.json", 8192)
+    manager = task_manager(TASKS, write_local_tasks(tmp_path))
+
+    def scores(run: str) -> dict:
+        checkpoint = runs / run / "checkpoints" / f"step-{STEPS}"
+        model = BloomnativeLM(checkpoint, tokenizer=tokenizer, batch_size=4, device="cpu")
+        return lm_eval.simple_evaluate(
+            model=model, tasks=TASKS, limit=3, task_manager=manager, log_samples=True
+        )
+
+    single, eight = scores("fp32_1"), scores("fp32_8")
+    assert correct(eight, "local_choice", "acc") == correct(single, "local_choice", "acc")
+    assert responses(eight, "local_qa") == responses(single, "local_qa")
+    for task in ("local_choice", "local_text"):
+        expected = loglikelihoods(single, task)
+        assert loglikelihoods(eight, task) == pytest.approx(expected, rel=1e-5, abs=1e-5), task
 
 
 @pytest.mark.multiprocess

@@ -114,8 +114,8 @@ _BWD_SEGMENTS_CONFIGS_NARROW = _configs((64, 64, 8, 2))  # 64x128 spills at head
 _BWD_DROPOUT_CONFIGS_NARROW = _configs((64, 64, 8, 3))  # 3 stages: 2 spill at head_dim 80
 _BWD_DROPOUT_SEGMENTS_CONFIGS_NARROW = _configs((64, 64, 8, 2))
 # Not yet re-tiled: with segments (three query loops) or dropout (the Philox draws) at head_dim
-# 96 and 128, 64x64 spills 12-144 bytes under Triton 3.6 (4 warps more), so these keep their narrow query tiles
-# and compute dQ (only dQ: its BLOCK_M rows) with mma.sync.
+# 96 and 128, 64x64 spills 12-144 bytes under Triton 3.6 (more with 4 warps), so these keep
+# their narrow query tiles and compute dQ (only dQ: its BLOCK_M rows) with mma.sync.
 _BWD_SEGMENTS_CONFIGS_WIDE = _configs((16, 128, 8, 2), (32, 64, 8, 3))
 _BWD_DROPOUT_CONFIGS_WIDE = _configs((32, 64, 8, 2))
 # Small tiles for the interpreter, with BLOCK_M != BLOCK_N so the ragged-diagonal code runs.

@@ -99,7 +99,7 @@ def _configs(*specs: tuple[int, int, int, int]) -> list:
 # H100 search spaces, (BLOCK_M, BLOCK_N, num_warps, num_stages), kept short: every config is
 # compiled and timed once per (seq bucket, head_dim, causal, dropout) key. All compile for sm_90
 # without spills at head_dim 64, 80, 96 and 128, with and without dropout, under Triton 3.6 (the
-# oldest supported) and the newest (tests/kernels/sm90_compile_check.py).
+# oldest supported) and the newest (tests/harness/sm90_compile_check.py).
 _FWD_CONFIGS = _configs((128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3))
 _FWD_DROPOUT_CONFIGS = _configs((128, 64, 8, 3), (64, 64, 4, 3))  # + Philox state per score
 # Backward: BLOCK_M walks queries, BLOCK_N is the key block a program owns; it works in the

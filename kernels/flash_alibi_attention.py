@@ -99,19 +99,25 @@ def _configs(*specs: tuple[int, int, int, int]) -> list:
 # H100 search spaces, (BLOCK_M, BLOCK_N, num_warps, num_stages), kept short: every config is
 # compiled and timed once per (seq bucket, head_dim, causal, dropout) key. All compile for sm_90
 # without spills at head_dim 64, 80, 96 and 128, with and without dropout, under Triton 3.6 (the
-# oldest supported) and the newest (tests/kernels/sm90_compile_check.py).
+# oldest supported) and the newest (tests/harness/sm90_compile_check.py).
 _FWD_CONFIGS = _configs((128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3))
 _FWD_DROPOUT_CONFIGS = _configs((128, 64, 8, 3), (64, 64, 4, 3))  # + Philox state per score
-# Backward: BLOCK_M walks queries, BLOCK_N is the key block a program owns. The program holds
-# K, V and the fp32 dK, dV of its key block, so wide heads need the shorter query tiles or the
-# smaller key blocks (Triton 3.6 spills 32x128 and 32x64 with 4 warps at head_dim 96 and 128).
-_BWD_CONFIGS_NARROW = _configs((64, 128, 8, 2), (32, 128, 8, 2), (32, 64, 4, 3))  # head_dim <= 80
-_BWD_CONFIGS_WIDE = _configs((16, 128, 8, 2), (32, 64, 8, 3), (64, 64, 8, 2))
-# With segments the masked query loop after the unmasked one holds more registers: Triton 3.6
-# spills the 64-row tiles (64x128 at head_dim 80, 64x64 at 96 and 128), so they leave.
-_BWD_SEGMENTS_CONFIGS_NARROW = _BWD_CONFIGS_NARROW[1:]
-_BWD_SEGMENTS_CONFIGS_WIDE = _BWD_CONFIGS_WIDE[:2]
-_BWD_DROPOUT_CONFIGS = _configs((32, 64, 8, 2))
+# Backward: BLOCK_M walks queries, BLOCK_N is the key block a program owns; it works in the
+# transposed [key, query] layout, so S^T, dP^T, dV and dK have BLOCK_N rows and dQ BLOCK_M.
+# Triton emits Hopper's warpgroup MMA (wgmma) only for result tiles of at least 64 rows and
+# falls back to mma.sync below that, so every tile is at least 64x64, with 8 warps (two
+# warpgroups). The program holds K, V and the fp32 dK, dV of its key block, so only head dims
+# up to 80 leave room for 128 keys.
+_BWD_CONFIGS_NARROW = _configs((64, 128, 8, 2), (64, 64, 8, 2))  # head_dim <= 80
+_BWD_CONFIGS_WIDE = _configs((64, 64, 8, 2))
+_BWD_SEGMENTS_CONFIGS_NARROW = _configs((64, 64, 8, 2))  # 64x128 spills at head_dim 80
+_BWD_DROPOUT_CONFIGS_NARROW = _configs((64, 64, 8, 3))  # 3 stages: 2 spill at head_dim 80
+_BWD_DROPOUT_SEGMENTS_CONFIGS_NARROW = _configs((64, 64, 8, 2))
+# Not yet re-tiled: with segments (three query loops) or dropout (the Philox draws) at head_dim
+# 96 and 128, 64x64 spills 12-144 bytes under Triton 3.6 (more with 4 warps), so these keep
+# their narrow query tiles and compute dQ (only dQ: its BLOCK_M rows) with mma.sync.
+_BWD_SEGMENTS_CONFIGS_WIDE = _configs((16, 128, 8, 2), (32, 64, 8, 3))
+_BWD_DROPOUT_CONFIGS_WIDE = _configs((32, 64, 8, 2))
 # Small tiles for the interpreter, with BLOCK_M != BLOCK_N so the ragged-diagonal code runs.
 _INTERPRETER_FWD = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16})
 _INTERPRETER_BWD = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
@@ -667,9 +673,10 @@ _BWD_SEARCH_SPACES = {  # (dropout, head_dim > 80, segments)
     (False, True, False): _BWD_CONFIGS_WIDE,
     (False, False, True): _BWD_SEGMENTS_CONFIGS_NARROW,
     (False, True, True): _BWD_SEGMENTS_CONFIGS_WIDE,
-    **{
-        (True, wide, segs): _BWD_DROPOUT_CONFIGS for wide in (False, True) for segs in (False, True)
-    },
+    (True, False, False): _BWD_DROPOUT_CONFIGS_NARROW,
+    (True, False, True): _BWD_DROPOUT_SEGMENTS_CONFIGS_NARROW,
+    (True, True, False): _BWD_DROPOUT_CONFIGS_WIDE,
+    (True, True, True): _BWD_DROPOUT_CONFIGS_WIDE,
 }
 _bwd_kernels = {
     key: _autotuned(_flash_alibi_bwd_kernel, configs, _INTERPRETER_BWD, ["DQ_ACC"])

@@ -1,7 +1,7 @@
 """Compile every Triton kernel for an H100 (sm_90) on a machine without a GPU, and report what the
 compiled code holds: registers, spills, shared memory, warpgroup MMAs, TMA copies, MMAs per loop.
 
-    python tests/harness/sm90_compile_check.py [--all-configs] [--json] [--jobs N]
+    python tests/harness/sm90_compile_check.py [--all-configs] [--attention] [--json] [--jobs N]
 
 The interpreter runs the kernels' Python but not Triton's compiler, so a kernel can pass every
 interpreter test and still fail to compile (a non-constexpr global, an unsupported construct),
@@ -13,7 +13,9 @@ compiled down to PTX. Per compiled kernel it reports:
 
 * ``registers`` and ``spill_bytes``: ptxas (the bundled one) on the PTX;
 * ``shared_bytes``: Triton's shared-memory allocation;
-* ``wgmma``: ``wgmma.mma_async`` (Hopper warpgroup MMA) instructions in the PTX;
+* ``wgmma``: ``wgmma.mma_async`` (Hopper warpgroup MMA) instructions in the PTX, and
+  ``mma_sync``: ``mma.sync`` (the Ampere-style warp MMA Triton falls back to when a dot's result
+  tile has fewer than 64 rows per warpgroup);
 * ``tma``: ``cp.async.bulk.tensor`` (TMA) copies, and ``tma_reduce``: ``cp.reduce.async.bulk``;
 * ``loop_dots``: ``tt.dot`` ops per iteration of each innermost ``scf.for`` loop of the Triton
   IR (the attention forward does 2 matmuls per key block, the backward 5 per query block; each is
@@ -114,14 +116,16 @@ def _record(kernel, fn_name: str, kwargs: dict) -> dict:
         "registers": registers,
         "spill_bytes": spills,
         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "mma_sync": len(re.findall(r"\bmma\.sync\b", ptx)),
         "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
         "tma_reduce": len(re.findall(r"cp\.reduce\.async\.bulk", ptx)),
         "loop_dots": innermost_loop_dots(kernel.asm["ttir"]),
     }
 
 
-def _workloads() -> list[Callable[[], None]]:
-    """The public ops' forward and backward calls that launch every kernel, one per variant."""
+def _workloads(attention_only: bool) -> list[Callable[[], None]]:
+    """The public ops' forward and backward calls that launch every kernel, one per variant
+    (only the attention ones with `attention_only`)."""
     dispatch = importlib.import_module("bloomnative.kernels._dispatch")
     dispatch.INTERPRET = True  # route CPU tensors to the (compile-only) Triton path
     attention = importlib.import_module("bloomnative.kernels.flash_alibi_attention")
@@ -165,19 +169,26 @@ def _workloads() -> list[Callable[[], None]]:
         loss = linear_cross_entropy(hidden, head, torch.zeros(64, dtype=torch.long))
         backward(loss, hidden, head)
 
-    return [
+    attention_runs = [
         # Dropout: Philox in both kernels, other search spaces. Segments: three loops each.
         *(
             functools.partial(run_attention, head_dim, dropout_p, segments)
             for head_dim in ATTENTION_HEAD_DIMS
             for dropout_p, segments in itertools.product((0.0, 0.1), (None, packed))
-        ),
+        )
+    ]
+    if attention_only:
+        return attention_runs
+    return [
+        *attention_runs,
         *(functools.partial(run_norm_and_gelu, hidden) for hidden in LAYER_NORM_SIZES),
         run_loss,
     ]
 
 
-def compile_all(all_configs: bool, part: int = 0, parts: int = 1) -> list[dict]:
+def compile_all(
+    all_configs: bool, part: int = 0, parts: int = 1, attention_only: bool = False
+) -> list[dict]:
     """Run every public op fwd+bwd on CPU with launches replaced by sm_90 compilation; with
     `parts` > 1 only the workloads whose index is `part` modulo `parts`. Each record names its
     workload, so the parts' records merge back into one run's order."""
@@ -197,16 +208,22 @@ def compile_all(all_configs: bool, part: int = 0, parts: int = 1) -> list[dict]:
     driver.set_active(Sm90CompileOnlyDriver())
     JITFunction.run = compile_only_run
     Autotuner.run = compile_configs_run
-    for workload, run in enumerate(_workloads()):
+    for workload, run in enumerate(_workloads(attention_only)):
         if workload % parts == part:
             run()
     return compiled
 
 
-def compile_in_parallel(all_configs: bool, jobs: int) -> list[dict]:
+def compile_in_parallel(all_configs: bool, jobs: int, attention_only: bool = False) -> list[dict]:
     """compile_all in `jobs` processes of this script, each a share of the workloads (Triton's
     compiler and ptxas use one core each), merged in the order of one process's run."""
-    command = [sys.executable, __file__, "--json", *(["--all-configs"] if all_configs else [])]
+    command = [
+        sys.executable,
+        __file__,
+        "--json",
+        *(["--all-configs"] if all_configs else []),
+        *(["--attention"] if attention_only else []),
+    ]
     workers = [
         subprocess.Popen([*command, f"--part={i}/{jobs}"], stdout=subprocess.PIPE, text=True)
         for i in range(jobs)
@@ -228,7 +245,8 @@ def format_row(r: dict) -> str:
     return (
         f"{r['kernel']:<36} {shape:>5}{extras:<8} {tiles:>8} w{r['num_warps']:>2} "
         f"s{r['num_stages']} regs {r['registers']:>3} spill {r['spill_bytes']:>4} "
-        f"smem {r['shared_bytes']:>6} wgmma {r['wgmma']:>3} tma {r['tma']:>2}/{r['tma_reduce']} "
+        f"smem {r['shared_bytes']:>6} wgmma {r['wgmma']:>3} mma.sync {r['mma_sync']:>3} "
+        f"tma {r['tma']:>2}/{r['tma_reduce']} "
         f"loop dots {r['loop_dots']}"
     )
 
@@ -237,6 +255,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all-configs", action="store_true", help="every autotune config")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--attention", action="store_true", help="only the attention kernels (a quarter the time)"
+    )
     parser.add_argument(
         "--markdown", action="store_true", help="print docs/kernels.md's tables (sm90_tables)"
     )
@@ -247,11 +268,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.part:
         part, parts = map(int, args.part.split("/"))
-        results = compile_all(args.all_configs, part, parts)
+        results = compile_all(args.all_configs, part, parts, args.attention)
     elif args.jobs > 1:
-        results = compile_in_parallel(args.all_configs, args.jobs)
+        results = compile_in_parallel(args.all_configs, args.jobs, args.attention)
     else:
-        results = compile_all(args.all_configs)
+        results = compile_all(args.all_configs, attention_only=args.attention)
     if args.json:
         print(json.dumps(results))
     elif args.markdown:

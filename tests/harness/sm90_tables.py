@@ -12,9 +12,14 @@ def _usage(r: dict) -> str:
     return f"{r['registers']} / {r['spill_bytes']} / {round(r['shared_bytes'] / 1024)}"
 
 
+def _attention_cell(r: dict) -> str:
+    return f"{_usage(r)} / {r['mma_sync']}"
+
+
 def markdown_tables(results: list[dict]) -> str:
     """Attention: a row per (kernel, dropout, tile, warps, stages), a column per head_dim
-    (registers / spill bytes / shared KiB). Every other kernel: a row per compiled variant."""
+    (registers / spill bytes / shared KiB / mma.sync instructions). Every other kernel: a row
+    per compiled variant."""
     head_dims = sorted({r["constexprs"]["HEAD_DIM"] for r in results if r["kernel"] in ATTENTION})
     rows: dict[tuple, dict[int, str]] = {}
     dots: dict[tuple, set[str]] = {}
@@ -28,7 +33,7 @@ def markdown_tables(results: list[dict]) -> str:
             "yes" if c["SEGMENTS"] else "no",
             f"{c['BLOCK_M']}x{c['BLOCK_N']} w{r['num_warps']} s{r['num_stages']}",
         )
-        rows.setdefault(key, {})[c["HEAD_DIM"]] = _usage(r)
+        rows.setdefault(key, {})[c["HEAD_DIM"]] = _attention_cell(r)
         dots.setdefault(key, set()).add(",".join(map(str, sorted(set(r["loop_dots"])))))
     lines = [
         "| kernel | dropout | segments | tile M x N, warps, stages | "

@@ -8,7 +8,8 @@ backward pass per micro batch, a stage holding only the frozen embedding), 1F1B 
 InterleavedZeroBubble (GPipe, all forwards then all backwards, is left out for CI time),
 context parallelism (cp 2), FSDP2 (dp 2), dp 2 x tp 2 and compiled blocks (in one process: the
 compile's cost once); and a checkpoint saved under dp 2 resumed under tp 2 continues the
-losses. One shared world per world size (tests/harness/shared_world.py); on CPU with gloo."""
+losses. In bf16, tp 2 and pp 2 (1F1B) give the one-process bf16 losses within bf16's
+tolerance. One shared world per world size (tests/harness/shared_world.py); on CPU with gloo."""
 
 from __future__ import annotations
 
@@ -62,6 +63,11 @@ LAYOUTS = {  # name: (processes, settings)
     "dp2_tp2": (4, ["--parallelism.dp_shard=2", "--parallelism.tp=2"]),
 }
 RESUMED = "dp2-tp2"  # dp2's step-SAVED checkpoint resumed under tp 2
+BF16 = ["--training.dtype=bf16"]
+BF16_LAYOUTS = ("tp2", "pp2_1f1b")
+"""In bf16 against the one-process bf16 run: tensor parallelism adds each row-parallel matmul's
+partial products in bf16, a pipeline sends bf16 activations and gradients between stages."""
+BF16_TOLERANCE = 2e-3  # tests/parallel/test_layouts.py's, where it is justified
 
 
 def lora_run(data: Path, base: Path, dump: Path, *extra: str) -> list[str]:
@@ -113,8 +119,13 @@ def runs(tmp_path_factory) -> Path:
     data = write_pair_data(out / "data")
     worlds = {n: SharedWorld(out / f"world{n}", n) for n in (0, 2, 4)}
     worlds[0].add("one", TRAIN_LAYOUT, lora_run(data, base, out / "one"))
+    worlds[0].add("one_bf16", TRAIN_LAYOUT, lora_run(data, base, out / "one_bf16", *BF16))
     for name, (processes, settings) in LAYOUTS.items():
         worlds[processes].add(name, TRAIN_LAYOUT, lora_run(data, base, out / name, *settings))
+    for name in BF16_LAYOUTS:
+        processes, settings = LAYOUTS[name]
+        bf16 = lora_run(data, base, out / f"{name}_bf16", *settings, *BF16)
+        worlds[processes].add(f"{name}_bf16", TRAIN_LAYOUT, bf16)
     saved = out / "dp2" / "checkpoints" / f"step-{SAVED}"
     resumed = lora_run(data, base, out / RESUMED, *LAYOUTS["tp2"][1])
     worlds[2].add(RESUMED, RESUME_LAYOUT, str(saved), resumed)
@@ -150,6 +161,16 @@ def test_a_layout_trains_the_adapters_like_one_process(runs, layout):
         torch.testing.assert_close(got[name], value, rtol=TOLERANCE, atol=TOLERANCE, msg=name)
     moved = [n for n, v in expected.items() if n.endswith("lora_b.weight") and v.abs().max() > 0]
     assert len(moved) == 16, "every B starts at zero and should have trained"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", BF16_LAYOUTS)
+def test_a_bf16_layout_trains_the_adapters_like_one_bf16_process(runs, layout):
+    expected, got = metric(runs / "one_bf16", "loss"), metric(runs / f"{layout}_bf16", "loss")
+    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
+    assert expected != metric(runs / "one", "loss")  # bf16 computes other numbers than fp32
+    for step, value in expected.items():
+        assert got[step] == pytest.approx(value, rel=BF16_TOLERANCE), step
 
 
 @pytest.mark.multiprocess

@@ -49,6 +49,8 @@ MODES = ("full", "lora", "qlora")
 PEFT_MODES = {"peft lora": "none", "peft qlora": "nf4"}
 """PEFT's runs, by the quantisation of their base."""
 CORPUS_DOCUMENTS = 64
+LR = 1e-4
+"""AdamW's learning rate in every run, bloomnative's and PEFT's."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -117,7 +119,7 @@ def trainer_argv(args: argparse.Namespace, mode: str, base: Path, corpus: str, d
         "--training.micro_batch_size=1",
         f"--training.steps={args.steps}",
         f"--training.dtype={args.dtype}",
-        "--optimizer.lr=1e-4",
+        f"--optimizer.lr={LR}",
         "--lr_scheduler.warmup_steps=0",
         f"--data.blend={corpus}",
         "--data.split=1000,0,0",
@@ -182,7 +184,7 @@ def peft_argv(args: argparse.Namespace, quantize: str, base: Path, corpus: str, 
         str(REPO / "tools" / "peft_baseline.py"),
         *("--base", str(base), "--corpus", corpus, "--seq", str(args.seq)),
         *("--steps", str(args.steps), "--dtype", args.dtype, "--rank", str(args.rank)),
-        *("--alpha", str(args.alpha), "--targets", args.targets, "--lr", "1e-4"),
+        *("--alpha", str(args.alpha), "--targets", args.targets, "--lr", str(LR)),
         *("--quantize", quantize, "--json", str(out)),
     ]
 

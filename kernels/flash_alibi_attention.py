@@ -281,6 +281,10 @@ def _flash_alibi_fwd_kernel(
     D0: tl.constexpr, D1: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64 (a direct launch as fp32): without these casts
+    # every score and the accumulator would be promoted to fp64 under torch.compile.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    drop_scale = tl.cast(drop_scale, tl.float32)
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks see the most keys: launch them first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -522,6 +526,9 @@ def _flash_alibi_bwd_kernel(
     D0: tl.constexpr, D1: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     DQ_TMA: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 from Inductor: see the forward kernel
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    drop_scale = tl.cast(drop_scale, tl.float32)
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)

@@ -57,6 +57,7 @@ def _layer_norm_fwd_kernel(
     stride_x, stride_res, stride_h, stride_y,
     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    eps = tl.cast(eps, tl.float32)  # Inductor passes a Python float as fp64
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N

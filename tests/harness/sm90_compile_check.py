@@ -20,6 +20,12 @@ compiled down to PTX. Per compiled kernel it reports:
 * ``loop_dots``: ``tt.dot`` ops per iteration of each innermost ``scf.for`` loop of the Triton
   IR (the attention forward does 2 matmuls per key block, the backward 5 per query block; each is
   two dots when head_dim is split, e.g. 80 = 64 + 16).
+* ``inductor_fp64``: for a kernel with float arguments (its first autotune config), the same kernel
+  compiled once more with
+  them typed ``fp64``, as Inductor types a Python float (torch/_inductor/codegen/triton_utils.py)
+  where a direct launch types it ``fp32``: the names of those arguments, and ``f64_ops``, the
+  fp64 arithmetic left in that compile's PTX (a kernel that does not cast such an argument to
+  fp32 first computes in fp64, or does not compile: then ``inductor_error``).
 
 Must run without ``TRITON_INTERPRET``.
 """
@@ -44,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import triton
+from triton.compiler import ASTSource
+from triton.compiler.errors import CompilationError
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
@@ -99,6 +107,27 @@ def innermost_loop_dots(ttir: str) -> list[int]:
             continue
         counts.append(sum(len(re.findall(r"\btt\.dot\b", b)) for b in body))
     return counts
+
+
+def f64_arithmetic(ptx: str) -> int:
+    """PTX instructions that compute in fp64: not a load, a move or a conversion."""
+    opcodes = (line.split()[0] for line in ptx.splitlines() if ".f64" in line and line.split())
+    return sum(".f64" in op and not op.startswith(("ld.", "cvt.", "mov.", "//")) for op in opcodes)
+
+
+def compile_as_inductor_would(src, target, options: dict) -> dict:
+    """Compile `src` again with its float arguments typed fp64, as Inductor launches it."""
+    floats = [name for name, ty in src.signature.items() if ty == "fp32"]
+    if not floats:
+        return {}
+    signature = {name: "fp64" if name in floats else ty for name, ty in src.signature.items()}
+    twin = ASTSource(src.fn, signature, src.constants, src.attrs)
+    try:
+        kernel = triton.compile(twin, target=target, options=options)
+    except CompilationError as error:
+        where = str(error).strip().splitlines()[0]  # "at line:column:"
+        return {"inductor_fp64": floats, "inductor_error": f"{where} {error.__cause__!r}"}
+    return {"inductor_fp64": floats, "f64_ops": f64_arithmetic(kernel.asm["ptx"])}
 
 
 def _record(kernel, fn_name: str, kwargs: dict) -> dict:
@@ -196,14 +225,27 @@ def compile_all(
     workload = 0
     original_run = JITFunction.run
 
+    twin_wanted = [True]  # fp64 promotion does not depend on tiles: one config per variant
+
     def compile_only_run(self, *args, grid, warmup, **kwargs):
+        inductor: dict = {}
+
+        def compile_both(src, target=None, options=None, **compile_kwargs):
+            if twin_wanted[0]:
+                inductor.update(compile_as_inductor_would(src, target, options))
+            return triton.compile(src, target=target, options=options, **compile_kwargs)
+
+        self.compile = compile_both
         kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append({**_record(kernel, self.fn.__name__, kwargs), "workload": workload})
+        record = _record(kernel, self.fn.__name__, kwargs)
+        compiled.append({**record, **inductor, "workload": workload})
         return kernel
 
     def compile_configs_run(self, *args, **kwargs):
-        for config in self.configs if all_configs else self.configs[:1]:
+        for i, config in enumerate(self.configs if all_configs else self.configs[:1]):
+            twin_wanted[0] = i == 0
             self.fn.run(*args, **kwargs, **config.all_kwargs())
+        twin_wanted[0] = True
 
     driver.set_active(Sm90CompileOnlyDriver())
     JITFunction.run = compile_only_run

@@ -47,6 +47,14 @@ NARROW_DQ_BACKWARDS = {(d, True, s) for d in (96, 128) for s in (False, True)} |
     (128, False, True),
 }
 
+# The float arguments of each kernel that has some: Inductor types a Python float fp64 where a
+# direct launch types it fp32 (sm90_compile_check.compile_as_inductor_would).
+FLOAT_ARGUMENTS = {
+    "_flash_alibi_fwd_kernel": ["qk_scale", "drop_scale"],
+    "_flash_alibi_bwd_kernel": ["qk_scale", "sm_scale", "drop_scale"],
+    "_layer_norm_fwd_kernel": ["eps"],
+}
+
 pytestmark = [
     pytest.mark.multiprocess,  # the kernels compile in a process of their own
     pytest.mark.skipif(
@@ -102,6 +110,18 @@ def test_every_config_of_every_kernel_fits_sm90_and_attention_uses_wgmma_and_tma
         if r["kernel"] == "_flash_alibi_bwd_kernel":
             assert c["DQ_TMA"], where
             assert r["tma_reduce"] > 0, f"dq is not accumulated with TMA reductions: {where}"
+
+
+def test_with_inductors_fp64_floats_every_kernel_compiles_and_computes_in_fp32(compiled):
+    # Under torch.compile the triton_ops' kernels get their float arguments as fp64: a kernel
+    # that used one as it came promoted its scores to fp64, and the forward's P @ V did not
+    # compile (the first H200 lease, docs/benchmarks.md).
+    twins = [r for r in compiled if "inductor_fp64" in r]
+    assert {r["kernel"]: r["inductor_fp64"] for r in twins} == FLOAT_ARGUMENTS
+    for r in twins:
+        where = f"{r['kernel']} {r['constexprs']}"
+        assert "inductor_error" not in r, f"{where}: {r.get('inductor_error')}"
+        assert r["f64_ops"] == 0, f"{r['f64_ops']} fp64 instructions under Inductor: {where}"
 
 
 @pytest.mark.skipif(

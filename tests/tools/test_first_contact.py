@@ -65,6 +65,9 @@ def test_first_contact_tiny_writes_every_step_and_records_the_one_killed_by_its_
     )
     log = (out / "first_contact.log").read_text()
     assert all(f"=== {step}: exit" in log for step in STEPS)
+    # each comparison is printed as it ends (what a step killed by its budget still tells)
+    for i in range(5):
+        assert f"correctness: {correctness[f'result.float64.{i}.name']}: ok, errors" in log
 
 
 @pytest.mark.multiprocess
@@ -75,3 +78,14 @@ def test_first_contact_skips_every_step_it_has_no_time_for(tmp_path):
         assert_flat_with_machine(record)
         assert record["status"] == "skipped" and "s left, the step needs" in record["reason"]
     assert rc == 1
+
+
+@pytest.mark.multiprocess
+def test_first_contact_runs_only_the_steps_named_and_they_keep_their_numbers(tmp_path):
+    rc, records = first_contact(tmp_path, "--deadline-s=1", "--steps=correctness,hf_baseline")
+    assert sorted(records) == ["02_correctness.json", "05_hf_baseline.json"], sorted(records)
+    assert rc == 1  # both skipped: no time
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "refused")}
+    command = [str(REPO / "tools" / "gpu_acceptance.sh"), "first-contact", "--steps=train"]
+    proc = run(command, cwd=REPO, env=env, timeout=60, check=False)
+    assert proc.returncode == 2 and "unknown step(s) ['train']" in proc.stderr, proc.stderr

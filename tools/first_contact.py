@@ -4,7 +4,7 @@
     OUT=outputs/gpu tools/gpu_acceptance.sh first-contact          # a CUDA GPU, 555 s at most
     OUT=/tmp/fc tools/gpu_acceptance.sh first-contact --tiny       # CPU (Triton's interpreter)
 
-One deadline (555 s, counted from the moment the shell command started) for six steps, each its
+One deadline (555 s, counted from the moment the shell command started) for seven steps, each its
 own process under ``timeout -k``, with a budget of ``min(step cap, time left - margin)``; a step
 whose minimum does not fit in what is left is skipped. The moment a step ends, one flat JSON
 (``<out>/<nn>_<step>.json``: dotted keys, no nesting) records its status (ok, failed, timeout,
@@ -26,7 +26,10 @@ scratch live in a temporary folder, removed at the end.
    rewrites its JSON after each head dim: a step killed by its budget keeps the rows done);
 5. with at least 150 s left: bench_train at micro batch 1 beside transformers' BloomForCausalLM
    compiled, the same batches (the ratio);
-6. with time left: LayerNorm, bias-GeLU and the fused loss against their compiled baselines.
+6. with time left: LayerNorm, bias-GeLU and the fused loss against their compiled baselines;
+7. with time left: step 5's run of ours with zero_stage 2, which on one rank gathers (casts) the
+   weights once a step instead of twice a micro batch (docs/benchmarks.md: host time per micro
+   batch on one rank).
 
 ``BLOOMNATIVE_FIRST_CONTACT_BUDGETS="step=seconds,..."`` caps steps' budgets (the test's way to
 see a step killed by its deadline).
@@ -106,6 +109,12 @@ def _hf_baseline(tiny: bool, result: Path) -> list[str]:
             "--baseline=hf", f"--baseline-modes={mode}", "--json", str(result)]  # fmt: skip
 
 
+def _mb1_zero2(tiny: bool, result: Path) -> list[str]:
+    return [str(TOOLS / "bench_train.py"), *_train_args(tiny, 1),
+            "--training.rampup_batch_size=", "--model.attention=triton",
+            "--parallelism.zero_stage=2", "--json", str(result)]  # fmt: skip
+
+
 def _kernels(suites: str) -> Callable[[bool, Path], list[str]]:
     def command(tiny: bool, result: Path) -> list[str]:
         shapes = ["--smoke"] if tiny else ["--seqs=2048", "--head-dims=64,128", "--warmup=3",
@@ -126,6 +135,7 @@ STEPS = (
     Step("attention_bench", 40, 120, _kernels("attention")),
     Step("hf_baseline", 150, 555, _hf_baseline),
     Step("norms_loss_bench", 20, 120, _kernels("norms,loss")),
+    Step("train_1b7_mb1_zero2", 60, 150, _mb1_zero2),
 )
 TINY_MIN_S = 5  # --tiny: every step is worth starting with this much left
 

@@ -1,4 +1,4 @@
-"""`tools/gpu_acceptance.sh first-contact --tiny` end to end on CPU: the six steps of a GPU
+"""`tools/gpu_acceptance.sh first-contact --tiny` end to end on CPU: the seven steps of a GPU
 lease's first command, each writing its flat JSON the moment it ends, a step killed by its budget
 recorded as such with the earlier files intact, and nothing else under $OUT."""
 
@@ -16,7 +16,7 @@ from harness.launching import run
 from harness.training import REPO
 
 STEPS = ["environment", "correctness", "train_1b7", "attention_bench", "hf_baseline",
-         "norms_loss_bench"]  # fmt: skip
+         "norms_loss_bench", "train_1b7_mb1_zero2"]  # fmt: skip
 JSONS = [f"{i:02d}_{step}.json" for i, step in enumerate(STEPS, start=1)]
 MACHINE_FIELDS = {"device_name", "python", "torch", "triton", "cuda", "step", "status"}
 
@@ -59,6 +59,9 @@ def test_first_contact_tiny_writes_every_step_and_records_the_one_killed_by_its_
         train["summary.losses_finite"] is True
         and train["result.bloomnative.tokens_per_sec_median"] > 0
     )
+    zero2 = records["07_train_1b7_mb1_zero2.json"]
+    assert "--parallelism.zero_stage=2" in zero2["result.command"]
+    assert zero2["result.config.micro_batch_size"] == 1
     rows = records["04_attention_bench.json"]
     assert any(
         str(v).startswith("sdpa flash, causal") for k, v in rows.items() if k.endswith(".impl")

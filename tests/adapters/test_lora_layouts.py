@@ -4,8 +4,8 @@ parallel layout like the one-process run: fp32, packed prompt/answer pairs, the 
 adapters at the end. The layouts: tensor + sequence + loss parallelism (tp 2), the zero-bubble
 pipeline schedule ZBV (pp 2, two stages per rank: split input / weight backward passes with the
 base frozen, and one rank holding only the frozen embedding and head) and Interleaved1F1B (one
-backward pass per micro batch, a stage holding only the frozen embedding), 1F1B and
-InterleavedZeroBubble (GPipe, all forwards then all backwards, is left out for CI time),
+backward pass per micro batch, a stage holding only the frozen embedding), 1F1B,
+InterleavedZeroBubble and GPipe (all forwards, then all backwards),
 context parallelism (cp 2), FSDP2 (dp 2), dp 2 x tp 2 and compiled blocks (in one process: the
 compile's cost once); and a checkpoint saved under dp 2 resumed under tp 2 continues the
 losses. In bf16, tp 2 and pp 2 (1F1B) give the one-process bf16 losses within bf16's
@@ -50,6 +50,7 @@ LAYOUTS = {  # name: (processes, settings)
         ],
     ),
     "pp2_1f1b": (2, ["--parallelism.pp=2", "--parallelism.pp_schedule=1F1B"]),
+    "pp2_gpipe": (2, ["--parallelism.pp=2", "--parallelism.pp_schedule=GPipe"]),
     "pp2_interleaved_zero_bubble": (
         2,
         [

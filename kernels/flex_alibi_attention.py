@@ -18,7 +18,7 @@ portable CPU path is :func:`~bloomnative.kernels.flash_alibi_attention` / SDPA.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -75,7 +75,9 @@ def _flex_alibi(
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
 
-    return flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask, scale=scale)
+    # Without return_lse/return_aux it returns the output alone (torch 2.11 types a union).
+    out = flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask, scale=scale)
+    return cast(torch.Tensor, out)
 
 
 def flex_alibi_attention(

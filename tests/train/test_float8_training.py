@@ -45,9 +45,9 @@ DEBUG_RUN = [
 LOSS_RTOL = 2e-3
 
 
-def _dump(tmp: Path, name: str, extra: list[str]) -> Path:
+def _dump(tmp: Path, name: str, extra: list[str], nproc: int = 0) -> Path:
     dump = tmp / name
-    run_training([*DEBUG_RUN, f"--job.dump_folder={dump}", *extra])
+    run_training([*DEBUG_RUN, f"--job.dump_folder={dump}", *extra], nproc)
     return dump
 
 
@@ -55,6 +55,18 @@ def _dump(tmp: Path, name: str, extra: list[str]) -> Path:
 def runs(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("float8")
     return {"plain": _dump(tmp, "plain", []), "fp8": _dump(tmp, "fp8", FP8)}
+
+
+def test_fp8_under_fsdp_on_two_ranks_follows_one_process(runs, tmp_path):
+    # FSDP2 gathers the fp32 weights and each FP8 linear casts them whole, so the weight and the
+    # per-token input and gradient scales are those of one process; the scales of the weight
+    # gradient's matmul are taken over each rank's tokens only: FP8's rounding again, not more.
+    dp2_run = [*FP8, "--training.micro_batch_size=2"]  # the global batch of 4, 2 per rank
+    dp2 = losses_by_step(_dump(tmp_path, "fp8-dp2", dp2_run, nproc=2))
+    one = losses_by_step(runs["fp8"])
+    assert list(dp2) == list(one)
+    for step, loss in one.items():
+        assert dp2[step] == pytest.approx(loss, rel=LOSS_RTOL), step
 
 
 def test_fp8_losses_follow_the_run_without_it_and_fall(runs):

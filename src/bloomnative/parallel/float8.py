@@ -75,7 +75,8 @@ def check_float8(
     """Raises ConfigError (one line) when `quantize` asks for FP8 linears that cannot run here:
     torchao missing, or a device without FP8 matmuls and no emulation
     (`float8_device_problem`); `warn`s in one line when they would run uncompiled (`compiled`
-    false), where FP8's casts cost more than its matmuls save."""
+    false), where the scaling and casts are kernels of their own and may cost more than the FP8
+    matmuls save."""
     linear = quantize.linear
     if linear == "none":
         return

@@ -40,6 +40,7 @@ RecomputeMode = Literal["none", "full", "selective"]
 OptimizerImpl = Literal["fused", "foreach", "for-loop"]
 OptimizerState = Literal["fp32", "bf16", "8bit"]
 QuantizeBase = Literal["none", "nf4"]
+QuantizeLinear = Literal["none", "float8_rowwise", "float8_tensorwise"]
 LoRATarget = Literal["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 """The linear layers of a BLOOM block an adapter may target, by their Hugging Face names."""
 
@@ -352,6 +353,21 @@ class ActivationCheckpointConfig:
 
 
 @dataclass
+class QuantizeConfig:
+    linear: QuantizeLinear = "none"
+    """"none": the block linears compute in the run's dtype; "float8_rowwise" or
+    "float8_tensorwise": the four linears of each block (QKV, attention output, both MLP
+    matmuls) compute in FP8 through torchao's float8 training recipe of that name ("rowwise":
+    one scale per row, "tensorwise": one per tensor), their weights stored in the run's dtype
+    (parallel/float8.py). The embedding, the tied head and the loss stay in the run's dtype.
+    Needs an sm_89+ CUDA GPU, or `emulate`."""
+    emulate: bool = False
+    """With linear = "float8_*": torchao's emulation of the FP8 matmul (quantised operands,
+    dequantised and multiplied in fp32) on any device: the numerics of FP8, not its speed (CPU
+    tests, GPUs below sm_89)."""
+
+
+@dataclass
 class CompileConfig:
     enable: bool = False
     """torch.compile each block (regional compilation), and the loss unless model.fused_loss
@@ -453,6 +469,7 @@ class Config:
     activation_checkpoint: ActivationCheckpointConfig = field(
         default_factory=ActivationCheckpointConfig
     )
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
@@ -838,6 +855,7 @@ def validate(config: Config) -> None:
         f"validation.seq_len must be >= 0 (0: no second length), got {config.validation.seq_len}",
     )
     _validate_downstream(config.downstream, config.checkpoint)
+    _validate_quantize(config)
     prof = config.profiling
     _check(
         prof.start_step >= 1 and prof.steps >= 1,
@@ -941,6 +959,23 @@ def _validate_dropout(config: Config) -> None:
         "model.attention_dropout > 0 with parallelism.tp > 1 and sequence_parallel = false forks "
         "a per-rank random stream around each attention call, which compile.enable (fullgraph) "
         "cannot trace; set parallelism.sequence_parallel = true or compile.enable = false",
+    )
+
+
+def _validate_quantize(config: Config) -> None:
+    linear, par = config.quantize.linear, config.parallelism
+    if linear == "none":
+        return
+    _check(
+        par.tp == 1,
+        f'quantize.linear = "{linear}" with parallelism.tp = {par.tp}: FP8 linears are not yet '
+        "composed with tensor parallelism (torchao's float8 parallel styles); set "
+        'parallelism.tp = 1 or quantize.linear = "none"',
+    )
+    _check(
+        config.lora.rank == 0,
+        f'quantize.linear = "{linear}" with lora.rank = {config.lora.rank}: FP8 linears are not '
+        'yet composed with adapters; set lora.rank = 0 or quantize.linear = "none"',
     )
 
 

@@ -28,6 +28,7 @@ from bloomnative.data import IndexedDatasetError
 from bloomnative.device import pick_device
 from bloomnative.log import get_logger, setup_logging
 from bloomnative.parallel import LayoutError
+from bloomnative.parallel.float8 import check_float8
 from bloomnative.planner import PlanError
 from bloomnative.train.downstream import check_tasks
 from bloomnative.train.input_files import (
@@ -209,6 +210,7 @@ def check_run(config: Config, world_size: int, device: torch.device | str = "cpu
     present and, with metrics.wandb, the wandb package installed and, unless W&B runs offline,
     its API key where wandb looks for one, and the library optimizer.state_dtype needs."""
     run = resolve_run(config, world_size, device)
+    check_float8(config.quantize, config.compile.enable, torch.device(device), _log.warning)
     check_lora_base(config)
     check_quantize_base(run.config, run.model_args, run.dims.fsdp_shards)
     check_data_files(config)

@@ -1,6 +1,6 @@
 """Parallelism applied from outside to a plain `Bloom`: device mesh, FSDP2, tensor/sequence/loss
 parallelism, context parallelism (ring attention), pipeline stages, activation checkpointing,
-activation offload to host memory and regional compile.
+activation offload to host memory, regional compile and FP8 block linears (torchao).
 
 Each plan is a function of a module, a mesh and plain keyword arguments, applied to the
 meta-device model in the order docs/architecture.md gives with the reason for each place.
@@ -12,6 +12,7 @@ from bloomnative.parallel.activation_offload import apply_activation_offload
 from bloomnative.parallel.compile import apply_compile
 from bloomnative.parallel.context_parallel import apply_context_parallel, shard_sequence
 from bloomnative.parallel.dims import LayoutError, ParallelDims
+from bloomnative.parallel.float8 import apply_float8
 from bloomnative.parallel.fsdp import apply_fsdp
 from bloomnative.parallel.grad_clip import clip_grad_norm_
 from bloomnative.parallel.init import init_weights
@@ -36,6 +37,7 @@ __all__ = [
     "apply_activation_offload",
     "apply_compile",
     "apply_context_parallel",
+    "apply_float8",
     "apply_fsdp",
     "apply_tensor_parallel",
     "build_pipeline",

@@ -45,6 +45,7 @@ from bloomnative.model.state import load_model_state
 from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.context_parallel import shard_sequence
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
+from bloomnative.parallel.float8 import apply_float8, check_float8
 from bloomnative.parallel.fsdp import OneRankAccumulation
 from bloomnative.parallel.layout_check import pipeline_microbatches
 from bloomnative.parallel.parallelize import parallelize_part
@@ -163,6 +164,12 @@ class Trainer:
         check_quantize_base(
             self.resolved.config, self.resolved.model_args, self.resolved.dims.fsdp_shards
         )
+        check_float8(
+            config.quantize,
+            config.compile.enable,
+            self.device,
+            _log.warning if self.rank == 0 else lambda line: None,
+        )
         check_data_files(config)
         check_wandb(config.metrics)
         # The run as resolved ("auto" settings replaced by their choice), and its layout.
@@ -246,7 +253,8 @@ class Trainer:
     # ------------------------------------------------------------------ set-up helpers
 
     def _build_model(self) -> None:
-        """Meta model -> pipeline split -> TP / AC / compile / FSDP -> materialise -> init."""
+        """Meta model -> pipeline split -> FP8 linears -> TP / AC / compile / FSDP ->
+        materialise -> init."""
         cfg, par = self.config, self.config.parallelism
         with torch.device("meta"):
             model = Bloom(self.resolved.model_args)
@@ -270,6 +278,13 @@ class Trainer:
                     store_frozen_in(part, torch.bfloat16)
             if quantised:
                 self._materialise_quantised(part)
+            if cfg.quantize.linear != "none":
+                apply_float8(
+                    part,
+                    cfg.quantize.linear.removeprefix("float8_"),
+                    cfg.quantize.emulate,
+                    _log.info if self.rank == 0 else None,
+                )
             parallelize_part(
                 part,
                 self.mesh,

@@ -1,0 +1,214 @@
+"""FP8 linears through torchao (parallel/float8.py): their numerics against a float64 reference
+of the recipes' quantise-scale-matmul and against the high-precision linear within e4m3's
+rounding, what is converted and what is not, the state dict they leave, and the preflight's
+one-line refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from bloomnative.launch.preflight import main as preflight
+from bloomnative.model import Bloom, BloomArgs
+from bloomnative.parallel import float8
+from bloomnative.parallel.float8 import apply_float8, float8_device_problem
+from harness.training import TINY_RUN
+
+pytest.importorskip("torchao.float8")
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+# e4m3 keeps 3 mantissa bits: numbers in [2^e, 2^(e+1)) are 2^(e-3) apart, so round-to-nearest
+# is off by at most half that, 2^-4 of the number, for normal numbers (>= 2^-6); below, the
+# subnormals are 2^-9 apart, an absolute error of at most 2^-10 (in the scaled units).
+E4M3_RELATIVE = 2.0**-4
+E4M3_SUBNORMAL_ABSOLUTE = 2.0**-10
+
+
+def scales(x: torch.Tensor, recipe: str) -> torch.Tensor:
+    """The recipes' fp32 scale of `x` (its rows: [rows, in]): the e4m3 maximum over the amax of
+    the whole tensor ("tensorwise") or of each row ("rowwise", rounded down to a power of two
+    so that scaling is exact)."""
+    if recipe == "tensorwise":
+        amax = x.abs().max()
+    else:
+        amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = (E4M3_MAX / amax.double().clamp(min=1e-12)).float()
+    if recipe == "rowwise":
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def quantised(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 value of x * scale as float64, scale as float64)."""
+    scale = scales(x, recipe)
+    q = (x * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q.double(), scale.double()
+
+
+def reference(x: torch.Tensor, linear: nn.Linear, recipe: str) -> torch.Tensor:
+    """The FP8 linear's forward in float64: both operands quantised along the contracted
+    dimension, dequantised, multiplied, plus the bias."""
+    xq, xs = quantised(x, recipe)
+    wq, ws = quantised(linear.weight.detach(), recipe)
+    return (xq / xs) @ (wq / ws).T + linear.bias.detach().double()
+
+
+def e4m3_bound(x: torch.Tensor, linear: nn.Linear, recipe: str) -> torch.Tensor:
+    """The largest |FP8 - exact| each output can have: each operand element is off by at most
+    |v| 2^-4 + 2^-10 / scale (see E4M3_*), so a product x_k w_k by at most
+    |x_k| dw_k + dx_k |w_k| + dx_k dw_k, summed over k."""
+    w = linear.weight.detach().double()
+    xd = x.double()
+    dx = xd.abs() * E4M3_RELATIVE + E4M3_SUBNORMAL_ABSOLUTE / scales(x, recipe).double()
+    dw = w.abs() * E4M3_RELATIVE + E4M3_SUBNORMAL_ABSOLUTE / scales(w.float(), recipe).double()
+    return xd.abs() @ dw.T + dx @ w.abs().T + dx @ dw.T
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_fp8_linear_matches_its_float64_reference_and_the_fp32_linear_within_e4m3(recipe):
+    torch.manual_seed(0)
+    # A spread of magnitudes, so that rows have different scales and some elements round to
+    # e4m3 subnormals.
+    x = torch.randn(24, 64) * torch.logspace(-3, 1, 64)
+    model = nn.Sequential()
+    model.add_module("layers", nn.ModuleDict({"0": nn.Linear(64, 48)}))
+    plain = copy.deepcopy(model.layers["0"])
+    # apply_float8 converts the linears it is named for; a stand-in name of a block linear.
+    model.layers["0"] = _block_named(model.layers["0"])
+    fp8 = apply_float8_to(model.layers["0"], recipe)
+
+    with torch.no_grad():
+        got = fp8(x).double()
+        exact = plain.double()(x.double())
+    want = reference(x, plain.float(), recipe)
+    # Same math up to fp32 accumulation (torchao's emulation multiplies in fp32).
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert not torch.equal(got, exact)  # quantised: it is not the plain linear
+    bound = e4m3_bound(x, plain.float(), recipe)
+    assert ((got - exact).abs() <= bound * (1 + 1e-6) + 1e-6).all()
+
+
+def _block_named(linear: nn.Linear) -> nn.Module:
+    """`linear` under the name of a block's MLP up-projection, as apply_float8 looks for it."""
+    block = nn.Module()
+    block.mlp = nn.Module()
+    block.mlp.dense_h_to_4h = linear
+    return block
+
+
+def apply_float8_to(block: nn.Module, recipe: str) -> nn.Module:
+    holder = nn.Module()
+    holder.layers = nn.ModuleDict({"0": block})
+    apply_float8(holder, recipe, emulate=True)  # type: ignore[arg-type]
+    return block.mlp.dense_h_to_4h
+
+
+def test_only_block_linears_that_fp8_takes_are_converted_and_the_rest_listed_once():
+    lines: list[str] = []
+    # Hidden 48: every block linear's dimensions (48, 144, 192) are multiples of 16; hidden 24:
+    # none of the four linears has both.
+    model = Bloom(BloomArgs(n_layer=1, hidden_size=48, n_head=4, vocab_size=128))
+    skipped = apply_float8(model, "tensorwise", emulate=True, log=lines.append)
+    kinds = {name: type(m).__name__ for name, m in model.named_modules()}
+    assert skipped == [] and lines == []
+    for name in float8.BLOCK_LINEARS:
+        (kind,) = [k for n, k in kinds.items() if n.endswith(name)]
+        assert kind == "Float8Linear", name
+    assert kinds["word_embeddings"] == "Embedding" and kinds["lm_head"] == "Linear"
+
+    # The fused bias + GeLU reads the up-projection's weight around its module: off once FP8.
+    fused = Bloom(
+        BloomArgs(n_layer=1, hidden_size=48, n_head=4, vocab_size=128, fused_kernels=True)
+    )
+    assert fused.layers["0"].mlp.fused_bias_gelu
+    apply_float8(fused, "rowwise", emulate=True)
+    assert not fused.layers["0"].mlp.fused_bias_gelu
+
+    small = Bloom(BloomArgs(n_layer=1, hidden_size=24, n_head=4, vocab_size=128))
+    skipped = apply_float8(small, "rowwise", emulate=True, log=lines.append)
+    assert len(skipped) == 4 and len(lines) == 1
+    assert all(name in lines[0] for name in skipped)
+    assert not any(type(m).__name__ == "Float8Linear" for m in small.modules())
+
+
+def test_the_state_dict_keeps_plain_high_precision_tensors_both_ways():
+    torch.manual_seed(0)
+    args = BloomArgs(n_layer=2, hidden_size=32, n_head=4, vocab_size=128)
+    plain = Bloom(args)
+    fp8 = copy.deepcopy(plain)
+    apply_float8(fp8, "rowwise", emulate=True)
+    ours, theirs = plain.state_dict(), fp8.state_dict()
+    assert list(ours) == list(theirs)
+    for key, value in theirs.items():
+        assert type(value) is torch.Tensor and value.dtype == ours[key].dtype, key
+        assert torch.equal(value, ours[key]), key
+    # Saved with FP8, loaded without, and the other way round.
+    other = Bloom(args)
+    other.load_state_dict(theirs)
+    assert all(torch.equal(v, ours[k]) for k, v in other.state_dict().items())
+    torch.manual_seed(1)
+    back = Bloom(args)
+    apply_float8(back, "tensorwise", emulate=True)
+    back.load_state_dict(ours)
+    assert all(torch.equal(v, ours[k]) for k, v in back.state_dict().items())
+
+
+def test_device_problems_name_the_fix():
+    assert float8_device_problem("float8_rowwise", False, "cuda", (9, 0)) is None
+    assert float8_device_problem("float8_rowwise", False, "cuda", (8, 9)) is None
+    assert float8_device_problem("float8_rowwise", True, "cpu", None) is None
+    assert float8_device_problem("none", False, "cpu", None) is None
+    ampere = float8_device_problem("float8_tensorwise", False, "cuda", (8, 0))
+    assert ampere is not None and "sm_80" in ampere and "quantize.emulate = true" in ampere
+    cpu = float8_device_problem("float8_rowwise", False, "cpu", None)
+    assert cpu is not None and "quantize.emulate = true" in cpu
+
+
+@pytest.fixture
+def tiny(synthetic_corpus, tmp_path) -> list[str]:
+    return [*TINY_RUN, f"--data.blend={synthetic_corpus}", f"--job.dump_folder={tmp_path / 'run'}"]
+
+
+def one_line(capsys) -> str:
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    return line
+
+
+def test_preflight_refuses_fp8_on_cpu_without_emulation(tiny, capsys):
+    assert preflight([*tiny, "--quantize.linear=float8_rowwise"]) == 2
+    assert one_line(capsys).startswith(
+        'config error: quantize.linear = "float8_rowwise" on cpu: FP8 matmuls need a CUDA GPU'
+    )
+
+
+def test_preflight_names_the_extra_when_torchao_is_missing(tiny, capsys, monkeypatch):
+    monkeypatch.setattr(float8, "float8_missing", lambda: True)
+    assert preflight([*tiny, "--quantize.linear=float8_tensorwise", "--quantize.emulate=true"]) == 2
+    assert one_line(capsys) == (
+        'config error: quantize.linear = "float8_tensorwise" needs torchao, which is not '
+        f"installed: {float8.FLOAT8_INSTALL}"
+    )
+
+
+def test_preflight_refuses_fp8_with_tensor_parallelism(tiny, capsys):
+    argv = [
+        *tiny,
+        "--quantize.linear=float8_rowwise",
+        "--quantize.emulate=true",
+        "--parallelism.tp=2",
+    ]
+    assert preflight(["--world-size=2", *argv]) == 2
+    assert "parallelism.tp = 2: FP8 linears are not yet composed" in one_line(capsys)
+
+
+def test_preflight_warns_in_one_line_when_fp8_runs_uncompiled(tiny, capsys):
+    argv = [*tiny, "--quantize.linear=float8_rowwise", "--quantize.emulate=true"]
+    assert preflight(argv) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "WARNING" in line]
+    assert len(warned) == 1 and "with compile.enable = false: FP8 is only fast" in warned[0]
+    assert preflight([*argv, "--compile.enable=true"]) == 0
+    assert "WARNING" not in capsys.readouterr().err

@@ -1,0 +1,108 @@
+"""A short run of the debug model with FP8 linears (torchao's rowwise recipe, emulated on CPU)
+trains like the same run without them, and checkpoints resume across FP8 on and off."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.launching import REPO
+from harness.training import checkpoint_entries, losses_by_step, run_training
+
+pytestmark = pytest.mark.multiprocess
+pytest.importorskip("torchao.float8")
+
+FP8 = ["--quantize.linear=float8_rowwise", "--quantize.emulate=true"]
+STEPS, SAVE_AT = 10, 5
+# configs/debug.toml shrunk: 2 blocks of hidden 64 (every block linear FP8-convertible) on the
+# bundled corpus at a higher learning rate, 10 steps of 4 x 64 tokens, a checkpoint at step 5.
+DEBUG_RUN = [
+    f"--config={REPO / 'configs/debug.toml'}",
+    "--model.n_layer=2",
+    "--model.hidden_size=64",
+    "--model.n_head=4",
+    "--training.seq_len=64",
+    f"--training.steps={STEPS}",
+    "--optimizer.lr=1e-2",
+    "--optimizer.min_lr=1e-3",
+    "--lr_scheduler.warmup_steps=2",
+    "--metrics.log_freq=1",
+    "--metrics.tensorboard=false",
+    "--validation.freq=0",
+    "--validation.sample_tokens=0",
+    f"--checkpoint.interval={SAVE_AT}",
+    f"--data.blend={REPO / 'assets/pydocs/pydocs_text_document'}",
+    f"--data.tokenizer={REPO / 'assets/pydocs/tokenizer.json'}",
+]
+# e4m3 rounds each operand of the block matmuls by up to 2^-4 of it (tests/parallel/test_float8.py
+# bounds one linear); here that moved the loss by at most 6.5e-4 of it over the 10 steps
+# (measured, growing with the steps as the weights drift apart; 4e-6 at step 4). 2e-3 leaves 3x
+# room and, from step 5 on, fails on a run that trains anything else: there consecutive steps'
+# losses differ by 9e-3 to 2.8e-2 of the loss, so a lost update or a batch off by one is caught.
+LOSS_RTOL = 2e-3
+
+
+def _dump(tmp: Path, name: str, extra: list[str], nproc: int = 0) -> Path:
+    dump = tmp / name
+    run_training([*DEBUG_RUN, f"--job.dump_folder={dump}", *extra], nproc)
+    return dump
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("float8")
+    return {"plain": _dump(tmp, "plain", []), "fp8": _dump(tmp, "fp8", FP8)}
+
+
+def test_fp8_under_fsdp_on_two_ranks_follows_one_process(runs, tmp_path):
+    # FSDP2 gathers the fp32 weights and each FP8 linear casts them whole, so the weight and the
+    # per-token input and gradient scales are those of one process; the scales of the weight
+    # gradient's matmul are taken over each rank's tokens only: FP8's rounding again, not more.
+    dp2_run = [*FP8, "--training.micro_batch_size=2"]  # the global batch of 4, 2 per rank
+    dp2 = losses_by_step(_dump(tmp_path, "fp8-dp2", dp2_run, nproc=2))
+    one = losses_by_step(runs["fp8"])
+    assert list(dp2) == list(one)
+    for step, loss in one.items():
+        assert dp2[step] == pytest.approx(loss, rel=LOSS_RTOL), step
+
+
+def test_fp8_losses_follow_the_run_without_it_and_fall(runs):
+    plain, fp8 = losses_by_step(runs["plain"]), losses_by_step(runs["fp8"])
+    assert list(plain) == list(fp8) == list(range(1, STEPS + 1))
+    for step, loss in plain.items():
+        assert fp8[step] == pytest.approx(loss, rel=LOSS_RTOL), step
+    assert fp8 != plain  # FP8 did compute: not the same floats
+    assert fp8[STEPS] < fp8[1] - 0.5
+
+
+def _resumed(runs: dict[str, Path], source: str, tmp: Path, extra: list[str]) -> Path:
+    """`source`'s step-SAVE_AT checkpoint resumed for the remaining steps with `extra`."""
+    dump = tmp / f"{source}-resumed"
+    shutil.copytree(
+        runs[source] / "checkpoints" / f"step-{SAVE_AT}", dump / "checkpoints" / f"step-{SAVE_AT}"
+    )
+    run_training([*DEBUG_RUN, f"--job.dump_folder={dump}", *extra])
+    return dump
+
+
+@pytest.mark.parametrize("source, extra", [("fp8", []), ("plain", FP8)], ids=["fp8 off", "fp8 on"])
+def test_a_checkpoint_resumes_across_fp8_on_and_off(runs, source, extra, tmp_path):
+    # The checkpoints of both runs store the same entries, plain fp32 tensors.
+    saved = {
+        name: checkpoint_entries(runs[name] / "checkpoints" / f"step-{SAVE_AT}") for name in runs
+    }
+    assert saved["fp8"].keys() == saved["plain"].keys()
+    for key, value in saved["fp8"].items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == saved["plain"][key].dtype, key
+    resumed = _resumed(runs, source, tmp_path, extra)
+    # It starts from the stored weights: its first step's loss is the source run's (same
+    # weights and batch), up to FP8's rounding, on or off.
+    first = losses_by_step(resumed)
+    assert list(first) == list(range(SAVE_AT + 1, STEPS + 1))
+    assert first[SAVE_AT + 1] == pytest.approx(
+        losses_by_step(runs[source])[SAVE_AT + 1], rel=LOSS_RTOL
+    )

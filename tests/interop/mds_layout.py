@@ -161,12 +161,15 @@ def fragment_address_class() -> Iterator[type]:
 
 
 def universal_info(run: Run) -> dict:
-    """checkpoint_info["universal_checkpoint_info"] as Megatron-DeepSpeed writes it for
+    """The model file's universal_checkpoint_info as Megatron-DeepSpeed writes it for
     GPTModelPipe (what ds_to_universal needs to join TP slices)."""
     return {
         "universal_checkpoint_version": 0.2,
         "vocabulary_parameter_patterns": [r"tied_modules\.embed\.word_embeddings\.weight"],
-        "pipeline_replicated_parameter_patterns": [r"tied_modules\.embed\.word_embeddings\.weight", r"tied_modules\.embed\.word_embeddings\.norm\..*"],
+        "pipeline_replicated_parameter_patterns": [
+            r"tied_modules\.embed\.word_embeddings\.weight",
+            r"tied_modules\.embed\.word_embeddings\.norm\..*",
+        ],
         "parameter_to_average_patterns": [
             r"tied_modules\.embed\.word_embeddings\.norm\.(weight|bias)",
             r"\d+\.input_layernorm\.(weight|bias)",
@@ -210,7 +213,11 @@ def write_checkpoint(folder: Path, run: Run, source: dict[str, dict[str, torch.T
     """Writes `global_step<iteration>` into `folder` with `source`'s tensors; returns it."""
     out = folder / f"global_step{run.iteration}"
     out.mkdir(parents=True)
-    ds_config = {"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}
+    ds_config = {
+        "train_batch_size": 8,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 0},
+    }
     with fragment_address_class() as fragment_address:
         for pp in range(run.pp):
             for tp in range(run.tp):
@@ -255,7 +262,8 @@ def write_checkpoint(folder: Path, run: Run, source: dict[str, dict[str, torch.T
                         "checkpoint_version": 3.0,
                         "iteration": run.iteration,
                         "tokens": run.consumed * 16,
-                        "checkpoint_info": {"universal_checkpoint_info": universal_info(run)},
+                        "checkpoint_info": {"padded_vocab_size": run.padded_vocab},
+                        "universal_checkpoint_info": universal_info(run),
                         "rng_state": [
                             {
                                 "random_rng_state": random.getstate(),

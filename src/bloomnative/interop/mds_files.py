@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ class FragmentAddress:
     start: int
 
 
-def _numpy_classes() -> list[tuple[Any, str]]:
+def _numpy_classes() -> list[tuple[Callable[..., Any], str]]:
     """numpy's array reconstruction, as Megatron's saved RNG state (`np.random.get_state()`)
     pickles it, under the module names of numpy 1 (BigScience's) and numpy 2."""
     core = np._core if hasattr(np, "_core") else np.core
@@ -73,7 +73,7 @@ def _numpy_classes() -> list[tuple[Any, str]]:
     ]
 
 
-ALLOWED_CLASSES: list[tuple[Any, str]] = [
+ALLOWED_CLASSES: list[tuple[Callable[..., Any], str]] = [
     (argparse.Namespace, "argparse.Namespace"),
     (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
     *_numpy_classes(),
@@ -98,7 +98,7 @@ def load_pickle(path: Path) -> Any:
             f"{path}: holds {refused[0]}, which a Megatron-DeepSpeed checkpoint does not hold "
             f"(allowed: {', '.join(sorted(allowed))}); refusing to unpickle it"
         )
-    with torch.serialization.safe_globals(ALLOWED_CLASSES):
+    with torch.serialization.safe_globals([*ALLOWED_CLASSES]):
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
@@ -218,7 +218,9 @@ def read_rank(ckpt: MdsCheckpoint, pp: int, tp: int) -> RankSlices:
             masters = optim["single_partition_of_fp32_groups"]
             base = optim["base_optimizer_state"]
         except KeyError as e:
-            raise CheckpointFormatError(f"{path}: no {e.args[0]} in its optimizer_state_dict") from None
+            raise CheckpointFormatError(
+                f"{path}: no {e.args[0]} in its optimizer_state_dict"
+            ) from None
         if len(mappings) != len(shapes):
             raise CheckpointFormatError(
                 f"{path}: {len(mappings)} parameter groups, {model_path.name} has {len(shapes)}"

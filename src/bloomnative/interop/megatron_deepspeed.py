@@ -41,7 +41,7 @@ from bloomnative.interop.native_checkpoint import (
     MODEL_KEY,
     bloom_from_state_dict,
     canonical_state_dict,
-    check_state_matches,
+    expected_shapes,
     staged_output_dir,
 )
 from bloomnative.model import BloomArgs
@@ -123,6 +123,24 @@ def _bloom_args(ckpt: MdsCheckpoint, vocab_size: int | None) -> BloomArgs:
     )
 
 
+def _check_shapes(ckpt: MdsCheckpoint, args: BloomArgs, tensors: dict[str, dict]) -> None:
+    """CheckpointFormatError, in one line, for the first tensor the args disagree with."""
+    expected = expected_shapes(args)
+    given = (
+        f"num_layers={args.n_layer}, hidden_size={args.hidden_size}, "
+        f"num_attention_heads={args.n_head}, padded_vocab_size={ckpt.args.padded_vocab_size}"
+    )
+    for name in sorted(set(expected) | set(tensors)):
+        got = tensors[name]["fp32"].shape if name in tensors else None
+        if got != expected.get(name):
+            want = tuple(expected[name]) if name in expected else "no such tensor"
+            have = tuple(got) if got is not None else "absent"
+            raise CheckpointFormatError(
+                f"{ckpt.folder}: {name} is {have} in the files, the run's args ({given}) give "
+                f"{want}"
+            )
+
+
 def read_mds_state(checkpoint: str | Path, vocab_size: int | None = None) -> MdsState:
     """The training state of the Megatron-DeepSpeed folder `checkpoint` (a `global_stepN`
     folder), checked against its args. CheckpointFormatError (one line) when the folder is not
@@ -152,14 +170,12 @@ def read_mds_state(checkpoint: str | Path, vocab_size: int | None = None) -> Mds
         raise CheckpointFormatError(
             f"{ckpt.folder}: the optimizer partitions record different step counts {sorted(steps)}"
         )
-    joined = {
-        name: {s: _join_tp(name, parts[s]) for s in STATES} for name, parts in slices.items()
-    }
+    joined = {name: {s: _join_tp(name, parts[s]) for s in STATES} for name, parts in slices.items()}
     embedding = joined.get("word_embeddings.weight")
     if embedding is not None:
         for s in STATES:
             embedding[s] = embedding[s][: args.vocab_size]
-    check_state_matches(args, {n: t["fp32"] for n, t in joined.items()}, ckpt.folder)
+    _check_shapes(ckpt, args, joined)
     consumed = int(getattr(ckpt.args, "consumed_train_samples", 0) or 0)
     return MdsState(
         args=args,
@@ -206,6 +222,21 @@ def training_state(state: MdsState) -> dict:
     }
 
 
+def write_training_checkpoint(
+    state: MdsState, dump_folder: str | Path, overwrite: bool = False
+) -> Path:
+    """Writes `state` as the training checkpoint `<dump_folder>/checkpoints/step-<iteration>`
+    (checksummed, with the model's bloom_args.json); returns that folder."""
+    out = Path(dump_folder) / "checkpoints" / f"step-{state.iteration}"
+    entries = training_state(state)
+    with staged_output_dir(out, overwrite) as staging:
+        writer = ChecksummingWriter(staging)
+        dcp.save(entries, storage_writer=writer, no_dist=True)
+        write_json_file(staging, ARGS_FILE, model_fields(state.args))
+        write_record(staging, writer.sums)
+    return out
+
+
 def import_mds_checkpoint(
     checkpoint: str | Path,
     dump_folder: str | Path,
@@ -215,12 +246,4 @@ def import_mds_checkpoint(
     """Writes the Megatron-DeepSpeed folder `checkpoint` as the training checkpoint
     `<dump_folder>/checkpoints/step-<iteration>`, from which `--job.dump_folder=<dump_folder>`
     resumes; returns that folder."""
-    state = read_mds_state(checkpoint, vocab_size)
-    out = Path(dump_folder) / "checkpoints" / f"step-{state.iteration}"
-    entries = training_state(state)
-    with staged_output_dir(out, overwrite) as staging:
-        writer = ChecksummingWriter(staging)
-        dcp.save(entries, storage_writer=writer, no_dist=True)
-        write_json_file(staging, ARGS_FILE, model_fields(state.args))
-        write_record(staging, writer.sums)
-    return out
+    return write_training_checkpoint(read_mds_state(checkpoint, vocab_size), dump_folder, overwrite)

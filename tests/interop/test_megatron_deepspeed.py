@@ -26,7 +26,7 @@ from bloomnative.interop.megatron_deepspeed import (
 from bloomnative.interop.native_checkpoint import open_checkpoint
 from bloomnative.model import Bloom
 from bloomnative.train.optimizer import build_optimizer
-from harness.training import load_tool
+from harness.training import TINY_RUN, load_tool, run_train_sh
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 RUN = Run()  # tp2 x pp2 x dp2, as the issue asks
@@ -191,3 +191,20 @@ def test_bad_folders_are_one_line_and_exit_2(tmp_path, folder, capsys):
     assert "the run's args (num_layers=2, hidden_size=12" in line
     assert "\n" not in line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.multiprocess
+def test_run_train_sh_resumes_from_the_import(tmp_path, synthetic_corpus):
+    """./run_train.sh --job.dump_folder=<the import's --out> continues the Megatron run: the
+    step, the samples consumed and the schedule go on from the source's."""
+    shape = Run(n_layer=4, hidden=32, n_head=4, padded_vocab=128, vocab=128)
+    folder = write_checkpoint(tmp_path / "mds", shape, source_tensors(shape))
+    dump = tmp_path / "dump"
+    assert convert_mds.main(["to-native", "--checkpoint", str(folder), "--out", str(dump)]) == 0
+    args = [*TINY_RUN, f"--data.blend={synthetic_corpus}", f"--job.dump_folder={dump}"]
+    proc = run_train_sh([*args, f"--training.steps={shape.iteration + 1}"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert f"resumed from {dump / 'checkpoints' / f'step-{shape.iteration}'}" in log
+    assert f"step {shape.iteration + 1} |" in log
+    assert f"consumed_samples {shape.consumed + 8} " in log  # TINY_RUN's global batch of 8

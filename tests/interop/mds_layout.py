@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
 import random
 import sys
 import types
@@ -130,34 +131,50 @@ def rank_params(
     return out
 
 
+@dataclass
+class fragment_address:  # noqa: N801 - DeepSpeed's name
+    """deepspeed.utils.tensor_fragment.fragment_address, where DeepSpeed is not installed."""
+
+    numel: int
+    start: int
+
+
+class PositionEmbeddingType(enum.Enum):
+    """megatron.enums.PositionEmbeddingType of BigScience's Megatron-DeepSpeed."""
+
+    rotary = 1
+    absolute = 2
+    alibi = 3
+
+
 @contextlib.contextmanager
-def fragment_address_class() -> Iterator[type]:
-    """DeepSpeed's `fragment_address` (a dataclass numel, start), importable by its name while
-    the files are written: DeepSpeed's own when installed, else a stand-in module."""
+def saved_classes() -> Iterator[tuple[type, type]]:
+    """DeepSpeed's `fragment_address` and Megatron's `PositionEmbeddingType`, importable by
+    their names while the files are written (DeepSpeed's own class where it is installed)."""
+    stand_ins = {
+        "deepspeed.utils.tensor_fragment": fragment_address,
+        "megatron.enums": PositionEmbeddingType,
+    }
     try:
-        from deepspeed.utils.tensor_fragment import fragment_address
+        from deepspeed.utils.tensor_fragment import fragment_address as deepspeed_class
 
-        yield fragment_address
-        return
+        del stand_ins["deepspeed.utils.tensor_fragment"]
     except ImportError:
-        pass
-    names = ["deepspeed", "deepspeed.utils", "deepspeed.utils.tensor_fragment"]
-    modules = {n: types.ModuleType(n) for n in names}
-
-    @dataclass
-    class fragment_address:  # noqa: N801 - DeepSpeed's name
-        numel: int
-        start: int
-
-    fragment_address.__module__ = names[-1]
-    fragment_address.__qualname__ = "fragment_address"
-    modules[names[-1]].fragment_address = fragment_address  # type: ignore[attr-defined]
-    sys.modules.update(modules)
+        deepspeed_class = fragment_address
+    added = {}
+    for module_name, cls in stand_ins.items():
+        parts = module_name.split(".")
+        for i in range(1, len(parts) + 1):
+            name = ".".join(parts[:i])
+            if name not in sys.modules:
+                added[name] = sys.modules[name] = types.ModuleType(name)
+        setattr(sys.modules[module_name], cls.__name__, cls)
+        cls.__module__, cls.__qualname__ = module_name, cls.__name__
     try:
-        yield fragment_address
+        yield deepspeed_class, PositionEmbeddingType
     finally:
-        for n in names:
-            sys.modules.pop(n, None)
+        for name in added:
+            sys.modules.pop(name, None)
 
 
 def universal_info(run: Run) -> dict:
@@ -187,8 +204,9 @@ def universal_info(run: Run) -> dict:
     }
 
 
-def megatron_args(run: Run) -> argparse.Namespace:
+def megatron_args(run: Run, position_embedding_type: enum.Enum) -> argparse.Namespace:
     return argparse.Namespace(
+        position_embedding_type=position_embedding_type,
         num_layers=run.n_layer,
         hidden_size=run.hidden,
         num_attention_heads=run.n_head,
@@ -218,7 +236,7 @@ def write_checkpoint(folder: Path, run: Run, source: dict[str, dict[str, torch.T
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 0},
     }
-    with fragment_address_class() as fragment_address:
+    with saved_classes() as (address_class, position_type):
         for pp in range(run.pp):
             for tp in range(run.tp):
                 params = rank_params(run, source, pp, tp)
@@ -228,7 +246,7 @@ def write_checkpoint(folder: Path, run: Run, source: dict[str, dict[str, torch.T
                     [n for n, s in params.items() if s["fp32"].ndim < 2],
                 ]
                 _write_layers(out, params, tp, pp)
-                _write_optim(out, run, params, groups, mp, fragment_address, ds_config)
+                _write_optim(out, run, params, groups, mp, address_class, ds_config)
                 torch.save(
                     {
                         "module": None,
@@ -258,7 +276,7 @@ def write_checkpoint(folder: Path, run: Run, source: dict[str, dict[str, torch.T
                         "mp_world_size": run.tp,
                         "ds_config": ds_config,
                         "ds_version": "0.7.3",
-                        "args": megatron_args(run),
+                        "args": megatron_args(run, position_type.alibi),
                         "checkpoint_version": 3.0,
                         "iteration": run.iteration,
                         "tokens": run.consumed * 16,
@@ -296,7 +314,7 @@ def _write_layers(out: Path, params: dict, tp: int, pp: int) -> None:
         torch.save(state, out / f"layer_{index:02d}-model_{tp:02d}-model_states.pt")
 
 
-def _write_optim(out, run, params, groups, mp, fragment_address, ds_config) -> None:
+def _write_optim(out, run, params, groups, mp, address_class, ds_config) -> None:
     flats = []
     for names in groups:
         flat = {s: torch.cat([params[n][s].reshape(-1) for n in names]) for s in params[names[0]]}
@@ -321,7 +339,7 @@ def _write_optim(out, run, params, groups, mp, fragment_address, ds_config) -> N
                 numel = params[n]["fp32"].numel()
                 start, end = max(offset, lo), min(offset + numel, hi)
                 if start < end:
-                    mapping[n] = fragment_address(numel=end - start, start=start - lo)
+                    mapping[n] = address_class(numel=end - start, start=start - lo)
                 offset += numel
             mappings.append(mapping)
             paddings.append(padded - total if dp == run.dp - 1 else 0)

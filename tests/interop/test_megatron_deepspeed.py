@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from mds_layout import BETAS, EPS, WEIGHT_DECAY, Run, source_tensors, write_checkpoint
+from mds_layout import (
+    BETAS,
+    EPS,
+    WEIGHT_DECAY,
+    Run,
+    saved_classes,
+    source_tensors,
+    write_checkpoint,
+)
 
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint import reading
@@ -64,21 +72,22 @@ def test_deepspeed_reads_the_same_tensors(tmp_path, folder):
     pytest.importorskip("deepspeed")
     from deepspeed.checkpoint import DeepSpeedCheckpoint, ds_to_universal
 
-    reader = DeepSpeedCheckpoint(str(folder))
-    assert (reader.tp_degree, reader.pp_degree, reader.dp_degree) == (RUN.tp, RUN.pp, RUN.dp)
-    assert reader.get_iteration() == RUN.iteration
     out = tmp_path / "universal"
-    ds_to_universal.main(
-        argparse.Namespace(
-            input_folder=str(folder),
-            output_folder=str(out),
-            num_extract_workers=1,
-            num_merge_workers=1,
-            keep_temp_folder=False,
-            strict=True,
-            inject_missing_state=False,
+    with saved_classes():  # the args hold Megatron's PositionEmbeddingType, which DeepSpeed imports
+        reader = DeepSpeedCheckpoint(str(folder))
+        assert (reader.tp_degree, reader.pp_degree, reader.dp_degree) == (RUN.tp, RUN.pp, RUN.dp)
+        assert reader.get_iteration() == RUN.iteration
+        ds_to_universal.main(
+            argparse.Namespace(
+                input_folder=str(folder),
+                output_folder=str(out),
+                num_extract_workers=1,
+                num_merge_workers=1,
+                keep_temp_folder=False,
+                strict=True,
+                inject_missing_state=False,
+            )
         )
-    )
     # The fixture's universal_checkpoint_info cuts the vocabulary to RUN.vocab, as BLOOM's did.
     ours = read_mds_state(folder, vocab_size=RUN.vocab)
     params = sorted(p.name for p in (out / "zero").iterdir() if p.is_dir())

@@ -30,6 +30,7 @@ before anything in it is unpickled.
 from __future__ import annotations
 
 import argparse
+import enum
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,6 +59,24 @@ class FragmentAddress:
     start: int
 
 
+class PositionEmbeddingType(enum.Enum):
+    """Stand-in for megatron.enums.PositionEmbeddingType of BigScience's Megatron-DeepSpeed,
+    which its args hold (`--position-embedding-type`; BLOOM's is alibi)."""
+
+    rotary = 1
+    absolute = 2
+    alibi = 3
+
+
+class AttnMaskType(enum.Enum):
+    """Stand-in for megatron.enums.AttnMaskType of BigScience's Megatron-DeepSpeed."""
+
+    padding = 1
+    causal = 2
+    prefix = 3
+    custom = 4
+
+
 def _numpy_classes() -> list[tuple[Callable[..., Any], str]]:
     """numpy's array reconstruction, as Megatron's saved RNG state (`np.random.get_state()`)
     pickles it, under the module names of numpy 1 (BigScience's) and numpy 2."""
@@ -76,6 +95,8 @@ def _numpy_classes() -> list[tuple[Callable[..., Any], str]]:
 ALLOWED_CLASSES: list[tuple[Callable[..., Any], str]] = [
     (argparse.Namespace, "argparse.Namespace"),
     (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (PositionEmbeddingType, "megatron.enums.PositionEmbeddingType"),
+    (AttnMaskType, "megatron.enums.AttnMaskType"),
     *_numpy_classes(),
 ]
 """The classes (beyond tensors, containers and numbers) a Megatron-DeepSpeed checkpoint file
@@ -155,6 +176,11 @@ def open_folder(folder: str | Path) -> MdsCheckpoint:
     args = state.get("args") if isinstance(state, dict) else None
     if not isinstance(args, argparse.Namespace):
         raise CheckpointFormatError(f"{first}: holds no Megatron args (key 'args')")
+    position = getattr(args, "position_embedding_type", PositionEmbeddingType.alibi)
+    if position != PositionEmbeddingType.alibi:
+        raise CheckpointFormatError(
+            f"{first}: args.position_embedding_type is {position.name}; BLOOM's is alibi"
+        )
     tp = int(_arg(args, "tensor_model_parallel_size", first))
     pp = int(_arg(args, "pipeline_model_parallel_size", first))
     dp = int(getattr(args, "data_parallel_size", 0)) or int(_arg(args, "world_size", first)) // (

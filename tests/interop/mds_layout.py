@@ -59,6 +59,7 @@ class Run:
     step: int = 7
     consumed: int = 56
     lr_samples: int = 56
+    position_embedding: str = "alibi"
 
 
 def source_tensors(run: Run, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
@@ -276,7 +277,7 @@ def write_checkpoint(folder: Path, run: Run, source: dict[str, dict[str, torch.T
                         "mp_world_size": run.tp,
                         "ds_config": ds_config,
                         "ds_version": "0.7.3",
-                        "args": megatron_args(run, position_type.alibi),
+                        "args": megatron_args(run, position_type[run.position_embedding]),
                         "checkpoint_version": 3.0,
                         "iteration": run.iteration,
                         "tokens": run.consumed * 16,

@@ -199,6 +199,10 @@ def test_bad_folders_are_one_line_and_exit_2(tmp_path, folder, capsys):
     line = run(wrong)
     assert "the run's args (num_layers=2, hidden_size=12" in line
     assert "\n" not in line
+    rotary = write_checkpoint(
+        tmp_path / "rotary", Run(position_embedding="rotary"), source_tensors(Run())
+    )
+    assert "args.position_embedding_type is rotary; BLOOM's is alibi" in run(rotary)
     assert not (tmp_path / "out").exists()
 
 

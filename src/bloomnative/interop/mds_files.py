@@ -152,7 +152,8 @@ class MdsCheckpoint:
     layout: Layout
 
 
-def _arg(args: argparse.Namespace, name: str, path: Path) -> Any:
+def arg(args: argparse.Namespace, name: str, path: Path) -> Any:
+    """`args.<name>`; CheckpointFormatError naming the file `path` when the args lack it."""
     if not hasattr(args, name):
         raise CheckpointFormatError(f"{path}: its args have no {name}; not a Megatron run's args")
     return getattr(args, name)
@@ -181,9 +182,9 @@ def open_folder(folder: str | Path) -> MdsCheckpoint:
         raise CheckpointFormatError(
             f"{first}: args.position_embedding_type is {position.name}; BLOOM's is alibi"
         )
-    tp = int(_arg(args, "tensor_model_parallel_size", first))
-    pp = int(_arg(args, "pipeline_model_parallel_size", first))
-    dp = int(getattr(args, "data_parallel_size", 0)) or int(_arg(args, "world_size", first)) // (
+    tp = int(arg(args, "tensor_model_parallel_size", first))
+    pp = int(arg(args, "pipeline_model_parallel_size", first))
+    dp = int(getattr(args, "data_parallel_size", 0)) or int(arg(args, "world_size", first)) // (
         tp * pp
     )
     layout = Layout(tp, pp, dp)

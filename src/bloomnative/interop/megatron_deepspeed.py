@@ -36,7 +36,14 @@ from bloomnative.checkpoint.checkpointer import optimizer_state
 from bloomnative.checkpoint.integrity import ChecksummingWriter, write_record
 from bloomnative.checkpoint.run_record import ARGS_FILE, model_fields, write_json_file
 from bloomnative.interop.adapter_state import CheckpointFormatError
-from bloomnative.interop.mds_files import STATES, MdsCheckpoint, open_folder, ranks, read_rank
+from bloomnative.interop.mds_files import (
+    STATES,
+    MdsCheckpoint,
+    arg,
+    open_folder,
+    ranks,
+    read_rank,
+)
 from bloomnative.interop.native_checkpoint import (
     MODEL_KEY,
     bloom_from_state_dict,
@@ -95,29 +102,35 @@ def canonical_name(ds_name: str, first_layer: int) -> str | None:
 
 def _first_layer(names: list[str]) -> int:
     """The pipeline index of the first transformer layer (3 in GPTModelPipe)."""
-    return min(int(n.partition(".")[0]) for n in names if ".input_layernorm." in n)
+    return min((int(n.partition(".")[0]) for n in names if ".input_layernorm." in n), default=0)
 
 
-def _join_tp(name: str, slices: list[torch.Tensor]) -> torch.Tensor:
-    if name.endswith(_COLUMN_PARALLEL):
-        return torch.cat(slices, dim=0)
-    if name.endswith(_ROW_PARALLEL):
-        return torch.cat(slices, dim=1)
-    return torch.stack(slices).mean(dim=0)
+def _join_tp(name: str, slices: list[torch.Tensor], folder: Path) -> torch.Tensor:
+    try:
+        if name.endswith(_COLUMN_PARALLEL):
+            return torch.cat(slices, dim=0)
+        if name.endswith(_ROW_PARALLEL):
+            return torch.cat(slices, dim=1)
+        return torch.stack(slices).mean(dim=0)
+    except RuntimeError:
+        shapes = ", ".join(str(tuple(t.shape)) for t in slices)
+        raise CheckpointFormatError(
+            f"{folder}: the tensor-parallel slices of {name} do not fit together ({shapes})"
+        ) from None
 
 
 def _bloom_args(ckpt: MdsCheckpoint, vocab_size: int | None) -> BloomArgs:
-    a = ckpt.args
-    padded = int(getattr(a, "padded_vocab_size", 0))
+    a, path = ckpt.args, ckpt.folder / ckpt.layout.model_file(0, 0)
+    padded = int(arg(a, "padded_vocab_size", path))
     if vocab_size is not None and not 0 < vocab_size <= padded:
         raise CheckpointFormatError(
             f"vocab_size {vocab_size}: the checkpoint's embedding has {padded} rows "
             "(args.padded_vocab_size); choose 1 to that"
         )
     return BloomArgs(
-        n_layer=int(a.num_layers),
-        hidden_size=int(a.hidden_size),
-        n_head=int(a.num_attention_heads),
+        n_layer=int(arg(a, "num_layers", path)),
+        hidden_size=int(arg(a, "hidden_size", path)),
+        n_head=int(arg(a, "num_attention_heads", path)),
         vocab_size=vocab_size or padded,
         layer_norm_epsilon=float(getattr(a, "layernorm_epsilon", 1e-5)),
     )
@@ -170,7 +183,10 @@ def read_mds_state(checkpoint: str | Path, vocab_size: int | None = None) -> Mds
         raise CheckpointFormatError(
             f"{ckpt.folder}: the optimizer partitions record different step counts {sorted(steps)}"
         )
-    joined = {name: {s: _join_tp(name, parts[s]) for s in STATES} for name, parts in slices.items()}
+    joined = {
+        name: {s: _join_tp(name, parts[s], ckpt.folder) for s in STATES}
+        for name, parts in slices.items()
+    }
     embedding = joined.get("word_embeddings.weight")
     if embedding is not None:
         for s in STATES:

@@ -1,8 +1,10 @@
 """Import and export: Hugging Face BLOOM folders and bloomnative's model-only DCP checkpoints,
-and Hugging Face folders with a trimmed or extended vocabulary."""
+Hugging Face folders with a trimmed or extended vocabulary, and Megatron-DeepSpeed checkpoints
+imported with their optimizer state."""
 
 from bloomnative.interop.checkpoint_model import load_native_model
 from bloomnative.interop.hf import load_hf_model, save_hf_model
+from bloomnative.interop.megatron_deepspeed import import_mds_checkpoint
 from bloomnative.interop.native_checkpoint import CheckpointFormatError, save_native_checkpoint
 from bloomnative.interop.vocabulary import VocabularyError, extend_hf_folder, trim_hf_folder
 
@@ -10,6 +12,7 @@ __all__ = [
     "CheckpointFormatError",
     "VocabularyError",
     "extend_hf_folder",
+    "import_mds_checkpoint",
     "load_hf_model",
     "load_native_model",
     "save_hf_model",

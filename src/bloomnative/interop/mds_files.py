@@ -1,0 +1,295 @@
+"""The files of a Megatron-DeepSpeed checkpoint (`global_stepN/`), as BigScience released BLOOM's,
+read without running anything they hold.
+
+A folder saved with pipeline parallelism (BLOOM's layout) holds, for TP degree T, PP degree P and
+DP degree D:
+
+    layer_XX-model_YY-model_states.pt   bf16 weights of pipeline layer XX on TP rank YY (unused
+                                        here: the fp32 masters below are the weights)
+    mp_rank_MM_model_states.pt          per (pp, tp), MM = pp * T + tp: Megatron's `args`
+                                        (argparse.Namespace), `iteration`, DeepSpeed's
+                                        `lr_scheduler` state and `param_shapes` (one ordered
+                                        {name: torch.Size} per optimizer parameter group)
+    bf16_zero_pp_rank_R_mp_rank_MM_optim_states.pt
+                                        DP rank R's partition of the BF16_Optimizer of (pp, tp)
+
+BF16_Optimizer flattens each parameter group of a (pp, tp) rank into one buffer (the parameters
+in group order, zero-padded at the end to a multiple of 2 * D elements), cuts it into D equal
+partitions and keeps, per DP rank, the fp32 master (`single_partition_of_fp32_groups[g]`) and
+the base optimizer's moments (`base_optimizer_state["state"][g]`) of its partition only.
+`param_slice_mappings[g]` names, per parameter, the fragment of it this partition holds
+(`fragment_address(numel, start)`, start within the partition); the fragments of the D ranks,
+in rank order, are the parameter's TP slice flattened (deepspeed/runtime/bf16_optimizer.py,
+deepspeed/checkpoint/ds_to_universal.py).
+
+The files are pickles: `load_pickle` reads them with `torch.load(weights_only=True)` and the
+few classes they hold allowlisted (`ALLOWED_CLASSES`); a file naming any other class is refused
+before anything in it is unpickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bloomnative.interop.adapter_state import CheckpointFormatError
+
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+"""The per-parameter tensors BF16_Optimizer keeps: the fp32 master and Adam's two moments."""
+
+_OPTIM_FILE = re.compile(r"^bf16_zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+
+
+@dataclass
+class FragmentAddress:
+    """Stand-in for deepspeed.utils.tensor_fragment.fragment_address (a plain dataclass):
+    where a parameter's fragment lies in one DP rank's flat partition."""
+
+    numel: int
+    start: int
+
+
+class PositionEmbeddingType(enum.Enum):
+    """Stand-in for megatron.enums.PositionEmbeddingType of BigScience's Megatron-DeepSpeed,
+    which its args hold (`--position-embedding-type`; BLOOM's is alibi)."""
+
+    rotary = 1
+    absolute = 2
+    alibi = 3
+
+
+class AttnMaskType(enum.Enum):
+    """Stand-in for megatron.enums.AttnMaskType of BigScience's Megatron-DeepSpeed."""
+
+    padding = 1
+    causal = 2
+    prefix = 3
+    custom = 4
+
+
+def _numpy_classes() -> list[tuple[Callable[..., Any], str]]:
+    """numpy's array reconstruction, as Megatron's saved RNG state (`np.random.get_state()`)
+    pickles it, under the module names of numpy 1 (BigScience's) and numpy 2."""
+    core = np._core if hasattr(np, "_core") else np.core
+    reconstruct = core.multiarray._reconstruct
+    uint32 = type(np.dtype(np.uint32))
+    return [
+        (reconstruct, "numpy.core.multiarray._reconstruct"),
+        (reconstruct, "numpy._core.multiarray._reconstruct"),
+        (np.ndarray, "numpy.ndarray"),
+        (np.dtype, "numpy.dtype"),
+        (uint32, f"numpy.dtypes.{uint32.__name__}"),
+    ]
+
+
+ALLOWED_CLASSES: list[tuple[Callable[..., Any], str]] = [
+    (argparse.Namespace, "argparse.Namespace"),
+    (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (PositionEmbeddingType, "megatron.enums.PositionEmbeddingType"),
+    (AttnMaskType, "megatron.enums.AttnMaskType"),
+    *_numpy_classes(),
+]
+"""The classes (beyond tensors, containers and numbers) a Megatron-DeepSpeed checkpoint file
+may hold, under the names its pickles give them."""
+
+
+def load_pickle(path: Path) -> Any:
+    """The content of one checkpoint file, unpickled with only `ALLOWED_CLASSES` allowed.
+
+    A file that names another class is refused (CheckpointFormatError naming the file and the
+    class) before it is unpickled."""
+    allowed = {name for _, name in ALLOWED_CLASSES}
+    try:
+        named = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as e:
+        raise CheckpointFormatError(f"{path}: not a readable torch.save file ({e})") from None
+    refused = sorted(set(named) - allowed)
+    if refused:
+        raise CheckpointFormatError(
+            f"{path}: holds {refused[0]}, which a Megatron-DeepSpeed checkpoint does not hold "
+            f"(allowed: {', '.join(sorted(allowed))}); refusing to unpickle it"
+        )
+    with torch.serialization.safe_globals([*ALLOWED_CLASSES]):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointFormatError(f"{path}: cannot be read safely ({e})") from None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel degrees a checkpoint was saved with."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    def model_file(self, pp: int, tp: int) -> str:
+        return f"mp_rank_{pp * self.tp + tp:02d}_model_states.pt"
+
+    def optim_file(self, pp: int, tp: int, dp: int) -> str:
+        return f"bf16_zero_pp_rank_{dp}_mp_rank_{pp * self.tp + tp:02d}_optim_states.pt"
+
+
+@dataclass
+class MdsCheckpoint:
+    """What a Megatron-DeepSpeed folder says about the run: its args, counters and layout."""
+
+    folder: Path
+    args: argparse.Namespace
+    iteration: int
+    lr_scheduler: dict
+    layout: Layout
+
+
+def arg(args: argparse.Namespace, name: str, path: Path) -> Any:
+    """`args.<name>`; CheckpointFormatError naming the file `path` when the args lack it."""
+    if not hasattr(args, name):
+        raise CheckpointFormatError(f"{path}: its args have no {name}; not a Megatron run's args")
+    return getattr(args, name)
+
+
+def open_folder(folder: str | Path) -> MdsCheckpoint:
+    """Reads the run's args from `folder` (a `global_stepN` folder) and checks that every rank
+    file those args imply is there. CheckpointFormatError (one line) when the folder is not such
+    a checkpoint or lacks a file."""
+    folder = Path(folder)
+    names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    if not any(_OPTIM_FILE.match(n) for n in names) or not any(_MODEL_FILE.match(n) for n in names):
+        raise CheckpointFormatError(
+            f"{folder} is not a Megatron-DeepSpeed checkpoint folder: a global_stepN folder holds "
+            "mp_rank_XX_model_states.pt and bf16_zero_pp_rank_R_mp_rank_XX_optim_states.pt files"
+        )
+    first = folder / "mp_rank_00_model_states.pt"
+    if not first.is_file():
+        raise CheckpointFormatError(f"{folder}: missing rank file {first.name}")
+    state = load_pickle(first)
+    args = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointFormatError(f"{first}: holds no Megatron args (key 'args')")
+    position = getattr(args, "position_embedding_type", PositionEmbeddingType.alibi)
+    if position != PositionEmbeddingType.alibi:
+        raise CheckpointFormatError(
+            f"{first}: args.position_embedding_type is {position.name}; BLOOM's is alibi"
+        )
+    tp = int(arg(args, "tensor_model_parallel_size", first))
+    pp = int(arg(args, "pipeline_model_parallel_size", first))
+    dp = int(getattr(args, "data_parallel_size", 0)) or int(arg(args, "world_size", first)) // (
+        tp * pp
+    )
+    layout = Layout(tp, pp, dp)
+    if not any(_LAYER_FILE.match(n) for n in names):
+        raise CheckpointFormatError(
+            f"{folder}: no layer_XX-model_YY-model_states.pt files; only the pipeline layout "
+            "BigScience released (per-layer files) is read"
+        )
+    for p in range(pp):
+        for t in range(tp):
+            for name in [layout.model_file(p, t)] + [layout.optim_file(p, t, r) for r in range(dp)]:
+                if name not in names:
+                    raise CheckpointFormatError(
+                        f"{folder}: missing rank file {name} (its args say tp={tp}, pp={pp}, "
+                        f"dp={dp})"
+                    )
+    return MdsCheckpoint(
+        folder=folder,
+        args=args,
+        iteration=int(state.get("iteration", 0)),
+        lr_scheduler=dict(state.get("lr_scheduler") or {}),
+        layout=layout,
+    )
+
+
+@dataclass
+class RankSlices:
+    """One (pp, tp) rank's parameters, reassembled from its DP partitions: per DeepSpeed
+    parameter name, its TP slice of each of `STATES`, and the optimizer step count."""
+
+    tensors: dict[str, dict[str, torch.Tensor]]
+    steps: set[int]
+    hyper: dict[str, dict]
+    """Per parameter, its group's options (lr, betas, eps, weight_decay, ...)."""
+
+
+def _step(group_state: dict, param_group: dict) -> int | None:
+    step = group_state.get("step", param_group.get("step"))
+    return None if step is None else int(step)
+
+
+def read_rank(ckpt: MdsCheckpoint, pp: int, tp: int) -> RankSlices:
+    """The fp32 masters and moments of rank (pp, tp), whole (its DP partitions joined) and in
+    the shapes its model file's `param_shapes` gives."""
+    layout = ckpt.layout
+    model_path = ckpt.folder / layout.model_file(pp, tp)
+    shapes = load_pickle(model_path).get("param_shapes")
+    if not isinstance(shapes, list):
+        raise CheckpointFormatError(f"{model_path}: no param_shapes list (key 'param_shapes')")
+    pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
+    steps: set[int] = set()
+    options: list[dict] = []
+    for dp in range(layout.dp):
+        path = ckpt.folder / layout.optim_file(pp, tp, dp)
+        optim = load_pickle(path).get("optimizer_state_dict", {})
+        try:
+            mappings = optim["param_slice_mappings"]
+            masters = optim["single_partition_of_fp32_groups"]
+            base = optim["base_optimizer_state"]
+        except KeyError as e:
+            raise CheckpointFormatError(
+                f"{path}: no {e.args[0]} in its optimizer_state_dict"
+            ) from None
+        if len(mappings) != len(shapes):
+            raise CheckpointFormatError(
+                f"{path}: {len(mappings)} parameter groups, {model_path.name} has {len(shapes)}"
+            )
+        for g, mapping in enumerate(mappings):
+            group_state, param_group = base["state"][g], base["param_groups"][g]
+            flat = {"fp32": masters[g], **{s: group_state[s] for s in STATES[1:]}}
+            if (step := _step(group_state, param_group)) is not None:
+                steps.add(step)
+            if dp == 0:
+                options.append({k: v for k, v in param_group.items() if k != "params"})
+            for name, where in mapping.items():
+                for state, tensor in flat.items():
+                    piece = tensor.narrow(0, int(where.start), int(where.numel))
+                    pieces.setdefault(name, {}).setdefault(state, []).append(piece)
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    hyper: dict[str, dict] = {}
+    for g, g_shapes in enumerate(shapes):
+        for name, shape in g_shapes.items():
+            hyper[name] = options[g]
+            if name not in pieces:
+                raise CheckpointFormatError(
+                    f"{model_path}: parameter {name} has no fragment in any DP partition"
+                )
+            joined = {s: torch.cat(parts) for s, parts in pieces.pop(name).items()}
+            numel = int(torch.Size(shape).numel())
+            if joined["fp32"].numel() != numel:
+                raise CheckpointFormatError(
+                    f"{model_path}: parameter {name} is {tuple(shape)} ({numel} values) but its "
+                    f"DP partitions hold {joined['fp32'].numel()}"
+                )
+            tensors[name] = {s: t.reshape(shape).float() for s, t in joined.items()}
+    if pieces:
+        raise CheckpointFormatError(
+            f"{model_path}: the optimizer partitions hold {sorted(pieces)[0]}, absent from its "
+            "param_shapes"
+        )
+    return RankSlices(tensors, steps, hyper)
+
+
+def ranks(ckpt: MdsCheckpoint) -> Iterator[tuple[int, int]]:
+    """(pp, tp) of every rank, pipeline stage by stage."""
+    for pp in range(ckpt.layout.pp):
+        for tp in range(ckpt.layout.tp):
+            yield pp, tp

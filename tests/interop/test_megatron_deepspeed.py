@@ -1,0 +1,223 @@
+"""Megatron-DeepSpeed BLOOM checkpoints (BF16_Optimizer ZeRO partitions) imported with their
+optimizer state: the tensors equal the source's and DeepSpeed's own reader's, one AdamW step
+from the import equals a float64 step from the source, bad folders and planted pickles are
+refused."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from mds_layout import (
+    BETAS,
+    EPS,
+    WEIGHT_DECAY,
+    Run,
+    saved_classes,
+    source_tensors,
+    write_checkpoint,
+)
+
+from bloomnative.checkpoint import checkpointer as ckpt
+from bloomnative.checkpoint import reading
+from bloomnative.config import OptimizerConfig
+from bloomnative.interop import CheckpointFormatError
+from bloomnative.interop.megatron_deepspeed import (
+    canonical_name,
+    import_mds_checkpoint,
+    read_mds_state,
+)
+from bloomnative.interop.native_checkpoint import open_checkpoint
+from bloomnative.model import Bloom
+from bloomnative.train.optimizer import build_optimizer
+from harness.training import TINY_RUN, load_tool, run_train_sh
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+RUN = Run()  # tp2 x pp2 x dp2, as the issue asks
+convert_mds = load_tool("convert_mds")
+
+
+@pytest.fixture(scope="module")
+def source() -> dict[str, dict[str, torch.Tensor]]:
+    return source_tensors(RUN)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, source) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("mds"), RUN, source)
+
+
+def test_import_gives_the_source_tensors_and_counters(folder, source):
+    state = read_mds_state(folder)
+    assert state.args.vocab_size == RUN.padded_vocab  # the padded rows kept by default
+    assert (state.step, state.iteration) == (RUN.step, RUN.iteration)
+    assert (state.consumed_samples, state.lr_samples) == (RUN.consumed, RUN.lr_samples)
+    assert state.tensors.keys() == source.keys()
+    for name, states in source.items():
+        for s, tensor in states.items():
+            assert torch.equal(state.tensors[name][s], tensor), (name, s)
+        assert state.hyper[name]["weight_decay"] == (WEIGHT_DECAY if tensor.ndim >= 2 else 0.0)
+    cut = read_mds_state(folder, vocab_size=RUN.vocab)
+    for s, tensor in source["word_embeddings.weight"].items():
+        assert torch.equal(cut.tensors["word_embeddings.weight"][s], tensor[: RUN.vocab])
+
+
+def test_deepspeed_reads_the_same_tensors(tmp_path, folder):
+    """DeepSpeed's reader (DeepSpeedCheckpoint) and ds_to_universal, which joins the DP
+    fragments and TP slices itself, give bloomnative's tensors under DeepSpeed's names."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.checkpoint import DeepSpeedCheckpoint, ds_to_universal
+
+    out = tmp_path / "universal"
+    with saved_classes():  # the args hold Megatron's PositionEmbeddingType, which DeepSpeed imports
+        reader = DeepSpeedCheckpoint(str(folder))
+        assert (reader.tp_degree, reader.pp_degree, reader.dp_degree) == (RUN.tp, RUN.pp, RUN.dp)
+        assert reader.get_iteration() == RUN.iteration
+        ds_to_universal.main(
+            argparse.Namespace(
+                input_folder=str(folder),
+                output_folder=str(out),
+                num_extract_workers=1,
+                num_merge_workers=1,
+                keep_temp_folder=False,
+                strict=True,
+                inject_missing_state=False,
+            )
+        )
+    # The fixture's universal_checkpoint_info cuts the vocabulary to RUN.vocab, as BLOOM's did.
+    ours = read_mds_state(folder, vocab_size=RUN.vocab)
+    params = sorted(p.name for p in (out / "zero").iterdir() if p.is_dir())
+    assert sorted(canonical_name(p, first_layer=3) for p in params) == sorted(ours.tensors)
+    for param in params:
+        name = canonical_name(param, first_layer=3)
+        for s in ("fp32", "exp_avg", "exp_avg_sq"):
+            theirs = torch.load(out / "zero" / param / f"{s}.pt", weights_only=False)["param"]
+            assert torch.equal(theirs, ours.tensors[name][s]), (param, s)
+        assert int(torch.load(out / "zero" / param / "step.pt", weights_only=False)) == ours.step
+
+
+def _adamw_float64(p, m, v, g, lr, wd, step):
+    b1, b2 = BETAS
+    p, m, v, g = (t.double() for t in (p, m, v, g))
+    p = p * (1 - lr * wd)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    t = step + 1
+    return p - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + EPS)
+
+
+def test_one_adamw_step_from_the_import_uses_the_moments(tmp_path, folder, source):
+    """The checkpoint loads into a Bloom and the trainer's AdamW as a resume loads it; one step
+    with given gradients equals the float64 AdamW step from the source tensors."""
+    out = import_mds_checkpoint(folder, tmp_path / "dump")
+    assert out == tmp_path / "dump" / "checkpoints" / f"step-{RUN.iteration}"
+    reader = open_checkpoint(out)
+    counters = {
+        "train": {"step": torch.tensor(0)},
+        "data": {"consumed_samples": 0},
+        "lr_clock": {"applied_samples": torch.tensor(0)},
+    }
+    reading.load(counters, reader)
+    assert int(counters["train"]["step"]) == RUN.iteration
+    assert counters["data"]["consumed_samples"] == RUN.consumed
+    assert int(counters["lr_clock"]["applied_samples"]) == RUN.lr_samples
+
+    state = read_mds_state(folder)
+    with torch.device("meta"):
+        model = Bloom(state.args)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    optimizer = build_optimizer([model], OptimizerConfig(implementation="for-loop"))
+    components = {
+        "model": ckpt.ModelState([model]),
+        "optimizer": ckpt.OptimizerState([model], [optimizer]),
+    }
+    ckpt.load_components(reader, components, complete=("model", "optimizer"))
+    lr = 1e-3
+    gen = torch.Generator().manual_seed(1)
+    params = {n: p for n, p in model.named_parameters() if n != "lm_head.weight"}
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+    grads = {n: p.grad.clone() for n, p in params.items()}
+    optimizer.step()
+    for name, p in params.items():
+        src = source[name]
+        wd = WEIGHT_DECAY if p.ndim >= 2 else 0.0
+        expected = _adamw_float64(
+            src["fp32"], src["exp_avg"], src["exp_avg_sq"], grads[name], lr, wd, RUN.step
+        )
+        torch.testing.assert_close(p.detach().double(), expected, rtol=0, atol=1e-6)
+        fresh = _adamw_float64(
+            src["fp32"], 0 * src["fp32"], 0 * src["fp32"], grads[name], lr, wd, 0
+        )
+        assert (fresh - expected).abs().max() > 1e-4, name  # the moments change the step
+
+
+def _planted(path: Path, marker: Path) -> None:
+    class Plant:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    torch.save({"args": Plant()}, path)
+
+
+@pytest.mark.parametrize(
+    "victim", ["mp_rank_00_model_states.pt", "bf16_zero_pp_rank_1_mp_rank_03_optim_states.pt"]
+)
+def test_a_planted_pickle_is_refused_without_running(tmp_path, folder, victim):
+    copy = shutil.copytree(folder, tmp_path / folder.name)
+    marker = tmp_path / "ran"
+    _planted(copy / victim, marker)
+    with pytest.raises(
+        CheckpointFormatError, match=rf"{victim}: holds posix\.mkdir|{victim}: holds os\.mkdir"
+    ):
+        read_mds_state(copy)
+    assert not marker.exists()
+
+
+def test_bad_folders_are_one_line_and_exit_2(tmp_path, folder, capsys):
+    def run(checkpoint: Path) -> str:
+        code = convert_mds.main(
+            ["to-native", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out")]
+        )
+        assert code == 2
+        return capsys.readouterr().err.strip()
+
+    assert "is not a Megatron-DeepSpeed checkpoint folder" in run(tmp_path)
+    missing = shutil.copytree(folder, tmp_path / "missing")
+    (missing / "bf16_zero_pp_rank_1_mp_rank_02_optim_states.pt").unlink()
+    line = run(missing)
+    assert "missing rank file bf16_zero_pp_rank_1_mp_rank_02_optim_states.pt" in line
+    assert "\n" not in line
+    wrong = write_checkpoint(tmp_path / "wrong", Run(hidden=12, n_head=3), source_tensors(Run()))
+    line = run(wrong)
+    assert "the run's args (num_layers=2, hidden_size=12" in line
+    assert "\n" not in line
+    rotary = write_checkpoint(
+        tmp_path / "rotary", Run(position_embedding="rotary"), source_tensors(Run())
+    )
+    assert "args.position_embedding_type is rotary; BLOOM's is alibi" in run(rotary)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.multiprocess
+def test_run_train_sh_resumes_from_the_import(tmp_path, synthetic_corpus):
+    """./run_train.sh --job.dump_folder=<the import's --out> continues the Megatron run: the
+    step, the samples consumed and the schedule go on from the source's."""
+    shape = Run(n_layer=4, hidden=32, n_head=4, padded_vocab=128, vocab=128)
+    folder = write_checkpoint(tmp_path / "mds", shape, source_tensors(shape))
+    dump = tmp_path / "dump"
+    assert convert_mds.main(["to-native", "--checkpoint", str(folder), "--out", str(dump)]) == 0
+    args = [*TINY_RUN, f"--data.blend={synthetic_corpus}", f"--job.dump_folder={dump}"]
+    proc = run_train_sh([*args, f"--training.steps={shape.iteration + 1}"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert f"resumed from {dump / 'checkpoints' / f'step-{shape.iteration}'}" in log
+    assert f"step {shape.iteration + 1} |" in log
+    assert f"consumed_samples {shape.consumed + 8} " in log  # TINY_RUN's global batch of 8

@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Import a Megatron-DeepSpeed checkpoint of BLOOM (as BigScience released them, with the
+BF16_Optimizer's state) as a bloomnative training checkpoint that resumes.
+
+  to-native  global_stepN folder -> <dump>/checkpoints/step-N
+
+Runs in one process on CPU; no torchrun or process group is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from cli_args import ArgumentParser, whole_number
+
+from bloomnative.interop import CheckpointFormatError
+from bloomnative.interop.megatron_deepspeed import read_mds_state, write_training_checkpoint
+
+TO_NATIVE_HELP = """\
+Reads a global_stepN folder of a Megatron-DeepSpeed run saved with pipeline parallelism (the
+layout of BigScience's bloom-*-optimizer-states: layer_XX-model_YY-model_states.pt,
+mp_rank_YY_model_states.pt, bf16_zero_pp_rank_R_mp_rank_YY_optim_states.pt), at whatever TP x PP
+x DP it was saved with, and writes <out>/checkpoints/step-N: the fp32 master weights, AdamW's
+moments and step count, the step, the samples consumed and the learning-rate schedule's position.
+Then ./run_train.sh --job.dump_folder=<out> (with the run's model shape, optimizer.state_dtype =
+"fp32" and its learning-rate schedule) continues from it. Every file is unpickled with only the
+classes such a checkpoint holds allowed.
+"""
+
+
+def log(message: str) -> None:
+    print(f"[convert_mds] {message}", file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(
+        prog="convert_mds.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_native = commands.add_parser(
+        "to-native",
+        help="Megatron-DeepSpeed global_stepN folder -> bloomnative dump folder",
+        description=TO_NATIVE_HELP,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    to_native.add_argument("--checkpoint", type=Path, required=True, help="the global_stepN folder")
+    to_native.add_argument("--out", type=Path, required=True, help="the run's job.dump_folder")
+    to_native.add_argument(
+        "--vocab-size",
+        type=whole_number,
+        default=None,
+        help="keep this many embedding rows (default: all, Megatron's padded vocabulary, as "
+        "BLOOM's Hugging Face release does)",
+    )
+    to_native.add_argument(
+        "--overwrite", action="store_true", help="replace an existing checkpoints/step-N"
+    )
+    return parser
+
+
+def convert_to_native(args: argparse.Namespace) -> None:
+    state = read_mds_state(args.checkpoint, args.vocab_size)
+    a = state.args
+    log(
+        f"{args.checkpoint}: n_layer={a.n_layer} hidden_size={a.hidden_size} n_head={a.n_head} "
+        f"vocab_size={a.vocab_size}, iteration {state.iteration}, Adam step {state.step}, "
+        f"{state.consumed_samples} samples consumed"
+    )
+    out = write_training_checkpoint(state, args.out, args.overwrite)
+    log(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 converted, 2 a bad argument or input (one line naming the file)."""
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    try:
+        convert_to_native(args)
+    except (CheckpointFormatError, OSError) as e:  # OSError: a file missing, in the way, unwritable
+        log(f"error: {e}")
+        return 2
+    log(f"done in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

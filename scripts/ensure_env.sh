@@ -34,8 +34,8 @@ _bn_venv() {
 }
 
 # _bn_installed FILE...: whether the environment's stamp says it holds what the FILEs
-# (pyproject.toml and any constraints) ask for; if not, `_bn_pip` installs and `_bn_stamp`
-# records it.
+# (pyproject.toml, any constraints and this script) ask for; if not, `_bn_pip` installs and
+# `_bn_stamp` records it.
 _bn_installed() {
   _bn_stamp_want="$(cat "$@" | sha1sum | cut -c1-16)"
   [ -f "$_bn_stamp_file" ] && [ "$(cat "$_bn_stamp_file")" = "$_bn_stamp_want" ]
@@ -48,6 +48,16 @@ _bn_pip() {
 
 _bn_stamp() {
   echo "$_bn_stamp_want" > "$_bn_stamp_file"
+}
+
+# With the dev extras, DeepSpeed too: the reference reader of the Megatron-DeepSpeed checkpoint
+# tests (tests/interop/test_megatron_deepspeed.py). Its release is a source archive whose build
+# imports torch, so it is built against the environment's own (no build isolation), without its
+# CUDA ops, and without its requirements (torch among them): the three it imports are named.
+_bn_reference_packages() {
+  [ "$_bn_extras" = dev ] || return 0
+  DS_BUILD_OPS=0 _bn_pip --no-deps --no-build-isolation \
+    "deepspeed==0.19.8" "hjson>=3.1" "py-cpuinfo>=9" "msgpack>=1.0"
 }
 
 _bn_package=(-e "$_bn_root${_bn_extras:+[$_bn_extras]}")
@@ -66,9 +76,10 @@ else
         return 1
       }
       _bn_venv "$_bn_root/.venv-gpu" "$_bn_python" || return 1
-      if ! _bn_installed "$_bn_root/pyproject.toml" "$_bn_constraints"; then
+      if ! _bn_installed "$_bn_root/pyproject.toml" "$_bn_constraints" "${BASH_SOURCE[0]}"; then
         _bn_pip --upgrade pip || return 1
         _bn_pip -c "$_bn_constraints" "${_bn_package[@]}" || return 1
+        _bn_reference_packages || return 1
         _bn_stamp
       fi
       ;;
@@ -81,10 +92,11 @@ else
         export PYTHONPATH="$_bn_root/src${PYTHONPATH:+:$PYTHONPATH}"
       else
         _bn_venv "$_bn_root/.venv" "$_bn_python" || return 1
-        if ! _bn_installed "$_bn_root/pyproject.toml"; then
+        if ! _bn_installed "$_bn_root/pyproject.toml" "${BASH_SOURCE[0]}"; then
           _bn_pip --upgrade pip || return 1
           _bn_pip "torch==2.13.0" || return 1
           _bn_pip "${_bn_package[@]}" || return 1
+          _bn_reference_packages || return 1
           _bn_stamp
         fi
       fi

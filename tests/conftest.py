@@ -54,6 +54,13 @@ def synthetic_corpus(tmp_path_factory) -> str:
     )
 
 
+@pytest.fixture
+def tiny_run_args(synthetic_corpus, tmp_path) -> list[str]:
+    """The tiny model on the synthetic corpus, dumping into the test's folder: what a test of
+    preflight's or the config's one-line refusals adds its one bad option to."""
+    return [*TINY_RUN, f"--data.blend={synthetic_corpus}", f"--job.dump_folder={tmp_path / 'run'}"]
+
+
 @pytest.fixture(scope="session")
 def fsdp_run(tmp_path_factory, synthetic_corpus) -> tuple[Path, str]:
     """(dump folder, stdout) of one 2-process FSDP run of 3 steps on the synthetic corpus with

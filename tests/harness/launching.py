@@ -147,3 +147,9 @@ def logged_rows(dump: Path) -> int:
     """How many lines the run in `dump` has written to its metrics.jsonl so far."""
     metrics = dump / "metrics.jsonl"
     return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+
+def only_stderr_line(capsys) -> str:
+    """The one line an in-process entry point wrote to stderr (failing unless exactly one)."""
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    return line

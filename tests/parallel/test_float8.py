@@ -15,7 +15,7 @@ from bloomnative.launch.preflight import main as preflight
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.parallel import float8
 from bloomnative.parallel.float8 import apply_float8, float8_device_problem
-from harness.training import TINY_RUN
+from harness.launching import only_stderr_line
 
 pytest.importorskip("torchao.float8")
 
@@ -168,45 +168,40 @@ def test_device_problems_name_the_fix():
     assert cpu is not None and "quantize.emulate = true" in cpu
 
 
-@pytest.fixture
-def tiny(synthetic_corpus, tmp_path) -> list[str]:
-    return [*TINY_RUN, f"--data.blend={synthetic_corpus}", f"--job.dump_folder={tmp_path / 'run'}"]
-
-
-def one_line(capsys) -> str:
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    return line
-
-
-def test_preflight_refuses_fp8_on_cpu_without_emulation(tiny, capsys):
-    assert preflight([*tiny, "--quantize.linear=float8_rowwise"]) == 2
-    assert one_line(capsys).startswith(
+def test_preflight_refuses_fp8_on_cpu_without_emulation(tiny_run_args, capsys):
+    assert preflight([*tiny_run_args, "--quantize.linear=float8_rowwise"]) == 2
+    assert only_stderr_line(capsys).startswith(
         'config error: quantize.linear = "float8_rowwise" on cpu: FP8 matmuls need a CUDA GPU'
     )
 
 
-def test_preflight_names_the_extra_when_torchao_is_missing(tiny, capsys, monkeypatch):
+def test_preflight_names_the_extra_when_torchao_is_missing(tiny_run_args, capsys, monkeypatch):
     monkeypatch.setattr(float8, "float8_missing", lambda: True)
-    assert preflight([*tiny, "--quantize.linear=float8_tensorwise", "--quantize.emulate=true"]) == 2
-    assert one_line(capsys) == (
+    assert (
+        preflight(
+            [*tiny_run_args, "--quantize.linear=float8_tensorwise", "--quantize.emulate=true"]
+        )
+        == 2
+    )
+    assert only_stderr_line(capsys) == (
         'config error: quantize.linear = "float8_tensorwise" needs torchao, which is not '
         f"installed: {float8.FLOAT8_INSTALL}"
     )
 
 
-def test_preflight_refuses_fp8_with_tensor_parallelism(tiny, capsys):
+def test_preflight_refuses_fp8_with_tensor_parallelism(tiny_run_args, capsys):
     argv = [
-        *tiny,
+        *tiny_run_args,
         "--quantize.linear=float8_rowwise",
         "--quantize.emulate=true",
         "--parallelism.tp=2",
     ]
     assert preflight(["--world-size=2", *argv]) == 2
-    assert "parallelism.tp = 2: FP8 linears are not yet composed" in one_line(capsys)
+    assert "parallelism.tp = 2: FP8 linears are not yet composed" in only_stderr_line(capsys)
 
 
-def test_preflight_warns_in_one_line_when_fp8_runs_uncompiled(tiny, capsys):
-    argv = [*tiny, "--quantize.linear=float8_rowwise", "--quantize.emulate=true"]
+def test_preflight_warns_in_one_line_when_fp8_runs_uncompiled(tiny_run_args, capsys):
+    argv = [*tiny_run_args, "--quantize.linear=float8_rowwise", "--quantize.emulate=true"]
     assert preflight(argv) == 0
     warned = [line for line in capsys.readouterr().err.splitlines() if "WARNING" in line]
     assert len(warned) == 1 and "with compile.enable = false: FP8 is only fast" in warned[0]

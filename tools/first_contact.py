@@ -99,23 +99,22 @@ def _train_args(tiny: bool, micro_batch: int) -> list[str]:
             "--activation_checkpoint.mode=auto", "--warmup=3", "--steps=6"]  # fmt: skip
 
 
-def _train(tiny: bool, result: Path) -> list[str]:
-    return [str(TOOLS / "bench_train.py"), *_train_args(tiny, 2 if tiny else 4),
-            "--training.rampup_batch_size=", "--model.attention=triton",
-            "--json", str(result)]  # fmt: skip
+def _bench_train(micro_batch: int, *extra: str) -> Callable[[bool, Path], list[str]]:
+    """bench_train at `micro_batch` (2, with --tiny, where it is larger) with Triton attention,
+    plus `extra`."""
+
+    def command(tiny: bool, result: Path) -> list[str]:
+        micro = 2 if tiny and micro_batch > 1 else micro_batch
+        return [str(TOOLS / "bench_train.py"), *_train_args(tiny, micro),
+                "--training.rampup_batch_size=", "--model.attention=triton", *extra,
+                "--json", str(result)]  # fmt: skip
+
+    return command
 
 
 def _hf_baseline(tiny: bool, result: Path) -> list[str]:
     mode = "eager" if tiny else "compile"  # Inductor's C++ compile of a whole model: minutes
-    return [str(TOOLS / "bench_train.py"), *_train_args(tiny, 1),
-            "--training.rampup_batch_size=", "--model.attention=triton",
-            "--baseline=hf", f"--baseline-modes={mode}", "--json", str(result)]  # fmt: skip
-
-
-def _mb1_zero2(tiny: bool, result: Path) -> list[str]:
-    return [str(TOOLS / "bench_train.py"), *_train_args(tiny, 1),
-            "--training.rampup_batch_size=", "--model.attention=triton",
-            "--parallelism.zero_stage=2", "--json", str(result)]  # fmt: skip
+    return _bench_train(1, "--baseline=hf", f"--baseline-modes={mode}")(tiny, result)
 
 
 def _kernels(suites: str) -> Callable[[bool, Path], list[str]]:
@@ -134,11 +133,11 @@ STEPS = (
     # every shape (eager, then again under Inductor) took over 150 s on the first H200 lease.
     # The later steps autotune in full; the interpreter tests check every config's math.
     Step("correctness", 30, 150, _own_step("correctness"), (("BLOOMNATIVE_AUTOTUNE", "first"),)),
-    Step("train_1b7", 100, 240, _train),
+    Step("train_1b7", 100, 240, _bench_train(4)),
     Step("attention_bench", 40, 120, _kernels("attention")),
     Step("hf_baseline", 150, 555, _hf_baseline),
     Step("norms_loss_bench", 20, 120, _kernels("norms,loss")),
-    Step("train_1b7_mb1_zero2", 60, 150, _mb1_zero2),
+    Step("train_1b7_mb1_zero2", 60, 150, _bench_train(1, "--parallelism.zero_stage=2")),
 )
 TINY_MIN_S = 5  # --tiny: every step is worth starting with this much left
 

@@ -113,14 +113,18 @@ _BWD_CONFIGS_WIDE = _configs((64, 64, 8, 2))
 _BWD_SEGMENTS_CONFIGS_NARROW = _configs((64, 64, 8, 2))  # 64x128 spills at head_dim 80
 _BWD_DROPOUT_CONFIGS_NARROW = _configs((64, 64, 8, 3))  # 3 stages: 2 spill at head_dim 80
 _BWD_DROPOUT_SEGMENTS_CONFIGS_NARROW = _configs((64, 64, 8, 2))
-# Not yet re-tiled: with segments (three query loops) or dropout (the Philox draws) at head_dim
-# 96 and 128, 64x64 spills 12-144 bytes under Triton 3.6 (more with 4 warps), so these keep
-# their narrow query tiles and compute dQ (only dQ: its BLOCK_M rows) with mma.sync.
+# With segments (three query loops) or dropout (the Philox draws) at head_dim 96 and 128, a
+# 64x64 tile of the one-kernel backward spills 12-144 bytes under Triton 3.6, and narrower query
+# tiles put dQ (its BLOCK_M rows) on mma.sync. These variants run two kernels (_TWO_KERNEL_BWD):
+# dK/dV without dQ, whose four matmuls all have BLOCK_N rows, so narrow query tiles stay on
+# wgmma, then dQ query-major in 64-row tiles (_BWD_DQ_CONFIGS).
 _BWD_SEGMENTS_CONFIGS_WIDE = _configs((16, 128, 8, 2), (32, 64, 8, 3))
 _BWD_DROPOUT_CONFIGS_WIDE = _configs((32, 64, 8, 2))
+_BWD_DQ_CONFIGS = _configs((64, 64, 4, 2), (64, 64, 4, 3))
 # Small tiles for the interpreter, with BLOCK_M != BLOCK_N so the ragged-diagonal code runs.
 _INTERPRETER_FWD = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16})
 _INTERPRETER_BWD = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
+_INTERPRETER_BWD_DQ = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
 _PREPROCESS_BLOCK_M = 64
 _AUTOTUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "DROPOUT"]
 
@@ -395,10 +399,10 @@ def _flash_alibi_bwd_preprocess_kernel(
     OUT, DOUT, DELTA, DQ_ACC, seq_len, num_heads,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_gb, stride_gh, stride_gs, stride_gd,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
-    # delta_i = sum_d out_id * dout_id, the row term of the softmax backward; and zeros for the
-    # dq accumulator the main kernel adds into.
+    # delta_i = sum_d out_id * dout_id, the row term of the softmax backward; and (ZERO_DQ)
+    # zeros for the dq accumulator the main kernel adds into.
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
@@ -412,8 +416,9 @@ def _flash_alibi_bwd_preprocess_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     row = bh.to(tl.int64) * seq_len + offs_m
     tl.store(DELTA + row, delta, mask=offs_m < seq_len)
-    zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    tl.store(DQ_ACC + row[:, None] * HEAD_DIM + offs_d[None, :], zeros, mask=mask)
+    if ZERO_DQ:
+        zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        tl.store(DQ_ACC + row[:, None] * HEAD_DIM + offs_d[None, :], zeros, mask=mask)
 
 
 @triton.jit
@@ -444,6 +449,7 @@ def _bwd_q_loop(
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
     DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    WITH_DQ: tl.constexpr,
 ):
     # Works in the transposed [key, query] layout so dk and dv accumulate row-major. Query rows
     # past the end load as zeros with lse = +inf, so their p is exactly 0; key rows past the end
@@ -503,12 +509,15 @@ def _bwd_q_loop(
         dk = tl.dot(dst, q, dk, input_precision=PRECISION)  # matmul 4: dK += dS^T Q
         if D1 > 0:
             dk_t = tl.dot(dst, q_t, dk_t, input_precision=PRECISION)
-        ds = tl.trans(dst)
-        dq = tl.dot(ds, k, input_precision=PRECISION) * sm_scale  # matmul 5: dQ += dS K
-        _add_dq(dq_dst, dq, start_m, 0, seq_len, HEAD_DIM, BLOCK_M, D0, DQ_TMA, PAD_D)
-        if D1 > 0:
-            dq_t = tl.dot(ds, k_t, input_precision=PRECISION) * sm_scale
-            _add_dq(dq_dst_t, dq_t, start_m, D0, seq_len, HEAD_DIM, BLOCK_M, DT, DQ_TMA, False)
+        if WITH_DQ:
+            ds = tl.trans(dst)
+            dq = tl.dot(ds, k, input_precision=PRECISION) * sm_scale  # matmul 5: dQ += dS K
+            _add_dq(dq_dst, dq, start_m, 0, seq_len, HEAD_DIM, BLOCK_M, D0, DQ_TMA, PAD_D)
+            if D1 > 0:
+                dq_t = tl.dot(ds, k_t, input_precision=PRECISION) * sm_scale
+                _add_dq(
+                    dq_dst_t, dq_t, start_m, D0, seq_len, HEAD_DIM, BLOCK_M, DT, DQ_TMA, False
+                )
     return dk, dk_t, dv, dv_t
 
 
@@ -524,8 +533,10 @@ def _flash_alibi_bwd_kernel(
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
     SEQ_BUCKET, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
-    DQ_TMA: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DQ_TMA: tl.constexpr, PRECISION: tl.constexpr, WITH_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # WITH_DQ off: dK and dV only (DQ_ACC unused), for _flash_alibi_bwd_dq_kernel to do dQ.
     qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 from Inductor: see the forward kernel
     sm_scale = tl.cast(sm_scale, tl.float32)
     drop_scale = tl.cast(drop_scale, tl.float32)
@@ -536,7 +547,7 @@ def _flash_alibi_bwd_kernel(
     DT: tl.constexpr = D1 if D1 > 0 else 16
     TAIL_TMA: tl.constexpr = USE_TMA and D1 > 0
 
-    if DQ_TMA:  # dQ is written by TMA reductions only, which torch.compile cannot see
+    if DQ_TMA and WITH_DQ:  # dQ is written by TMA reductions only: torch.compile cannot see
         declare_written(DQ_ACC)
     n0 = tl.program_id(0) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -617,7 +628,7 @@ def _flash_alibi_bwd_kernel(
             stride_gd, first_row, key_pos, row0, column, slope2, qk_scale, sm_scale, seq_len,
             seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, lo, band_hi,
             HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, True, SEGMENTS, DROPOUT, USE_TMA, DQ_TMA,
-            PRECISION,
+            PRECISION, WITH_DQ,
         )
     else:
         band_hi = 0
@@ -628,7 +639,7 @@ def _flash_alibi_bwd_kernel(
         stride_gd, first_row, key_pos, row0, column, slope2, qk_scale, sm_scale, seq_len,
         seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, band_hi, unmasked_hi,
         HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, False, SEGMENTS, DROPOUT, USE_TMA, DQ_TMA,
-        PRECISION,
+        PRECISION, WITH_DQ,
     )
     if SEGMENTS:
         dk, dk_t, dv, dv_t = _bwd_q_loop(
@@ -637,7 +648,7 @@ def _flash_alibi_bwd_kernel(
             stride_gd, first_row, key_pos, row0, column, slope2, qk_scale, sm_scale, seq_len,
             seed, drop_threshold, drop_scale, q_offset, drop_k0, b, h, unmasked_hi, rows_hi,
             HEAD_DIM, D0, D1, DT, BLOCK_M, BLOCK_N, True, SEGMENTS, DROPOUT, USE_TMA, DQ_TMA,
-            PRECISION,
+            PRECISION, WITH_DQ,
         )
 
     dk_base = DK + b * stride_dkb + h * stride_dkh
@@ -662,6 +673,165 @@ def _flash_alibi_bwd_kernel(
         _store_tile(
             dv_dst_t, dv_t.to(DV.dtype.element_ty), n0, D0, seq_len,
             stride_dvs, stride_dvd, HEAD_DIM, BLOCK_N, DT, USE_TMA, False,
+        )
+
+
+@triton.jit
+def _bwd_dq_kv_loop(
+    dq, dq_t, q, q_t, do, do_t, k_src, k_src_t, v_src, v_src_t, stride_ks, stride_kd,
+    stride_vs, stride_vd, offs_m, lse, delta, last_key, first_key, col0, slope2, qk_scale,
+    seq_len, seed, drop_threshold, drop_scale, drop_rows, k_offset, b, h, lo, hi,
+    HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, DT: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr,
+    DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # The dQ half of the two-kernel backward, query-major like the forward: P and dS of this
+    # query tile are recomputed block by block of keys (lse: the rows' stored lse in this tile's
+    # column form, as _fwd_kv_loop's col0), and dQ accumulates in registers.
+    PAD_D: tl.constexpr = D0 > HEAD_DIM
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(
+            k_src, start_n, 0, seq_len, stride_ks, stride_kd, HEAD_DIM,
+            BLOCK_N, D0, USE_TMA, True, PAD_D,
+        )
+        v = _load_tile(
+            v_src, start_n, 0, seq_len, stride_vs, stride_vd, HEAD_DIM,
+            BLOCK_N, D0, USE_TMA, True, PAD_D,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # matmul 1: S
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # matmul 2: dP
+        k_t = k
+        if D1 > 0:
+            k_t = _load_tile(
+                k_src_t, start_n, D0, seq_len, stride_ks, stride_kd, HEAD_DIM,
+                BLOCK_N, DT, USE_TMA, True, False,
+            )
+            v_t = _load_tile(
+                v_src_t, start_n, D0, seq_len, stride_vs, stride_vd, HEAD_DIM,
+                BLOCK_N, DT, USE_TMA, True, False,
+            )
+            s = tl.dot(q_t, tl.trans(k_t), s, input_precision=PRECISION)
+            dp = tl.dot(do_t, tl.trans(v_t), dp, input_precision=PRECISION)
+        column = slope2 * (offs_n - col0).to(tl.float32)
+        p = tl.exp2(s * qk_scale + column[None, :] - lse[:, None])
+        if MASKED:  # keys past the end (their exp2 may be inf: select, not scale) and causal
+            keep = (offs_n < seq_len)[None, :]
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= last_key[:, None])
+            if SEGMENTS:
+                keep = keep & (offs_n[None, :] >= first_key[:, None])
+            p = tl.where(keep, p, 0.0)
+        if DROPOUT:
+            keep = _dropout_keep(seed, b, h, drop_rows, start_n + k_offset, drop_threshold, BLOCK_N)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dq = tl.dot(ds, k, dq, input_precision=PRECISION)  # matmul 3: dQ += dS K
+        if D1 > 0:
+            dq_t = tl.dot(ds, k_t, dq_t, input_precision=PRECISION)
+    return dq, dq_t
+
+
+@triton.jit
+def _flash_alibi_bwd_dq_kernel(
+    Q, K, V, SLOPES, DOUT, LSE, DELTA, DQ, SEED, QSTART,
+    seq_len, num_heads, qk_scale, sm_scale, drop_threshold, drop_scale, q_offset, k_offset,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_gb, stride_gh, stride_gs, stride_gd,
+    SEQ_BUCKET, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # dQ of one query tile (DQ contiguous [batch, heads, seq, head_dim]); dK and dV come from
+    # _flash_alibi_bwd_kernel with WITH_DQ off. Masks follow the forward kernel.
+    qk_scale = tl.cast(qk_scale, tl.float32)  # fp64 from Inductor: see the forward kernel
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    drop_scale = tl.cast(drop_scale, tl.float32)
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    PAD_D: tl.constexpr = D0 > HEAD_DIM
+    DT: tl.constexpr = D1 if D1 > 0 else 16
+    TAIL_TMA: tl.constexpr = USE_TMA and D1 > 0
+    start_m = tl.program_id(0) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < seq_len
+    slope2 = tl.load(SLOPES + h) * 1.4426950408889634
+    shift = q_offset - k_offset
+    # Key j's ALiBi term relative to this tile: slope2 (j - i - shift) = column_j - row_i with
+    # col0 = start_m + shift, so the row part joins the lse.
+    col0 = start_m + shift
+    lse = tl.load(LSE + bh.to(tl.int64) * seq_len + offs_m, mask=m_ok, other=float("inf"))
+    lse = lse + slope2 * (offs_m - start_m).to(tl.float32)
+    delta = tl.load(DELTA + bh.to(tl.int64) * seq_len + offs_m, mask=m_ok, other=0.0)
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DOUT + b * stride_gb + h * stride_gh
+    q_src = _matrix(q_base, seq_len, stride_qs, HEAD_DIM, BLOCK_M, D0, USE_TMA)
+    do_src = _matrix(do_base, seq_len, stride_gs, HEAD_DIM, BLOCK_M, D0, USE_TMA)
+    q = _load_tile(
+        q_src, start_m, 0, seq_len, stride_qs, stride_qd, HEAD_DIM, BLOCK_M, D0, USE_TMA, True,
+        PAD_D,
+    )
+    do = _load_tile(
+        do_src, start_m, 0, seq_len, stride_gs, stride_gd, HEAD_DIM, BLOCK_M, D0, USE_TMA, True,
+        PAD_D,
+    )
+    q_t = q  # the tails are unused unless D1 > 0
+    do_t = do
+    if D1 > 0:
+        q_src_t = _matrix(q_base, seq_len, stride_qs, HEAD_DIM, BLOCK_M, DT, TAIL_TMA)
+        do_src_t = _matrix(do_base, seq_len, stride_gs, HEAD_DIM, BLOCK_M, DT, TAIL_TMA)
+        q_t = _load_tile(
+            q_src_t, start_m, D0, seq_len, stride_qs, stride_qd, HEAD_DIM,
+            BLOCK_M, DT, TAIL_TMA, True, False,
+        )
+        do_t = _load_tile(
+            do_src_t, start_m, D0, seq_len, stride_gs, stride_gd, HEAD_DIM,
+            BLOCK_M, DT, TAIL_TMA, True, False,
+        )
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    k_src = _matrix(k_base, seq_len, stride_ks, HEAD_DIM, BLOCK_N, D0, USE_TMA)
+    v_src = _matrix(v_base, seq_len, stride_vs, HEAD_DIM, BLOCK_N, D0, USE_TMA)
+    k_src_t = _matrix(k_base, seq_len, stride_ks, HEAD_DIM, BLOCK_N, DT, TAIL_TMA)
+    v_src_t = _matrix(v_base, seq_len, stride_vs, HEAD_DIM, BLOCK_N, DT, TAIL_TMA)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(SEED)
+    # Query i (local) sees key j (local) iff j <= i + shift, and with segments iff k_offset + j
+    # is at or after its segment's start (starts never decrease along the queries).
+    last_key = offs_m + shift
+    first_key = offs_m * 0
+    lo = 0
+    if SEGMENTS:
+        first_key = tl.load(QSTART + b * seq_len + offs_m, mask=m_ok, other=0) - k_offset
+        lo = (tl.maximum(tl.load(QSTART + b * seq_len + start_m) - k_offset, 0) // BLOCK_N)
+        lo = lo * BLOCK_N
+    hi = seq_len
+    if CAUSAL:
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + shift, 0), seq_len)
+    dq = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
+    dq_t = tl.zeros([BLOCK_M, DT], dtype=tl.float32)
+    dq, dq_t = _bwd_dq_kv_loop(
+        dq, dq_t, q, q_t, do, do_t, k_src, k_src_t, v_src, v_src_t, stride_ks, stride_kd,
+        stride_vs, stride_vd, offs_m, lse, delta, last_key, first_key, col0, slope2, qk_scale,
+        seq_len, seed, drop_threshold, drop_scale, offs_m + q_offset, k_offset, b, h, lo, hi,
+        HEAD_DIM, D0, D1, DT, BLOCK_N, True, CAUSAL, SEGMENTS, DROPOUT, USE_TMA,
+        PRECISION,
+    )
+    dq_base = DQ + bh.to(tl.int64) * seq_len * HEAD_DIM
+    dq_dst = _matrix(dq_base, seq_len, HEAD_DIM, HEAD_DIM, BLOCK_M, D0, USE_TMA)
+    _store_tile(
+        dq_dst, (dq * sm_scale).to(DQ.dtype.element_ty), start_m, 0, seq_len, HEAD_DIM, 1,
+        HEAD_DIM, BLOCK_M, D0, USE_TMA, PAD_D,
+    )
+    if D1 > 0:
+        dq_dst_t = _matrix(dq_base, seq_len, HEAD_DIM, HEAD_DIM, BLOCK_M, DT, TAIL_TMA)
+        _store_tile(
+            dq_dst_t, (dq_t * sm_scale).to(DQ.dtype.element_ty), start_m, D0, seq_len,
+            HEAD_DIM, 1, HEAD_DIM, BLOCK_M, DT, TAIL_TMA, False,
         )
 # fmt: on
 
@@ -689,6 +859,10 @@ _bwd_kernels = {
     key: _autotuned(_flash_alibi_bwd_kernel, configs, _INTERPRETER_BWD, ["DQ_ACC"])
     for key, configs in _BWD_SEARCH_SPACES.items()
 }
+# The search-space keys whose backward is two kernels (dK/dV, then dQ): those where no one-kernel
+# tile both keeps dQ on wgmma (64 query rows) and fits in registers (see _BWD_DQ_CONFIGS).
+_TWO_KERNEL_BWD = {(True, True, False), (True, True, True), (False, True, True)}
+_bwd_dq_kernel = _autotuned(_flash_alibi_bwd_dq_kernel, _BWD_DQ_CONFIGS, _INTERPRETER_BWD_DQ)
 
 
 def head_dim_split(head_dim: int) -> tuple[int, int]:
@@ -829,15 +1003,22 @@ def _flash_alibi_bwd(
     """Returns (dq, dk, dv); dk and dv are laid out like k and v, dq is contiguous."""
     batch, heads, seq, head_dim = q.shape
     d0, d1 = head_dim_split(head_dim)
+    space = (dropout_p > 0, head_dim > 80, q_segment_start is not None)
+    two_kernels = space in _TWO_KERNEL_BWD
     delta = empty((batch, heads, seq), torch.float32, q.device)
-    # Zeroed by the preprocess kernel, not poisoned: the main kernel adds into it.
-    dq_acc = torch.empty((batch, heads, seq, head_dim), dtype=torch.float32, device=q.device)
+    # Zeroed by the preprocess kernel, not poisoned: the main kernel adds into it. With two
+    # kernels the dQ kernel writes dQ itself (in q's dtype) and the accumulator is not needed.
+    dq_shape = (batch, heads, seq, head_dim)
+    dq_acc = torch.empty(
+        dq_shape if not two_kernels else (1,), dtype=torch.float32, device=q.device
+    )
     dk, dv = empty_like(k), empty_like(v)
     launch(
         _flash_alibi_bwd_preprocess_kernel,
         (triton.cdiv(seq, _PREPROCESS_BLOCK_M), batch * heads),
         out, grad_out, delta, dq_acc, seq, heads, *out.stride(), *grad_out.stride(),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=_PREPROCESS_BLOCK_M,
+        ZERO_DQ=not two_kernels,
     )
     use_tma = _use_tma(head_dim, q, k, v, grad_out, dk, dv)
     if use_tma and not INTERPRET:
@@ -846,18 +1027,37 @@ def _flash_alibi_bwd(
     def grid(meta):
         return (triton.cdiv(seq, meta["BLOCK_N"]), batch * heads)
 
+    seed = _placeholder_if_none(rng_seed, slopes)
+    q_start = _placeholder_if_none(q_segment_start, slopes)
     launch(
-        _bwd_kernels[(dropout_p > 0, head_dim > 80, q_segment_start is not None)], grid,
+        _bwd_kernels[space], grid,
         q, k, v, slopes, grad_out, lse, delta, dq_acc, dk, dv,
-        _placeholder_if_none(rng_seed, slopes), _placeholder_if_none(q_segment_start, slopes),
-        _placeholder_if_none(k_segment_end, slopes), seq, heads, softmax_scale * LOG2E,
+        seed, q_start, _placeholder_if_none(k_segment_end, slopes), seq, heads, softmax_scale * LOG2E,
         softmax_scale, dropout_threshold(dropout_p), dropout_scale(dropout_p), q_offset, k_offset,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
         _seq_bucket(seq), CAUSAL=causal, SEGMENTS=q_segment_start is not None,
         HEAD_DIM=head_dim, D0=d0, D1=d1, DROPOUT=dropout_p > 0, USE_TMA=use_tma,
-        DQ_TMA=use_tma, PRECISION=dot_precision(q.dtype),
+        DQ_TMA=use_tma and not two_kernels, PRECISION=dot_precision(q.dtype),
+        WITH_DQ=not two_kernels,
     )
-    return dq_acc.to(q.dtype), dk, dv
+    if not two_kernels:
+        return dq_acc.to(q.dtype), dk, dv
+    dq = torch.empty(dq_shape, dtype=q.dtype, device=q.device)
+
+    def dq_grid(meta):
+        return (triton.cdiv(seq, meta["BLOCK_M"]), batch * heads)
+
+    launch(
+        _bwd_dq_kernel, dq_grid,
+        q, k, v, slopes, grad_out, lse, delta, dq, seed, q_start, seq, heads,
+        softmax_scale * LOG2E, softmax_scale, dropout_threshold(dropout_p),
+        dropout_scale(dropout_p), q_offset, k_offset,
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(),
+        _seq_bucket(seq), CAUSAL=causal, SEGMENTS=q_segment_start is not None,
+        HEAD_DIM=head_dim, D0=d0, D1=d1, DROPOUT=dropout_p > 0, USE_TMA=use_tma,
+        PRECISION=dot_precision(q.dtype),
+    )
+    return dq, dk, dv
 
 
 @_flash_alibi_bwd.register_fake

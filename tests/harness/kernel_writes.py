@@ -34,8 +34,11 @@ from bloomnative.kernels import (
 
 WRITES: dict[str, Callable[[dict], set[str]]] = {
     "_flash_alibi_fwd_kernel": lambda c: {"OUT", "LSE"},
-    "_flash_alibi_bwd_preprocess_kernel": lambda c: {"DELTA", "DQ_ACC"},
-    "_flash_alibi_bwd_kernel": lambda c: {"DQ_ACC", "DK", "DV"},
+    "_flash_alibi_bwd_preprocess_kernel": lambda c: (
+        {"DELTA"} | ({"DQ_ACC"} if c["ZERO_DQ"] else set())
+    ),
+    "_flash_alibi_bwd_kernel": lambda c: {"DK", "DV"} | ({"DQ_ACC"} if c["WITH_DQ"] else set()),
+    "_flash_alibi_bwd_dq_kernel": lambda c: {"DQ"},
     "_layer_norm_fwd_kernel": lambda c: (
         {"Y", "MEAN", "RSTD"} | ({"H_OUT"} if c["HAS_RESIDUAL"] else set())
     ),
@@ -175,14 +178,24 @@ def _fused_loss(token_weights: bool = False):
     return build
 
 
-_TMA = {"USE_TMA": True, "DQ_TMA": True}
-_POINTERS = {"USE_TMA": False, "DQ_TMA": False}
+_TMA = {"USE_TMA": True, "DQ_TMA": True, "WITH_DQ": True}
+_POINTERS = {"USE_TMA": False, "DQ_TMA": False, "WITH_DQ": True}
+# head_dim > 80 with dropout or segments: dK/dV, then a dQ kernel that stores dQ (no reduction).
+_TMA_TWO_KERNELS = {"USE_TMA": True, "DQ_TMA": False, "WITH_DQ": False}
 
 CASES = [
     Case("attention-bf16-d64-causal", _attention(64, torch.bfloat16), _TMA),
-    Case("attention-fp32-d128-causal-dropout", _attention(128, torch.float32, dropout_p=0.1), _TMA),
+    Case(
+        "attention-fp32-d128-causal-dropout",
+        _attention(128, torch.float32, dropout_p=0.1),
+        _TMA_TWO_KERNELS,
+    ),
     Case("attention-bf16-d80-not-causal", _attention(80, torch.bfloat16, causal=False), _TMA),
-    Case("attention-fp16-d96-causal-dropout", _attention(96, torch.float16, dropout_p=0.1), _TMA),
+    Case(
+        "attention-fp16-d96-causal-dropout",
+        _attention(96, torch.float16, dropout_p=0.1),
+        _TMA_TWO_KERNELS,
+    ),
     Case("attention-bf16-d72-padded", _attention(72, torch.bfloat16), _POINTERS),
     Case("attention-bf16-d64-packed-qkv-pointer-loads", _attention_packed_qkv(), _POINTERS),
     Case(
@@ -190,7 +203,11 @@ CASES = [
         _attention(64, torch.bfloat16, dropout_p=0.1, segments=(7, 1, 20, 12)),
         _TMA,
     ),
-    Case("attention-ring-block-d128-offsets-segments-dropout", _attention_ring_block(), _TMA),
+    Case(
+        "attention-ring-block-d128-offsets-segments-dropout",
+        _attention_ring_block(),
+        _TMA_TWO_KERNELS,
+    ),
     Case("layer_norm-bf16-n64-residual", _layer_norm(64, torch.bfloat16, residual=True)),
     Case("layer_norm-fp32-n96", _layer_norm(96, torch.float32, residual=False)),
     Case("layer_norm-bf16-n14336-wide-residual", _layer_norm(14336, torch.bfloat16, True)),

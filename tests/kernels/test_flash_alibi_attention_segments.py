@@ -3,6 +3,7 @@ gets what it gets alone. The oracle runs every segment of every sample as its ow
 sequence in float64 (positions from 0: ALiBi is relative, so packing moves nothing) and puts the
 pieces side by side; the kernel sees the packed sample once."""
 
+import importlib
 import math
 
 import numpy as np
@@ -17,6 +18,8 @@ from bloomnative.kernels import (
     segment_bounds,
 )
 from harness.kernel_checks import TOLERANCE, assert_close_to_reference, bloom_alibi_slopes
+
+fa_module = importlib.import_module("bloomnative.kernels.flash_alibi_attention")
 
 # Segment lengths per sample, against the interpreter's 32x16 forward and 16x32 backward tiles:
 # segments starting mid-block, one of length 1, padding (id 0) at the end, a segment longer than
@@ -183,3 +186,42 @@ def test_segment_bounds_are_the_runs_of_equal_ids():
     assert start.tolist() == [[10, 10, 12, 12, 12, 15, 16], [10] * 7]
     assert end.tolist() == [[12, 12, 15, 15, 15, 16, 17], [17] * 7]
     assert start.dtype == end.dtype == torch.int32
+
+
+TWO_KERNEL_CASES = [  # (head_dim, dropout_p, segments, causal, q_offset, k_offset)
+    (128, 0.3, True, True, 0, 0),
+    (96, 0.0, True, True, 0, 0),
+    (96, 0.3, False, True, 61, 32),
+    (128, 0.2, False, False, 0, 0),
+]
+
+
+@pytest.mark.parametrize(
+    "head_dim, dropout_p, segments, causal, q_offset, k_offset",
+    TWO_KERNEL_CASES,
+    ids=[f"d{c[0]}-p{c[1]}-{'seg' if c[2] else 'noseg'}-{'causal' if c[3] else 'full'}-q{c[4]}"
+         for c in TWO_KERNEL_CASES],
+)  # fmt: skip
+def test_two_kernel_backward_matches_the_reference(
+    triton_kernels, head_dim, dropout_p, segments, causal, q_offset, k_offset
+):
+    """head_dim > 80 with dropout or segments: dK/dV in one kernel, dQ recomputed query-major in
+    another, drawing the same dropout stream as the forward."""
+    assert fa_module._TWO_KERNEL_BWD >= {(dropout_p > 0, True, segments)}
+    seq = 40
+    ids = _segment_ids([7, 17, 1, 15], pad_last=False)[None]
+    q, k, v = (torch.randn(1, 2, seq, head_dim, requires_grad=True) for _ in range(3))
+    slopes, seed = bloom_alibi_slopes(2), torch.tensor(11, dtype=torch.int64)
+    args = dict(
+        causal=causal, dropout_p=dropout_p, rng_seed=seed if dropout_p else None,
+        q_offset=q_offset, k_offset=k_offset, segments=segment_bounds(ids) if segments else None,
+    )  # fmt: skip
+    out = flash_alibi_attention(q, k, v, slopes, **args)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = flash_alibi_attention_reference(*leaves, slopes.double(), **args)
+    ref_grads = torch.autograd.grad(ref, leaves, grad_out.double())
+    assert_close_to_reference(out, ref, 1e-5, "out")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        assert_close_to_reference(got, want, 1e-5, name)

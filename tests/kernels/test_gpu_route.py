@@ -21,7 +21,11 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.multiprocess  # the traces are made in a process of their own
 
 SCRIPT = HARNESS_DIR / "gpu_route.py"
-ATTENTION_KERNELS = {"_flash_alibi_fwd_kernel", "_flash_alibi_bwd_kernel"}
+ATTENTION_KERNELS = {
+    "_flash_alibi_fwd_kernel",
+    "_flash_alibi_bwd_kernel",
+    "_flash_alibi_bwd_dq_kernel",
+}
 
 
 @pytest.fixture(scope="module")

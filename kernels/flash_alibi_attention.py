@@ -1032,8 +1032,9 @@ def _flash_alibi_bwd(
     launch(
         _bwd_kernels[space], grid,
         q, k, v, slopes, grad_out, lse, delta, dq_acc, dk, dv,
-        seed, q_start, _placeholder_if_none(k_segment_end, slopes), seq, heads, softmax_scale * LOG2E,
-        softmax_scale, dropout_threshold(dropout_p), dropout_scale(dropout_p), q_offset, k_offset,
+        seed, q_start, _placeholder_if_none(k_segment_end, slopes), seq, heads,
+        softmax_scale * LOG2E, softmax_scale, dropout_threshold(dropout_p),
+        dropout_scale(dropout_p), q_offset, k_offset,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
         _seq_bucket(seq), CAUSAL=causal, SEGMENTS=q_segment_start is not None,
         HEAD_DIM=head_dim, D0=d0, D1=d1, DROPOUT=dropout_p > 0, USE_TMA=use_tma,

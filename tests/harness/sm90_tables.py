@@ -3,7 +3,11 @@ sm90_compile_check.py (``--markdown`` prints them; a test compares them with the
 
 from __future__ import annotations
 
-ATTENTION = ("_flash_alibi_fwd_kernel", "_flash_alibi_bwd_kernel")
+ATTENTION = {  # kernel: its name in the tables, in their order
+    "_flash_alibi_fwd_kernel": "forward",
+    "_flash_alibi_bwd_kernel": "backward",
+    "_flash_alibi_bwd_dq_kernel": "backward dQ",
+}
 TABLE_START = "<!-- sm90 tables: "
 TABLE_END = "<!-- end of sm90 tables -->"
 
@@ -28,7 +32,7 @@ def markdown_tables(results: list[dict]) -> str:
             continue
         c = r["constexprs"]
         key = (
-            "forward" if r["kernel"] == ATTENTION[0] else "backward",
+            ATTENTION[r["kernel"]],
             "yes" if c["DROPOUT"] else "no",
             "yes" if c["SEGMENTS"] else "no",
             f"{c['BLOCK_M']}x{c['BLOCK_N']} w{r['num_warps']} s{r['num_stages']}",
@@ -41,7 +45,8 @@ def markdown_tables(results: list[dict]) -> str:
         + " | dots / iteration |",
         "| --- " * (len(head_dims) + 5) + "|",
     ]
-    for key in sorted(rows, key=lambda k: (k[0] != "forward", *k[1:])):
+    order = list(ATTENTION.values())
+    for key in sorted(rows, key=lambda k: (order.index(k[0]), *k[1:])):
         cells = [rows[key].get(d, "") for d in head_dims]
         lines.append(
             f"| {' | '.join(key)} | {' | '.join(cells)} | {' / '.join(sorted(dots[key]))} |"

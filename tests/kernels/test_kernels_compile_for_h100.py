@@ -2,8 +2,8 @@
 config of every kernel fits (no spills, <= 255 registers, <= 227 KB shared memory), for every
 head_dim family with and without dropout, and the attention kernels use what Hopper offers
 (warpgroup MMA, TMA copies and reductions) with the matmul count per loop iteration that the
-algorithm promises (forward 2, backward 5), and no matmul falls back to mma.sync (Triton's
-choice for result tiles under 64 rows) outside the backward variants named below.
+algorithm promises (forward 2, backward 5, or 4 + 3 as two kernels), and no matmul falls back to
+mma.sync (Triton's choice for result tiles under 64 rows).
 docs/kernels.md's tables are this check's output.
 
 The interpreter tests check the math; this checks what the interpreter cannot. See
@@ -30,6 +30,7 @@ EXPECTED_KERNELS = {
     "_flash_alibi_fwd_kernel",
     "_flash_alibi_bwd_preprocess_kernel",
     "_flash_alibi_bwd_kernel",
+    "_flash_alibi_bwd_dq_kernel",
     "_layer_norm_fwd_kernel",
     "_layer_norm_bwd_kernel",
     "_layer_norm_bwd_row_sums_kernel",
@@ -40,11 +41,19 @@ EXPECTED_KERNELS = {
     "_row_grad_kernel",
 }
 
-# (head_dim, dropout, segments) whose backward has no spill-free tile with 64 query rows yet, so
-# its dQ matmul runs on mma.sync (kernels/flash_alibi_attention.py's search spaces).
-NARROW_DQ_BACKWARDS = {(d, True, s) for d in (96, 128) for s in (False, True)} | {
+# (head_dim, dropout, segments) whose backward is two kernels, dK/dV then dQ
+# (kernels/flash_alibi_attention.py's _TWO_KERNEL_BWD): no one-kernel tile with 64 query rows
+# fits in their registers.
+TWO_KERNEL_BACKWARDS = {(d, True, s) for d in (96, 128) for s in (False, True)} | {
     (96, False, True),
     (128, False, True),
+}
+# Matmuls per loop iteration (each two dots with a split head_dim); the backward without dQ
+# when it runs as the first of two kernels.
+MATMULS = {
+    "_flash_alibi_fwd_kernel": 2,
+    "_flash_alibi_bwd_kernel": 5,
+    "_flash_alibi_bwd_dq_kernel": 3,
 }
 
 # The float arguments of each kernel that has some: Inductor types a Python float fp64 where a
@@ -52,6 +61,7 @@ NARROW_DQ_BACKWARDS = {(d, True, s) for d in (96, 128) for s in (False, True)} |
 FLOAT_ARGUMENTS = {
     "_flash_alibi_fwd_kernel": ["qk_scale", "drop_scale"],
     "_flash_alibi_bwd_kernel": ["qk_scale", "sm_scale", "drop_scale"],
+    "_flash_alibi_bwd_dq_kernel": ["qk_scale", "sm_scale", "drop_scale"],
     "_layer_norm_fwd_kernel": ["eps"],
 }
 
@@ -84,32 +94,35 @@ def test_every_config_of_every_kernel_fits_sm90_and_attention_uses_wgmma_and_tma
         assert r["shared_bytes"] <= 227 * 1024, (
             f"{r['shared_bytes']} bytes of shared memory: {where}"
         )
-    attention = [
-        r for r in compiled if r["kernel"] in ("_flash_alibi_fwd_kernel", "_flash_alibi_bwd_kernel")
-    ]
+    attention = [r for r in compiled if r["kernel"] in MATMULS]
     variants = {
-        (r["constexprs"]["HEAD_DIM"], r["constexprs"]["DROPOUT"], r["constexprs"]["SEGMENTS"])
-        for r in attention
+        kernel: {
+            (r["constexprs"]["HEAD_DIM"], r["constexprs"]["DROPOUT"], r["constexprs"]["SEGMENTS"])
+            for r in attention
+            if r["kernel"] == kernel
+        }
+        for kernel in MATMULS
     }
     flags = (False, True)
-    assert variants == {(d, p, s) for d in (64, 80, 96, 128) for p in flags for s in flags}
+    every = {(d, p, s) for d in (64, 80, 96, 128) for p in flags for s in flags}
+    assert variants["_flash_alibi_fwd_kernel"] == variants["_flash_alibi_bwd_kernel"] == every
+    assert variants["_flash_alibi_bwd_dq_kernel"] == TWO_KERNEL_BACKWARDS
     for r in attention:
         c = r["constexprs"]
         where = f"{r['kernel']} d{c['HEAD_DIM']} {c['BLOCK_M']}x{c['BLOCK_N']}"
         assert c["USE_TMA"], where
         assert r["wgmma"] > 0, f"no wgmma.mma_async: {where}"
-        variant = (c["HEAD_DIM"], c["DROPOUT"], c["SEGMENTS"])
-        if r["kernel"] == "_flash_alibi_bwd_kernel" and variant in NARROW_DQ_BACKWARDS:
-            assert r["mma_sync"] > 0, f"{where} now uses wgmma only: drop it from the list"
-        else:
-            assert r["mma_sync"] == 0, f"{r['mma_sync']} mma.sync instructions: {where}"
+        assert r["mma_sync"] == 0, f"{r['mma_sync']} mma.sync instructions: {where}"
         assert r["tma"] > 0, f"no cp.async.bulk.tensor: {where}"
-        matmuls = 2 if r["kernel"] == "_flash_alibi_fwd_kernel" else 5
+        two_kernels = (c["HEAD_DIM"], c["DROPOUT"], c["SEGMENTS"]) in TWO_KERNEL_BACKWARDS
+        matmuls = MATMULS[r["kernel"]]
+        if r["kernel"] == "_flash_alibi_bwd_kernel":
+            assert c["WITH_DQ"] != two_kernels, where
+            assert c["DQ_TMA"] == c["WITH_DQ"], where
+            assert (r["tma_reduce"] > 0) == c["WITH_DQ"], f"dq reductions: {where}"
+            matmuls -= not c["WITH_DQ"]
         dots = matmuls * (2 if c["D1"] else 1)  # a split head_dim makes each matmul two dots
         assert r["loop_dots"] and all(n == dots for n in r["loop_dots"]), (where, r["loop_dots"])
-        if r["kernel"] == "_flash_alibi_bwd_kernel":
-            assert c["DQ_TMA"], where
-            assert r["tma_reduce"] > 0, f"dq is not accumulated with TMA reductions: {where}"
 
 
 def test_with_inductors_fp64_floats_every_kernel_compiles_and_computes_in_fp32(compiled):

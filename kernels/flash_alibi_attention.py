@@ -27,7 +27,10 @@ key block walks the query blocks at and below the diagonal and computes
 ``S = K Q^T``, ``dP = V dO^T``, ``dV += P^T dO``, ``dK += dS^T Q`` and ``dQ_partial = dS K``,
 with ``P`` recomputed from the stored log-sum-exp and ``dS = P * (dP - delta)``,
 ``delta_i = out_i . dout_i``. ``dQ_partial`` is added to an fp32 accumulator with atomics (a TMA
-reduction on sm_90), then rounded to q's dtype.
+reduction on sm_90), then rounded to q's dtype. Where 64 query rows of that pass do not fit in
+registers (head_dim 96 and 128 with dropout or segments, ``_TWO_KERNEL_BWD``) it runs without
+``dQ`` and a second, query-major kernel recomputes ``S`` and ``dP`` per 64-row query tile and
+computes ``dQ = dS K`` (docs/kernels.md, "Every matmul on wgmma").
 
 Head dims that are not a power of two but a sum of two (80 = 64 + 16, 96 = 64 + 32, 48 = 32 + 16)
 are split into two tiles and every matmul into two: no tensor-core work is spent on padding.

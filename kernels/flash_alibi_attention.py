@@ -127,7 +127,6 @@ _BWD_DQ_CONFIGS = _configs((64, 64, 4, 2), (64, 64, 4, 3))
 # Small tiles for the interpreter, with BLOCK_M != BLOCK_N so the ragged-diagonal code runs.
 _INTERPRETER_FWD = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16})
 _INTERPRETER_BWD = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
-_INTERPRETER_BWD_DQ = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
 _PREPROCESS_BLOCK_M = 64
 _AUTOTUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "CAUSAL", "DROPOUT"]
 
@@ -685,7 +684,7 @@ def _bwd_dq_kv_loop(
     stride_vs, stride_vd, offs_m, lse, delta, last_key, first_key, col0, slope2, qk_scale,
     seq_len, seed, drop_threshold, drop_scale, drop_rows, k_offset, b, h, lo, hi,
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, DT: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr,
     DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # The dQ half of the two-kernel backward, query-major like the forward: P and dS of this
@@ -718,13 +717,13 @@ def _bwd_dq_kv_loop(
             dp = tl.dot(do_t, tl.trans(v_t), dp, input_precision=PRECISION)
         column = slope2 * (offs_n - col0).to(tl.float32)
         p = tl.exp2(s * qk_scale + column[None, :] - lse[:, None])
-        if MASKED:  # keys past the end (their exp2 may be inf: select, not scale) and causal
-            keep = (offs_n < seq_len)[None, :]
-            if CAUSAL:
-                keep = keep & (offs_n[None, :] <= last_key[:, None])
-            if SEGMENTS:
-                keep = keep & (offs_n[None, :] >= first_key[:, None])
-            p = tl.where(keep, p, 0.0)
+        # Every block is masked (keys past the end: their exp2 may be inf, so select, not scale).
+        keep = (offs_n < seq_len)[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= last_key[:, None])
+        if SEGMENTS:
+            keep = keep & (offs_n[None, :] >= first_key[:, None])
+        p = tl.where(keep, p, 0.0)
         if DROPOUT:
             keep = _dropout_keep(seed, b, h, drop_rows, start_n + k_offset, drop_threshold, BLOCK_N)
             dp = tl.where(keep, dp * drop_scale, 0.0)
@@ -821,7 +820,7 @@ def _flash_alibi_bwd_dq_kernel(
         dq, dq_t, q, q_t, do, do_t, k_src, k_src_t, v_src, v_src_t, stride_ks, stride_kd,
         stride_vs, stride_vd, offs_m, lse, delta, last_key, first_key, col0, slope2, qk_scale,
         seq_len, seed, drop_threshold, drop_scale, offs_m + q_offset, k_offset, b, h, lo, hi,
-        HEAD_DIM, D0, D1, DT, BLOCK_N, True, CAUSAL, SEGMENTS, DROPOUT, USE_TMA,
+        HEAD_DIM, D0, D1, DT, BLOCK_N, CAUSAL, SEGMENTS, DROPOUT, USE_TMA,
         PRECISION,
     )
     dq_base = DQ + bh.to(tl.int64) * seq_len * HEAD_DIM
@@ -865,7 +864,7 @@ _bwd_kernels = {
 # The search-space keys whose backward is two kernels (dK/dV, then dQ): those where no one-kernel
 # tile both keeps dQ on wgmma (64 query rows) and fits in registers (see _BWD_DQ_CONFIGS).
 _TWO_KERNEL_BWD = {(True, True, False), (True, True, True), (False, True, True)}
-_bwd_dq_kernel = _autotuned(_flash_alibi_bwd_dq_kernel, _BWD_DQ_CONFIGS, _INTERPRETER_BWD_DQ)
+_bwd_dq_kernel = _autotuned(_flash_alibi_bwd_dq_kernel, _BWD_DQ_CONFIGS, _INTERPRETER_BWD)
 
 
 def head_dim_split(head_dim: int) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from mds_layout import (
     EPS,
     WEIGHT_DECAY,
     Run,
+    rank_params,
     saved_classes,
     source_tensors,
     write_checkpoint,
@@ -90,6 +91,7 @@ def test_deepspeed_reads_the_same_tensors(tmp_path, folder):
         )
     # The fixture's universal_checkpoint_info cuts the vocabulary to RUN.vocab, as BLOOM's did.
     ours = read_mds_state(folder, vocab_size=RUN.vocab)
+    _assert_same_state(read_mds_state(out), read_mds_state(folder), zero_rows_from=RUN.vocab)
     params = sorted(p.name for p in (out / "zero").iterdir() if p.is_dir())
     assert sorted(canonical_name(p, first_layer=3) for p in params) == sorted(ours.tensors)
     for param in params:
@@ -98,6 +100,68 @@ def test_deepspeed_reads_the_same_tensors(tmp_path, folder):
             theirs = torch.load(out / "zero" / param / f"{s}.pt", weights_only=False)["param"]
             assert torch.equal(theirs, ours.tensors[name][s]), (param, s)
         assert int(torch.load(out / "zero" / param / "step.pt", weights_only=False)) == ours.step
+
+
+def _assert_same_state(got, want, zero_rows_from: int | None = None) -> None:
+    """`got` (an MdsState) equals `want`; with `zero_rows_from`, the embedding's rows from there
+    on are zero in `got` (a universal checkpoint's padding, as DeepSpeed's loader pads)."""
+    assert got.args == want.args
+    counters = ("step", "iteration", "consumed_samples", "lr_samples")
+    assert [getattr(got, c) for c in counters] == [getattr(want, c) for c in counters]
+    assert got.tensors.keys() == want.tensors.keys()
+    for name, states in want.tensors.items():
+        for s, tensor in states.items():
+            mine = got.tensors[name][s]
+            if zero_rows_from is not None and name == "word_embeddings.weight":
+                assert not mine[zero_rows_from:].any()
+                mine, tensor = mine[:zero_rows_from], tensor[:zero_rows_from]
+            assert torch.equal(mine, tensor), (name, s)
+        options = ("lr", "eps", "weight_decay")
+        assert [got.hyper[name][o] for o in options] == [want.hyper[name][o] for o in options]
+        assert tuple(got.hyper[name]["betas"]) == tuple(want.hyper[name]["betas"])
+
+
+def test_to_mds_is_read_back_by_deepspeeds_universal_loader(tmp_path, folder, source):
+    """to-mds of the import: DeepSpeed's universal loader (load_hp_checkpoint_state, as each
+    BF16_Optimizer parameter calls it) gives every (pp, tp) rank of the source's tp2 x pp2
+    layout its slice of the source tensors and step; to-native of it is the import again; a
+    planted pickle in it does not run."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
+    from deepspeed.utils.tensor_fragment import fragment_address, tensor_fragment
+
+    dump, out = tmp_path / "dump", tmp_path / "universal"
+    checkpoint = import_mds_checkpoint(folder, dump)
+    assert convert_mds.main(["to-mds", "--checkpoint", str(checkpoint), "--out", str(out)]) == 0
+    step_folder = out / f"global_step{RUN.iteration}"
+    assert (out / "latest_universal").read_text() == step_folder.name
+    for pp in range(RUN.pp):
+        for tp in range(RUN.tp):
+            for ds, states in rank_params(RUN, source, pp, tp).items():
+                param = torch.empty(states["fp32"].shape)
+                numel = param.numel()
+                param._hp_mapping = tensor_fragment(
+                    lp_fragment=param.view(-1),
+                    lp_fragment_address=fragment_address(numel=numel, start=0),
+                    hp_fragment=torch.zeros(numel),
+                    hp_fragment_address=fragment_address(numel=numel, start=0),
+                    gradient_dict={},
+                    offload_gradient_dict={},
+                    use_offload=False,
+                    param_group_index=0,
+                )
+                step = load_hp_checkpoint_state(param, str(step_folder / "zero" / ds), tp, RUN.tp)
+                assert int(step) == RUN.step
+                loaded = {"fp32": param._hp_mapping.hp_fragment, **param._hp_mapping.optim_fragment}
+                for s, tensor in states.items():
+                    assert torch.equal(loaded[s], tensor.reshape(-1)), (ds, pp, tp, s)
+    _assert_same_state(read_mds_state(step_folder), read_mds_state(folder))
+    marker = tmp_path / "ran"
+    victim = step_folder / "zero" / "3.input_layernorm.weight" / "fp32.pt"
+    _planted(victim, marker)
+    with pytest.raises(CheckpointFormatError, match=r"fp32\.pt: holds (posix|os)\.mkdir"):
+        read_mds_state(step_folder)
+    assert not marker.exists()
 
 
 def _adamw_float64(p, m, v, g, lr, wd, step):

@@ -97,6 +97,8 @@ def convert_to_native(args: argparse.Namespace) -> None:
     )
     out = write_training_checkpoint(state, args.out, args.overwrite)
     log(f"wrote {out}")
+    if overrides := state.training_overrides():
+        log(f"the source's batch-size schedule continues with {' '.join(overrides)}")
 
 
 def convert_to_mds(args: argparse.Namespace) -> None:

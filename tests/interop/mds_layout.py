@@ -60,6 +60,9 @@ class Run:
     consumed: int = 56
     lr_samples: int = 56
     position_embedding: str = "alibi"
+    global_batch: int = 8
+    rampup: tuple | None = None
+    """Megatron's --rampup-batch-size values (argparse keeps them as the strings given)."""
 
 
 def source_tensors(run: Run, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
@@ -218,6 +221,8 @@ def megatron_args(run: Run, position_embedding_type: enum.Enum) -> argparse.Name
         world_size=run.tp * run.pp * run.dp,
         layernorm_epsilon=1e-5,
         consumed_train_samples=run.consumed,
+        global_batch_size=run.global_batch,
+        rampup_batch_size=[str(v) for v in run.rampup] if run.rampup else None,
         lr=LR,
         adam_beta1=BETAS[0],
         adam_beta2=BETAS[1],

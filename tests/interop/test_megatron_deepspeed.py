@@ -25,7 +25,8 @@ from mds_layout import (
 
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint import reading
-from bloomnative.config import OptimizerConfig
+from bloomnative.config import OptimizerConfig, parse_args
+from bloomnative.data.rampup import BatchSizeSchedule
 from bloomnative.interop import CheckpointFormatError
 from bloomnative.interop.megatron_deepspeed import (
     canonical_name,
@@ -162,6 +163,41 @@ def test_to_mds_is_read_back_by_deepspeeds_universal_loader(tmp_path, folder, so
     with pytest.raises(CheckpointFormatError, match=r"fp32\.pt: holds (posix|os)\.mkdir"):
         read_mds_state(step_folder)
     assert not marker.exists()
+
+
+def _megatron_batch_size(consumed: int, start: int, increment: int, ramp: int, gbs: int) -> int:
+    """Megatron's RampupBatchsizeNumMicroBatches.update (megatron/microbatches.py), transcribed."""
+    if consumed > ramp:
+        return gbs
+    return start + int(consumed / (ramp / ((gbs - start) // increment))) * increment
+
+
+def test_the_batch_size_rampup_continues_exactly(tmp_path, source, capsys):
+    """The args' global batch size and rampup become run_train.sh arguments under which every
+    step's global batch size, from the samples consumed, is Megatron's; a rampup that does not
+    land on the global batch size is refused in one line."""
+    ramp = Run(global_batch=16, rampup=(4, 4, 60), tp=1, pp=1, dp=1)
+    folder = write_checkpoint(tmp_path / "ramp", ramp, source_tensors(ramp))
+    dump = tmp_path / "dump"
+    assert convert_mds.main(["to-native", "--checkpoint", str(folder), "--out", str(dump)]) == 0
+    overrides = read_mds_state(folder).training_overrides()
+    assert " ".join(overrides) in capsys.readouterr().err
+    training = parse_args([*overrides, "--training.micro_batch_size=4"]).training
+    schedule = BatchSizeSchedule(training.global_batch_size, tuple(training.rampup_batch_size))
+    for consumed in range(0, 80):
+        assert schedule(consumed) == _megatron_batch_size(consumed, 4, 4, 60, 16), consumed
+    assert read_mds_state(
+        write_checkpoint(tmp_path / "flat", Run(), source)
+    ).training_overrides() == [
+        "--training.global_batch_size=8",
+        "--training.rampup_batch_size=",
+    ]
+    uneven = Run(global_batch=16, rampup=(4, 5, 60), tp=1, pp=1, dp=1)
+    folder = write_checkpoint(tmp_path / "uneven", uneven, source_tensors(uneven))
+    assert convert_mds.main(["to-native", "--checkpoint", str(folder), "--out", str(dump)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "mp_rank_00_model_states.pt: args.rampup_batch_size ['4', '5', '60']" in line
+    assert "\n" not in line
 
 
 def _adamw_float64(p, m, v, g, lr, wd, step):

@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from bloomnative.checkpoint.checkpointer import optimizer_state
 from bloomnative.checkpoint.integrity import ChecksummingWriter, write_record
 from bloomnative.checkpoint.run_record import ARGS_FILE, model_fields, write_json_file
+from bloomnative.data.rampup import BatchSizeSchedule
 from bloomnative.interop.adapter_state import CheckpointFormatError
 from bloomnative.interop.mds_files import (
     COLUMN_PARALLEL,
@@ -80,6 +81,20 @@ class MdsState:
     consumed_samples: int
     lr_samples: int
     """The samples the learning-rate schedule has advanced by."""
+    batch_size: BatchSizeSchedule | None = None
+    """The run's global batch size and batch-size rampup (Megatron's `--global-batch-size`,
+    `--rampup-batch-size`), None when its args do not name them."""
+
+    def training_overrides(self) -> list[str]:
+        """The run_train.sh arguments that continue the source's batch-size schedule: with the
+        samples consumed carried over, every step's global batch size is the source's."""
+        if self.batch_size is None:
+            return []
+        ramp = ",".join(str(v) for v in self.batch_size.rampup or ())
+        return [
+            f"--training.global_batch_size={self.batch_size.global_batch_size}",
+            f"--training.rampup_batch_size={ramp}",
+        ]
 
 
 def canonical_name(ds_name: str, first_layer: int) -> str | None:
@@ -146,6 +161,31 @@ def _bloom_args(ckpt: MdsCheckpoint, vocab_size: int | None) -> BloomArgs:
         vocab_size=vocab_size or padded,
         layer_norm_epsilon=float(getattr(a, "layernorm_epsilon", 1e-5)),
     )
+
+
+def _batch_size(ckpt: MdsCheckpoint) -> BatchSizeSchedule | None:
+    """The args' global batch size and rampup as bloomnative's schedule, which computes
+    Megatron's RampupBatchsizeNumMicroBatches exactly; CheckpointFormatError (one line) for a
+    rampup it cannot map."""
+    gbs = getattr(ckpt.args, "global_batch_size", None)
+    if gbs is None:
+        return None
+    path = ckpt.folder / ckpt.layout.model_file(0, 0)
+    given = getattr(ckpt.args, "rampup_batch_size", None)
+    try:
+        values = [int(v) for v in given] if given else []
+        if values and (len(values) != 3 or min(values) <= 0):
+            raise ValueError("Megatron's rampup is [start, increment, samples], each positive")
+        schedule = BatchSizeSchedule(
+            int(gbs), (values[0], values[1], values[2]) if values else None
+        )
+        schedule(0)  # rampup_batch_size's checks
+    except (TypeError, ValueError) as e:
+        raise CheckpointFormatError(
+            f"{path}: args.rampup_batch_size {given!r} with global_batch_size {gbs!r} cannot be "
+            f"continued exactly ({e})"
+        ) from None
+    return schedule
 
 
 def _check_shapes(ckpt: MdsCheckpoint, args: BloomArgs, tensors: dict[str, dict]) -> None:
@@ -226,6 +266,7 @@ def _joined_state(
         iteration=ckpt.iteration,
         consumed_samples=consumed,
         lr_samples=int(ckpt.lr_scheduler.get("num_steps", consumed)),
+        batch_size=_batch_size(ckpt),
     )
 
 

@@ -12,16 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from mds_layout import (
-    BETAS,
-    EPS,
-    WEIGHT_DECAY,
-    Run,
-    rank_params,
-    saved_classes,
-    source_tensors,
-    write_checkpoint,
-)
 
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint import reading
@@ -36,6 +26,15 @@ from bloomnative.interop.megatron_deepspeed import (
 from bloomnative.interop.native_checkpoint import open_checkpoint
 from bloomnative.model import Bloom
 from bloomnative.train.optimizer import build_optimizer
+from harness.mds_layout import (
+    WEIGHT_DECAY,
+    Run,
+    adamw_float64,
+    rank_params,
+    saved_classes,
+    source_tensors,
+    write_checkpoint,
+)
 from harness.training import TINY_RUN, load_tool, run_train_sh
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -200,16 +199,6 @@ def test_the_batch_size_rampup_continues_exactly(tmp_path, source, capsys):
     assert "\n" not in line
 
 
-def _adamw_float64(p, m, v, g, lr, wd, step):
-    b1, b2 = BETAS
-    p, m, v, g = (t.double() for t in (p, m, v, g))
-    p = p * (1 - lr * wd)
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
-    t = step + 1
-    return p - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + EPS)
-
-
 def test_one_adamw_step_from_the_import_uses_the_moments(tmp_path, folder, source):
     """The checkpoint loads into a Bloom and the trainer's AdamW as a resume loads it; one step
     with given gradients equals the float64 AdamW step from the source tensors."""
@@ -249,13 +238,11 @@ def test_one_adamw_step_from_the_import_uses_the_moments(tmp_path, folder, sourc
     for name, p in params.items():
         src = source[name]
         wd = WEIGHT_DECAY if p.ndim >= 2 else 0.0
-        expected = _adamw_float64(
+        expected = adamw_float64(
             src["fp32"], src["exp_avg"], src["exp_avg_sq"], grads[name], lr, wd, RUN.step
         )
         torch.testing.assert_close(p.detach().double(), expected, rtol=0, atol=1e-6)
-        fresh = _adamw_float64(
-            src["fp32"], 0 * src["fp32"], 0 * src["fp32"], grads[name], lr, wd, 0
-        )
+        fresh = adamw_float64(src["fp32"], 0 * src["fp32"], 0 * src["fp32"], grads[name], lr, wd, 0)
         assert (fresh - expected).abs().max() > 1e-4, name  # the moments change the step
 
 

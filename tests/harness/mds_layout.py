@@ -17,6 +17,7 @@ import enum
 import random
 import sys
 import types
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -179,6 +180,37 @@ def saved_classes() -> Iterator[tuple[type, type]]:
     finally:
         for name in added:
             sys.modules.pop(name, None)
+
+
+def adamw_float64(
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    lr: float,
+    wd: float,
+    step: int,
+) -> torch.Tensor:
+    """The weight after one torch.optim.AdamW step from (p, m, v) at Adam step count `step`
+    with gradient `g`, in float64 (the independent reference of the continuation tests)."""
+    b1, b2 = BETAS
+    p, m, v, g = (t.double() for t in (p, m, v, g))
+    p = p * (1 - lr * wd)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    t = step + 1
+    return p - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + EPS)
+
+
+STEP_LR = 1e-3
+"""The learning rate of the continuation tests' one step."""
+
+
+def step_gradient(name: str, shape: torch.Size) -> torch.Tensor:
+    """The gradient the continuation tests give the canonical parameter `name` (the same in
+    every process and layout)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen) * 1e-2
 
 
 def universal_info(run: Run) -> dict:

@@ -17,7 +17,7 @@ from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint import reading
 from bloomnative.config import OptimizerConfig, parse_args
 from bloomnative.data.rampup import BatchSizeSchedule
-from bloomnative.interop import CheckpointFormatError
+from bloomnative.interop import CheckpointFormatError, save_native_checkpoint
 from bloomnative.interop.megatron_deepspeed import (
     canonical_name,
     import_mds_checkpoint,
@@ -121,7 +121,7 @@ def _assert_same_state(got, want, zero_rows_from: int | None = None) -> None:
         assert tuple(got.hyper[name]["betas"]) == tuple(want.hyper[name]["betas"])
 
 
-def test_to_mds_is_read_back_by_deepspeeds_universal_loader(tmp_path, folder, source):
+def test_to_mds_is_read_back_by_deepspeeds_universal_loader(tmp_path, folder, source, capsys):
     """to-mds of the import: DeepSpeed's universal loader (load_hp_checkpoint_state, as each
     BF16_Optimizer parameter calls it) gives every (pp, tp) rank of the source's tp2 x pp2
     layout its slice of the source tensors and step; to-native of it is the import again; a
@@ -135,6 +135,8 @@ def test_to_mds_is_read_back_by_deepspeeds_universal_loader(tmp_path, folder, so
     assert convert_mds.main(["to-mds", "--checkpoint", str(checkpoint), "--out", str(out)]) == 0
     step_folder = out / f"global_step{RUN.iteration}"
     assert (out / "latest_universal").read_text() == step_folder.name
+    groups = torch.load(step_folder / "zero" / "optimizer_state.pt", weights_only=True)
+    assert [g["weight_decay"] for g in groups["param_groups"]] == [WEIGHT_DECAY, 0.0]  # Megatron's
     for pp in range(RUN.pp):
         for tp in range(RUN.tp):
             for ds, states in rank_params(RUN, source, pp, tp).items():
@@ -156,6 +158,11 @@ def test_to_mds_is_read_back_by_deepspeeds_universal_loader(tmp_path, folder, so
                 for s, tensor in states.items():
                     assert torch.equal(loaded[s], tensor.reshape(-1)), (ds, pp, tp, s)
     _assert_same_state(read_mds_state(step_folder), read_mds_state(folder))
+    missing = shutil.copytree(step_folder, tmp_path / "missing" / step_folder.name)
+    (missing / "zero" / "6.weight" / "exp_avg_sq.pt").unlink()
+    code = convert_mds.main(["to-native", "--checkpoint", str(missing), "--out", str(dump)])
+    assert code == 2
+    assert f"{missing}: missing file exp_avg_sq.pt of 6.weight" in capsys.readouterr().err
     marker = tmp_path / "ran"
     victim = step_folder / "zero" / "3.input_layernorm.weight" / "fp32.pt"
     _planted(victim, marker)
@@ -291,6 +298,12 @@ def test_bad_folders_are_one_line_and_exit_2(tmp_path, folder, capsys):
     )
     assert "args.position_embedding_type is rotary; BLOOM's is alibi" in run(rotary)
     assert not (tmp_path / "out").exists()
+    model_only = save_native_checkpoint(Bloom(read_mds_state(folder).args), tmp_path / "model")
+    code = convert_mds.main(["to-mds", "--checkpoint", str(model_only), "--out", str(tmp_path)])
+    assert code == 2
+    line = capsys.readouterr().err.strip()
+    assert f"{model_only}: holds no AdamW moments of word_embeddings.weight's shape" in line
+    assert "\n" not in line
 
 
 @pytest.mark.multiprocess

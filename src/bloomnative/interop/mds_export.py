@@ -23,7 +23,6 @@ from bloomnative.interop.mds_files import STATES
 from bloomnative.interop.mds_universal import write_universal
 from bloomnative.interop.megatron_deepspeed import MdsState, ds_name
 from bloomnative.interop.native_checkpoint import (
-    MODEL_KEY,
     canonical_state_dict,
     open_checkpoint,
     read_native_model,
@@ -64,15 +63,18 @@ def read_native_state(checkpoint_dir: str | Path) -> MdsState:
     steps: set[int] = set()
     for name, weight in weights.items():
         state = f"optimizer.state.{name}."
-        if state + "exp_avg" not in entries:
-            raise CheckpointFormatError(
-                f"{checkpoint_dir}: no AdamW state for {name} ({MODEL_KEY} only?); to-mds "
-                "writes a training checkpoint's optimizer state"
-            )
-        tensors[name] = {
-            "fp32": weight.float(),
-            **{s: entries[state + s].float() for s in STATES[1:]},
+        moments = {
+            s: m
+            for s in STATES[1:]
+            if isinstance(m := entries.get(state + s), torch.Tensor) and m.shape == weight.shape
         }
+        if len(moments) != len(STATES) - 1:
+            raise CheckpointFormatError(
+                f"{checkpoint_dir}: holds no AdamW moments of {name}'s shape "
+                f"{tuple(weight.shape)} (a model-only checkpoint, or optimizer.state_dtype = "
+                '"8bit"); to-mds writes a training checkpoint with fp32 or bf16 AdamW moments'
+            )
+        tensors[name] = {"fp32": weight.float(), **{s: m.float() for s, m in moments.items()}}
         steps.add(int(entries[state + "step"]))
         hyper[name] = {o: entries[f"optimizer.param_groups.{name}.{o}"] for o in _GROUP_OPTIONS}
     if len(steps) != 1:
@@ -116,6 +118,9 @@ def write_mds_universal(state: MdsState, out: str | Path, overwrite: bool = Fals
     for name, options in state.hyper.items():
         key = tuple(tuple(v) if isinstance(v, list | tuple) else v for v in options.values())
         groups.setdefault(key, (options, []))[1].append(ds_name(name, state.args.n_layer))
+    # DeepSpeed's universal loader gives the loading run's groups these options by position, and
+    # Megatron builds its groups with weight decay first (_get_params_for_weight_decay_optimization)
+    ordered = sorted(groups.values(), key=lambda group: -group[0]["weight_decay"])
     tensors = {ds_name(n, state.args.n_layer): t for n, t in state.tensors.items()}
     model_state = {
         "iteration": state.iteration,
@@ -131,7 +136,7 @@ def write_mds_universal(state: MdsState, out: str | Path, overwrite: bool = Fals
     out = Path(out)
     with staged_output_dir(out, overwrite) as staging:
         folder = write_universal(
-            staging, megatron_args(state), model_state, tensors, list(groups.values()), state.step
+            staging, megatron_args(state), model_state, tensors, ordered, state.step
         )
     return out / folder.name
 

@@ -12,20 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from mds_layout import (
-    BETAS,
-    EPS,
-    WEIGHT_DECAY,
-    Run,
-    saved_classes,
-    source_tensors,
-    write_checkpoint,
-)
 
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint import reading
-from bloomnative.config import OptimizerConfig
-from bloomnative.interop import CheckpointFormatError
+from bloomnative.config import OptimizerConfig, parse_args
+from bloomnative.data.rampup import BatchSizeSchedule
+from bloomnative.interop import CheckpointFormatError, save_native_checkpoint
 from bloomnative.interop.megatron_deepspeed import (
     canonical_name,
     import_mds_checkpoint,
@@ -34,6 +26,15 @@ from bloomnative.interop.megatron_deepspeed import (
 from bloomnative.interop.native_checkpoint import open_checkpoint
 from bloomnative.model import Bloom
 from bloomnative.train.optimizer import build_optimizer
+from harness.mds_layout import (
+    WEIGHT_DECAY,
+    Run,
+    adamw_float64,
+    rank_params,
+    saved_classes,
+    source_tensors,
+    write_checkpoint,
+)
 from harness.training import TINY_RUN, load_tool, run_train_sh
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -90,6 +91,7 @@ def test_deepspeed_reads_the_same_tensors(tmp_path, folder):
         )
     # The fixture's universal_checkpoint_info cuts the vocabulary to RUN.vocab, as BLOOM's did.
     ours = read_mds_state(folder, vocab_size=RUN.vocab)
+    _assert_same_state(read_mds_state(out), read_mds_state(folder), zero_rows_from=RUN.vocab)
     params = sorted(p.name for p in (out / "zero").iterdir() if p.is_dir())
     assert sorted(canonical_name(p, first_layer=3) for p in params) == sorted(ours.tensors)
     for param in params:
@@ -100,14 +102,108 @@ def test_deepspeed_reads_the_same_tensors(tmp_path, folder):
         assert int(torch.load(out / "zero" / param / "step.pt", weights_only=False)) == ours.step
 
 
-def _adamw_float64(p, m, v, g, lr, wd, step):
-    b1, b2 = BETAS
-    p, m, v, g = (t.double() for t in (p, m, v, g))
-    p = p * (1 - lr * wd)
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
-    t = step + 1
-    return p - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + EPS)
+def _assert_same_state(got, want, zero_rows_from: int | None = None) -> None:
+    """`got` (an MdsState) equals `want`; with `zero_rows_from`, the embedding's rows from there
+    on are zero in `got` (a universal checkpoint's padding, as DeepSpeed's loader pads)."""
+    assert got.args == want.args
+    counters = ("step", "iteration", "consumed_samples", "lr_samples")
+    assert [getattr(got, c) for c in counters] == [getattr(want, c) for c in counters]
+    assert got.tensors.keys() == want.tensors.keys()
+    for name, states in want.tensors.items():
+        for s, tensor in states.items():
+            mine = got.tensors[name][s]
+            if zero_rows_from is not None and name == "word_embeddings.weight":
+                assert not mine[zero_rows_from:].any()
+                mine, tensor = mine[:zero_rows_from], tensor[:zero_rows_from]
+            assert torch.equal(mine, tensor), (name, s)
+        options = ("lr", "eps", "weight_decay")
+        assert [got.hyper[name][o] for o in options] == [want.hyper[name][o] for o in options]
+        assert tuple(got.hyper[name]["betas"]) == tuple(want.hyper[name]["betas"])
+
+
+def test_to_mds_is_read_back_by_deepspeeds_universal_loader(tmp_path, folder, source, capsys):
+    """to-mds of the import: DeepSpeed's universal loader (load_hp_checkpoint_state, as each
+    BF16_Optimizer parameter calls it) gives every (pp, tp) rank of the source's tp2 x pp2
+    layout its slice of the source tensors and step; to-native of it is the import again; a
+    planted pickle in it does not run."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
+    from deepspeed.utils.tensor_fragment import fragment_address, tensor_fragment
+
+    dump, out = tmp_path / "dump", tmp_path / "universal"
+    checkpoint = import_mds_checkpoint(folder, dump)
+    assert convert_mds.main(["to-mds", "--checkpoint", str(checkpoint), "--out", str(out)]) == 0
+    step_folder = out / f"global_step{RUN.iteration}"
+    assert (out / "latest_universal").read_text() == step_folder.name
+    groups = torch.load(step_folder / "zero" / "optimizer_state.pt", weights_only=True)
+    assert [g["weight_decay"] for g in groups["param_groups"]] == [WEIGHT_DECAY, 0.0]  # Megatron's
+    for pp in range(RUN.pp):
+        for tp in range(RUN.tp):
+            for ds, states in rank_params(RUN, source, pp, tp).items():
+                param = torch.empty(states["fp32"].shape)
+                numel = param.numel()
+                param._hp_mapping = tensor_fragment(
+                    lp_fragment=param.view(-1),
+                    lp_fragment_address=fragment_address(numel=numel, start=0),
+                    hp_fragment=torch.zeros(numel),
+                    hp_fragment_address=fragment_address(numel=numel, start=0),
+                    gradient_dict={},
+                    offload_gradient_dict={},
+                    use_offload=False,
+                    param_group_index=0,
+                )
+                step = load_hp_checkpoint_state(param, str(step_folder / "zero" / ds), tp, RUN.tp)
+                assert int(step) == RUN.step
+                loaded = {"fp32": param._hp_mapping.hp_fragment, **param._hp_mapping.optim_fragment}
+                for s, tensor in states.items():
+                    assert torch.equal(loaded[s], tensor.reshape(-1)), (ds, pp, tp, s)
+    _assert_same_state(read_mds_state(step_folder), read_mds_state(folder))
+    missing = shutil.copytree(step_folder, tmp_path / "missing" / step_folder.name)
+    (missing / "zero" / "6.weight" / "exp_avg_sq.pt").unlink()
+    code = convert_mds.main(["to-native", "--checkpoint", str(missing), "--out", str(dump)])
+    assert code == 2
+    assert f"{missing}: missing file exp_avg_sq.pt of 6.weight" in capsys.readouterr().err
+    marker = tmp_path / "ran"
+    victim = step_folder / "zero" / "3.input_layernorm.weight" / "fp32.pt"
+    _planted(victim, marker)
+    with pytest.raises(CheckpointFormatError, match=r"fp32\.pt: holds (posix|os)\.mkdir"):
+        read_mds_state(step_folder)
+    assert not marker.exists()
+
+
+def _megatron_batch_size(consumed: int, start: int, increment: int, ramp: int, gbs: int) -> int:
+    """Megatron's RampupBatchsizeNumMicroBatches.update (megatron/microbatches.py), transcribed."""
+    if consumed > ramp:
+        return gbs
+    return start + int(consumed / (ramp / ((gbs - start) // increment))) * increment
+
+
+def test_the_batch_size_rampup_continues_exactly(tmp_path, source, capsys):
+    """The args' global batch size and rampup become run_train.sh arguments under which every
+    step's global batch size, from the samples consumed, is Megatron's; a rampup that does not
+    land on the global batch size is refused in one line."""
+    ramp = Run(global_batch=16, rampup=(4, 4, 60), tp=1, pp=1, dp=1)
+    folder = write_checkpoint(tmp_path / "ramp", ramp, source_tensors(ramp))
+    dump = tmp_path / "dump"
+    assert convert_mds.main(["to-native", "--checkpoint", str(folder), "--out", str(dump)]) == 0
+    overrides = read_mds_state(folder).training_overrides()
+    assert " ".join(overrides) in capsys.readouterr().err
+    training = parse_args([*overrides, "--training.micro_batch_size=4"]).training
+    schedule = BatchSizeSchedule(training.global_batch_size, tuple(training.rampup_batch_size))
+    for consumed in range(0, 80):
+        assert schedule(consumed) == _megatron_batch_size(consumed, 4, 4, 60, 16), consumed
+    assert read_mds_state(
+        write_checkpoint(tmp_path / "flat", Run(), source)
+    ).training_overrides() == [
+        "--training.global_batch_size=8",
+        "--training.rampup_batch_size=",
+    ]
+    uneven = Run(global_batch=16, rampup=(4, 5, 60), tp=1, pp=1, dp=1)
+    folder = write_checkpoint(tmp_path / "uneven", uneven, source_tensors(uneven))
+    assert convert_mds.main(["to-native", "--checkpoint", str(folder), "--out", str(dump)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "mp_rank_00_model_states.pt: args.rampup_batch_size ['4', '5', '60']" in line
+    assert "\n" not in line
 
 
 def test_one_adamw_step_from_the_import_uses_the_moments(tmp_path, folder, source):
@@ -149,13 +245,11 @@ def test_one_adamw_step_from_the_import_uses_the_moments(tmp_path, folder, sourc
     for name, p in params.items():
         src = source[name]
         wd = WEIGHT_DECAY if p.ndim >= 2 else 0.0
-        expected = _adamw_float64(
+        expected = adamw_float64(
             src["fp32"], src["exp_avg"], src["exp_avg_sq"], grads[name], lr, wd, RUN.step
         )
         torch.testing.assert_close(p.detach().double(), expected, rtol=0, atol=1e-6)
-        fresh = _adamw_float64(
-            src["fp32"], 0 * src["fp32"], 0 * src["fp32"], grads[name], lr, wd, 0
-        )
+        fresh = adamw_float64(src["fp32"], 0 * src["fp32"], 0 * src["fp32"], grads[name], lr, wd, 0)
         assert (fresh - expected).abs().max() > 1e-4, name  # the moments change the step
 
 
@@ -204,6 +298,12 @@ def test_bad_folders_are_one_line_and_exit_2(tmp_path, folder, capsys):
     )
     assert "args.position_embedding_type is rotary; BLOOM's is alibi" in run(rotary)
     assert not (tmp_path / "out").exists()
+    model_only = save_native_checkpoint(Bloom(read_mds_state(folder).args), tmp_path / "model")
+    code = convert_mds.main(["to-mds", "--checkpoint", str(model_only), "--out", str(tmp_path)])
+    assert code == 2
+    line = capsys.readouterr().err.strip()
+    assert f"{model_only}: holds no AdamW moments of word_embeddings.weight's shape" in line
+    assert "\n" not in line
 
 
 @pytest.mark.multiprocess

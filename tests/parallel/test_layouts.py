@@ -3,8 +3,9 @@ single-process run: in fp32 the same loss at every step (relative difference < 1
 eval_loss at the training and at a longer sequence length, and the same final parameters; in
 bf16 the same losses within the bf16 tolerance below. A batch-size rampup under an interleaved
 pipeline leaves exactly the stage buffers of a run at the final size, and bf16 crosses the
-pipeline boundaries. A context-parallel checkpoint verifies and resumes bit for bit. On CPU with
-gloo.
+pipeline boundaries. A context-parallel checkpoint verifies and resumes bit for bit. A
+Megatron-DeepSpeed import resumes under dp2 x tp2 and dp2 x pp2, and one AdamW step from it is
+the float64 step from its source. On CPU with gloo.
 
 bf16 tolerance: relative 2e-3 (about 2^-9), half of bf16's unit roundoff u = 2^-8 (bf16 keeps 8
 significant bits): written as bf16 numbers, the two losses would be at most one rounding step
@@ -28,9 +29,19 @@ import torch.nn.functional as F
 from bloomnative.checkpoint.integrity import read_record, verify_files
 from bloomnative.config import model_args_from_config, parse_args
 from bloomnative.data import build_gpt_datasets
+from bloomnative.interop import import_mds_checkpoint
 from bloomnative.model import Bloom
 from bloomnative.parallel import init_weights, shard_sequence
 from harness.launching import SCENARIO_DIR
+from harness.mds_layout import (
+    STEP_LR,
+    WEIGHT_DECAY,
+    Run,
+    adamw_float64,
+    source_tensors,
+    step_gradient,
+    write_checkpoint,
+)
 from harness.shared_world import SharedWorld
 from harness.training import EOD_ID, TINY_RUN, build_eod_heavy_corpus, metric_rows
 from scenarios.layout_scenario import RESUMED
@@ -153,6 +164,12 @@ for world in LAYOUTS.values():
         if "eod" not in name and not name.endswith(RESUMED)
     }
 REFERENCES = ("single", "single_rampup", "single_eod")
+# A Megatron-DeepSpeed import (tests/interop/test_megatron_deepspeed.py) of TINY_RUN's model
+# shape, saved at tp2 x pp2 x dp2, resumed and stepped once under these layouts of the
+# 4-process world (tests/scenarios/mds_scenario.py).
+STEP_IMPORT = f"{SCENARIO_DIR / 'mds_scenario.py'}:step_import"
+MDS_RUN = Run(n_layer=4, hidden=32, n_head=4, padded_vocab=128, vocab=128)
+MDS_LAYOUTS = {"mds_dp2_tp2": ["--parallelism.tp=2"], "mds_dp2_pp2": ["--parallelism.pp=2"]}
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +187,25 @@ def runs(synthetic_corpus, eod_corpus, tmp_path_factory) -> Path:
         for name, overrides in layouts.items():
             argv = [*base, f"--job.dump_folder={out / name}", *overrides]
             world.add(name, TRAIN_LAYOUT, [arg.replace(EOD_CORPUS, eod_corpus) for arg in argv])
+        if nproc == 4:
+            add_import_steps(world, base, out)
         world.run().results()  # fails on the first layout that did not train
     return out
+
+
+def add_import_steps(world: SharedWorld, base: list[str], out: Path) -> None:
+    """MDS_LAYOUTS's scenarios, each resuming its own import of one MDS_RUN checkpoint."""
+    source = write_checkpoint(out / "mds", MDS_RUN, source_tensors(MDS_RUN))
+    for name, overrides in MDS_LAYOUTS.items():
+        import_mds_checkpoint(source, out / name)
+        argv = [
+            *base,
+            f"--job.dump_folder={out / name}",
+            "--checkpoint.enable=true",
+            f"--training.steps={MDS_RUN.iteration + 1}",
+            *overrides,
+        ]
+        world.add(name, STEP_IMPORT, argv)
 
 
 def metrics(folder: Path) -> tuple[list[float], dict[str, float]]:
@@ -282,6 +316,26 @@ def test_pipeline_boundaries_carry_the_compute_dtype(runs, dtype):
     for layout in ("pp2_1f1b", "pp2_zbv", "pp2_interleaved1f1b", "dp2_tp2_pp2"):
         for rank in stage_buffers(runs / (layout + suffix)):
             assert rank["dtypes"] == [expected], (layout, rank)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", MDS_LAYOUTS)
+def test_one_adamw_step_from_a_megatron_import_is_float64_adamw_under_the_layout(runs, layout):
+    """The trainer resumes the import under dp2 x tp2 and dp2 x pp2 (at the source's step), and
+    one step of its optimizers with given gradients equals the float64 AdamW step from the
+    source's weights and moments (within 1e-6), which differs from a step without them."""
+    assert json.loads((runs / layout / "resumed.json").read_text()) == {"step": MDS_RUN.iteration}
+    got = params(runs / layout)
+    source = source_tensors(MDS_RUN)
+    assert got.keys() == source.keys()
+    for name, src in source.items():
+        wd = WEIGHT_DECAY if src["fp32"].ndim >= 2 else 0.0
+        grad = step_gradient(name, src["fp32"].shape)
+        m, v = src["exp_avg"], src["exp_avg_sq"]
+        expected = adamw_float64(src["fp32"], m, v, grad, STEP_LR, wd, MDS_RUN.step)
+        torch.testing.assert_close(got[name].double(), expected, rtol=0, atol=1e-6)
+        fresh = adamw_float64(src["fp32"], 0 * m, 0 * v, grad, STEP_LR, wd, 0)
+        assert (fresh - expected).abs().max() > 1e-4, name
 
 
 def eod_config(eod_corpus: str):

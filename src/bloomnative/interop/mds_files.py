@@ -45,6 +45,17 @@ from bloomnative.interop.adapter_state import CheckpointFormatError
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 """The per-parameter tensors BF16_Optimizer keeps: the fp32 master and Adam's two moments."""
 
+COLUMN_PARALLEL = (
+    "word_embeddings.weight",
+    "self_attention.query_key_value.weight",
+    "self_attention.query_key_value.bias",
+    "mlp.dense_h_to_4h.weight",
+    "mlp.dense_h_to_4h.bias",
+)
+ROW_PARALLEL = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+"""The parameters Megatron splits on dim 1 (row parallel); COLUMN_PARALLEL's on dim 0, and
+every other one is on every TP rank."""
+
 _OPTIM_FILE = re.compile(r"^bf16_zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
@@ -159,17 +170,10 @@ def arg(args: argparse.Namespace, name: str, path: Path) -> Any:
     return getattr(args, name)
 
 
-def open_folder(folder: str | Path) -> MdsCheckpoint:
-    """Reads the run's args from `folder` (a `global_stepN` folder) and checks that every rank
-    file those args imply is there. CheckpointFormatError (one line) when the folder is not such
-    a checkpoint or lacks a file."""
-    folder = Path(folder)
-    names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
-    if not any(_OPTIM_FILE.match(n) for n in names) or not any(_MODEL_FILE.match(n) for n in names):
-        raise CheckpointFormatError(
-            f"{folder} is not a Megatron-DeepSpeed checkpoint folder: a global_stepN folder holds "
-            "mp_rank_XX_model_states.pt and bf16_zero_pp_rank_R_mp_rank_XX_optim_states.pt files"
-        )
+def read_header(folder: Path) -> tuple[dict, argparse.Namespace, Layout]:
+    """The content of `folder`'s mp_rank_00_model_states.pt, the Megatron args it holds and the
+    parallel layout those args give. CheckpointFormatError (one line) when the file is missing
+    or holds no args of a BLOOM (ALiBi) run."""
     first = folder / "mp_rank_00_model_states.pt"
     if not first.is_file():
         raise CheckpointFormatError(f"{folder}: missing rank file {first.name}")
@@ -187,12 +191,43 @@ def open_folder(folder: str | Path) -> MdsCheckpoint:
     dp = int(getattr(args, "data_parallel_size", 0)) or int(arg(args, "world_size", first)) // (
         tp * pp
     )
-    layout = Layout(tp, pp, dp)
+    return state, args, Layout(tp, pp, dp)
+
+
+def checkpoint_of(
+    folder: Path, state: dict, args: argparse.Namespace, layout: Layout
+) -> MdsCheckpoint:
+    """The MdsCheckpoint of `folder` whose first model file holds `state`."""
+    return MdsCheckpoint(
+        folder=folder,
+        args=args,
+        iteration=int(state.get("iteration", 0)),
+        lr_scheduler=dict(state.get("lr_scheduler") or {}),
+        layout=layout,
+    )
+
+
+def open_folder(folder: str | Path) -> MdsCheckpoint:
+    """Reads the run's args from `folder` (a `global_stepN` folder) and checks that every rank
+    file those args imply is there. CheckpointFormatError (one line) when the folder is not such
+    a checkpoint or lacks a file."""
+    folder = Path(folder)
+    names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    if not any(_OPTIM_FILE.match(n) for n in names) or not any(_MODEL_FILE.match(n) for n in names):
+        raise CheckpointFormatError(
+            f"{folder} is not a Megatron-DeepSpeed checkpoint folder: a global_stepN folder holds "
+            "mp_rank_XX_model_states.pt and bf16_zero_pp_rank_R_mp_rank_XX_optim_states.pt files, "
+            "or (DeepSpeed's universal checkpoint) mp_rank_XX_model_states.pt and zero/"
+        )
+    state, args, layout = read_header(folder)
     if not any(_LAYER_FILE.match(n) for n in names):
         raise CheckpointFormatError(
-            f"{folder}: no layer_XX-model_YY-model_states.pt files; only the pipeline layout "
-            "BigScience released (per-layer files) is read"
+            f"{folder}: no layer_XX-model_YY-model_states.pt files. BigScience's "
+            "Megatron-DeepSpeed builds BLOOM as GPTModelPipe whenever DeepSpeed runs it "
+            "(pretrain_gpt.py), and DeepSpeed's pipeline engine saves it per layer at any "
+            "pipeline degree: a folder without them is not one of its BLOOM checkpoints"
         )
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
     for p in range(pp):
         for t in range(tp):
             for name in [layout.model_file(p, t)] + [layout.optim_file(p, t, r) for r in range(dp)]:
@@ -201,13 +236,7 @@ def open_folder(folder: str | Path) -> MdsCheckpoint:
                         f"{folder}: missing rank file {name} (its args say tp={tp}, pp={pp}, "
                         f"dp={dp})"
                     )
-    return MdsCheckpoint(
-        folder=folder,
-        args=args,
-        iteration=int(state.get("iteration", 0)),
-        lr_scheduler=dict(state.get("lr_scheduler") or {}),
-        layout=layout,
-    )
+    return checkpoint_of(folder, state, args, layout)
 
 
 @dataclass

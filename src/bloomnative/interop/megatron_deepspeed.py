@@ -35,15 +35,20 @@ import torch.distributed.checkpoint as dcp
 from bloomnative.checkpoint.checkpointer import optimizer_state
 from bloomnative.checkpoint.integrity import ChecksummingWriter, write_record
 from bloomnative.checkpoint.run_record import ARGS_FILE, model_fields, write_json_file
+from bloomnative.data.rampup import BatchSizeSchedule
 from bloomnative.interop.adapter_state import CheckpointFormatError
 from bloomnative.interop.mds_files import (
+    COLUMN_PARALLEL,
+    ROW_PARALLEL,
     STATES,
     MdsCheckpoint,
+    RankSlices,
     arg,
     open_folder,
     ranks,
     read_rank,
 )
+from bloomnative.interop.mds_universal import is_universal, open_universal, read_universal
 from bloomnative.interop.native_checkpoint import (
     MODEL_KEY,
     bloom_from_state_dict,
@@ -59,14 +64,6 @@ _EMBEDDING_NAMES = {
     "word_embeddings.norm.weight": "word_embeddings_layernorm.weight",
     "word_embeddings.norm.bias": "word_embeddings_layernorm.bias",
 }
-_COLUMN_PARALLEL = (
-    "word_embeddings.weight",
-    "self_attention.query_key_value.weight",
-    "self_attention.query_key_value.bias",
-    "mlp.dense_h_to_4h.weight",
-    "mlp.dense_h_to_4h.bias",
-)
-_ROW_PARALLEL = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
 
 
 @dataclass
@@ -84,6 +81,20 @@ class MdsState:
     consumed_samples: int
     lr_samples: int
     """The samples the learning-rate schedule has advanced by."""
+    batch_size: BatchSizeSchedule | None = None
+    """The run's global batch size and batch-size rampup (Megatron's `--global-batch-size`,
+    `--rampup-batch-size`), None when its args do not name them."""
+
+    def training_overrides(self) -> list[str]:
+        """The run_train.sh arguments that continue the source's batch-size schedule: with the
+        samples consumed carried over, every step's global batch size is the source's."""
+        if self.batch_size is None:
+            return []
+        ramp = ",".join(str(v) for v in self.batch_size.rampup or ())
+        return [
+            f"--training.global_batch_size={self.batch_size.global_batch_size}",
+            f"--training.rampup_batch_size={ramp}",
+        ]
 
 
 def canonical_name(ds_name: str, first_layer: int) -> str | None:
@@ -100,16 +111,32 @@ def canonical_name(ds_name: str, first_layer: int) -> str | None:
     return f"layers.{int(index) - first_layer}.{rest}"
 
 
+_FIRST_LAYER = 3
+"""GPTModelPipe's index of the first transformer layer (0 a cast, 1 the embedding, 2 a
+transpose); the final LayerNorm follows the layers after one more transpose."""
+
+
+def ds_name(name: str, n_layer: int) -> str:
+    """GPTModelPipe's name of the canonical parameter `name` (`canonical_name`'s inverse)."""
+    for ds, canonical in _EMBEDDING_NAMES.items():
+        if name == canonical:
+            return _TIED + ds
+    if name.startswith("ln_f."):
+        return f"{_FIRST_LAYER + n_layer + 1}.{name[len('ln_f.') :]}"
+    _, index, rest = name.split(".", 2)
+    return f"{_FIRST_LAYER + int(index)}.{rest}"
+
+
 def _first_layer(names: list[str]) -> int:
-    """The pipeline index of the first transformer layer (3 in GPTModelPipe)."""
+    """The pipeline index of the first transformer layer (`_FIRST_LAYER` in GPTModelPipe)."""
     return min((int(n.partition(".")[0]) for n in names if ".input_layernorm." in n), default=0)
 
 
 def _join_tp(name: str, slices: list[torch.Tensor], folder: Path) -> torch.Tensor:
     try:
-        if name.endswith(_COLUMN_PARALLEL):
+        if name.endswith(COLUMN_PARALLEL):
             return torch.cat(slices, dim=0)
-        if name.endswith(_ROW_PARALLEL):
+        if name.endswith(ROW_PARALLEL):
             return torch.cat(slices, dim=1)
         return torch.stack(slices).mean(dim=0)
     except RuntimeError:
@@ -136,6 +163,31 @@ def _bloom_args(ckpt: MdsCheckpoint, vocab_size: int | None) -> BloomArgs:
     )
 
 
+def _batch_size(ckpt: MdsCheckpoint) -> BatchSizeSchedule | None:
+    """The args' global batch size and rampup as bloomnative's schedule, which computes
+    Megatron's RampupBatchsizeNumMicroBatches exactly; CheckpointFormatError (one line) for a
+    rampup it cannot map."""
+    gbs = getattr(ckpt.args, "global_batch_size", None)
+    if gbs is None:
+        return None
+    path = ckpt.folder / ckpt.layout.model_file(0, 0)
+    given = getattr(ckpt.args, "rampup_batch_size", None)
+    try:
+        values = [int(v) for v in given] if given else []
+        if values and (len(values) != 3 or min(values) <= 0):
+            raise ValueError("Megatron's rampup is [start, increment, samples], each positive")
+        schedule = BatchSizeSchedule(
+            int(gbs), (values[0], values[1], values[2]) if values else None
+        )
+        schedule(0)  # rampup_batch_size's checks
+    except (TypeError, ValueError) as e:
+        raise CheckpointFormatError(
+            f"{path}: args.rampup_batch_size {given!r} with global_batch_size {gbs!r} cannot be "
+            f"continued exactly ({e})"
+        ) from None
+    return schedule
+
+
 def _check_shapes(ckpt: MdsCheckpoint, args: BloomArgs, tensors: dict[str, dict]) -> None:
     """CheckpointFormatError, in one line, for the first tensor the args disagree with."""
     expected = expected_shapes(args)
@@ -156,11 +208,24 @@ def _check_shapes(ckpt: MdsCheckpoint, args: BloomArgs, tensors: dict[str, dict]
 
 def read_mds_state(checkpoint: str | Path, vocab_size: int | None = None) -> MdsState:
     """The training state of the Megatron-DeepSpeed folder `checkpoint` (a `global_stepN`
-    folder), checked against its args. CheckpointFormatError (one line) when the folder is not
-    such a checkpoint, lacks a rank file, or holds shapes its args disagree with."""
-    ckpt = open_folder(checkpoint)
+    folder of ZeRO partitions, or of DeepSpeed's universal checkpoint), checked against its
+    args. CheckpointFormatError (one line) when the folder is not such a checkpoint, lacks a
+    rank file, or holds shapes its args disagree with."""
+    folder = Path(checkpoint)
+    if is_universal(folder):
+        ckpt = open_universal(folder)
+        read = {(0, 0): read_universal(ckpt)}
+    else:
+        ckpt = open_folder(folder)
+        read = {(pp, tp): read_rank(ckpt, pp, tp) for pp, tp in ranks(ckpt)}
+    return _joined_state(ckpt, read, vocab_size)
+
+
+def _joined_state(
+    ckpt: MdsCheckpoint, read: dict[tuple[int, int], RankSlices], vocab_size: int | None
+) -> MdsState:
+    """The state of the (pp, tp) ranks `read`, their TP slices joined, under canonical names."""
     args = _bloom_args(ckpt, vocab_size)
-    read = {(pp, tp): read_rank(ckpt, pp, tp) for pp, tp in ranks(ckpt)}
     first = _first_layer([n for rank in read.values() for n in rank.tensors])
     slices: dict[str, dict[str, list[torch.Tensor]]] = {}
     hyper: dict[str, dict] = {}
@@ -201,6 +266,7 @@ def read_mds_state(checkpoint: str | Path, vocab_size: int | None = None) -> Mds
         iteration=ckpt.iteration,
         consumed_samples=consumed,
         lr_samples=int(ckpt.lr_scheduler.get("num_steps", consumed)),
+        batch_size=_batch_size(ckpt),
     )
 
 

@@ -17,6 +17,7 @@ import enum
 import random
 import sys
 import types
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,6 +61,9 @@ class Run:
     consumed: int = 56
     lr_samples: int = 56
     position_embedding: str = "alibi"
+    global_batch: int = 8
+    rampup: tuple | None = None
+    """Megatron's --rampup-batch-size values (argparse keeps them as the strings given)."""
 
 
 def source_tensors(run: Run, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
@@ -178,6 +182,37 @@ def saved_classes() -> Iterator[tuple[type, type]]:
             sys.modules.pop(name, None)
 
 
+def adamw_float64(
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    lr: float,
+    wd: float,
+    step: int,
+) -> torch.Tensor:
+    """The weight after one torch.optim.AdamW step from (p, m, v) at Adam step count `step`
+    with gradient `g`, in float64 (the independent reference of the continuation tests)."""
+    b1, b2 = BETAS
+    p, m, v, g = (t.double() for t in (p, m, v, g))
+    p = p * (1 - lr * wd)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    t = step + 1
+    return p - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + EPS)
+
+
+STEP_LR = 1e-3
+"""The learning rate of the continuation tests' one step."""
+
+
+def step_gradient(name: str, shape: torch.Size) -> torch.Tensor:
+    """The gradient the continuation tests give the canonical parameter `name` (the same in
+    every process and layout)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen) * 1e-2
+
+
 def universal_info(run: Run) -> dict:
     """The model file's universal_checkpoint_info as Megatron-DeepSpeed writes it for
     GPTModelPipe (what ds_to_universal needs to join TP slices)."""
@@ -218,6 +253,8 @@ def megatron_args(run: Run, position_embedding_type: enum.Enum) -> argparse.Name
         world_size=run.tp * run.pp * run.dp,
         layernorm_epsilon=1e-5,
         consumed_train_samples=run.consumed,
+        global_batch_size=run.global_batch,
+        rampup_batch_size=[str(v) for v in run.rampup] if run.rampup else None,
         lr=LR,
         adam_beta1=BETAS[0],
         adam_beta2=BETAS[1],

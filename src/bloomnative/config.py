@@ -963,15 +963,9 @@ def _validate_dropout(config: Config) -> None:
 
 
 def _validate_quantize(config: Config) -> None:
-    linear, par = config.quantize.linear, config.parallelism
+    linear = config.quantize.linear
     if linear == "none":
         return
-    _check(
-        par.tp == 1,
-        f'quantize.linear = "{linear}" with parallelism.tp = {par.tp}: FP8 linears are not yet '
-        "composed with tensor parallelism (torchao's float8 parallel styles); set "
-        'parallelism.tp = 1 or quantize.linear = "none"',
-    )
     _check(
         config.lora.rank == 0,
         f'quantize.linear = "{linear}" with lora.rank = {config.lora.rank}: FP8 linears are not '

@@ -189,17 +189,6 @@ def test_preflight_names_the_extra_when_torchao_is_missing(tiny_run_args, capsys
     )
 
 
-def test_preflight_refuses_fp8_with_tensor_parallelism(tiny_run_args, capsys):
-    argv = [
-        *tiny_run_args,
-        "--quantize.linear=float8_rowwise",
-        "--quantize.emulate=true",
-        "--parallelism.tp=2",
-    ]
-    assert preflight(["--world-size=2", *argv]) == 2
-    assert "parallelism.tp = 2: FP8 linears are not yet composed" in only_stderr_line(capsys)
-
-
 def test_preflight_warns_in_one_line_when_fp8_runs_uncompiled(tiny_run_args, capsys):
     argv = [*tiny_run_args, "--quantize.linear=float8_rowwise", "--quantize.emulate=true"]
     assert preflight(argv) == 0

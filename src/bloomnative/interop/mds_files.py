@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import importlib
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -91,7 +92,7 @@ class AttnMaskType(enum.Enum):
 def _numpy_classes() -> list[tuple[Callable[..., Any], str]]:
     """numpy's array reconstruction, as Megatron's saved RNG state (`np.random.get_state()`)
     pickles it, under the module names of numpy 1 (BigScience's) and numpy 2."""
-    core = np._core if hasattr(np, "_core") else np.core
+    core = importlib.import_module("numpy._core" if hasattr(np, "_core") else "numpy.core")
     reconstruct = core.multiarray._reconstruct
     uint32 = type(np.dtype(np.uint32))
     return [

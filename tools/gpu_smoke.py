@@ -215,7 +215,7 @@ def check_training(out: Path, tiny: bool) -> dict:
         else ["--model.n_layer=4", "--training.seq_len=2048", "--training.micro_batch_size=4",
               "--training.global_batch_size=8"]
     )  # fmt: skip
-    steps, save_at = (10, 5) if tiny else (20, 10)
+    steps, save_at = (6, 3) if tiny else (20, 10)
     common = [
         "--config", "configs/bloom-560m.toml", *model, "--training.rampup_batch_size=",
         # warm up over 2 steps, not BLOOM's 183,105 samples: the loss must move in 20 steps

@@ -28,4 +28,4 @@ def test_gpu_smoke_tiny_passes_every_check_on_cpu(tmp_path):
     assert set(report) == {"versions", "kernels", "compiled", "training"}
     assert report["versions"]["triton_kernels"] is True
     losses = report["training"]["losses"]
-    assert len(losses["eager"]) == len(losses["compiled"]) == 10 and len(losses["resumed"]) == 5
+    assert len(losses["eager"]) == len(losses["compiled"]) == 6 and len(losses["resumed"]) == 3

@@ -6,7 +6,10 @@ cd "$(dirname "$0")"
 BLOOMNATIVE_EXTRAS=dev source scripts/ensure_env.sh
 # Triton kernels are tested on CPU through the interpreter; it is harmless on a GPU machine too.
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+# One thread per process: the tests' tensors are tiny, and on a machine that runs several
+# processes per core a second OpenMP thread spins waiting for the first (measured on 2 busy
+# cores: a layout run's trainer 6.5 CPU s with 2 threads, 0.33 with 1; docs/benchmarks.md).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Compile caches are per run: Inductor's FX-graph cache is keyed on the graph, not on a custom
 # op's schema, so code cached by another checkout on this machine could be replayed here.
 TEST_CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/bloomnative-test-cache.XXXXXX")"

@@ -210,6 +210,18 @@ def _dropout_keep(seed, b, h, offs_q, k0, threshold, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _visible(offs_n, seq_len, last_key, first_key, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr):
+    # [query, key]: which keys of this block each query row sees (in range; causal: up to its
+    # last key; with segments: from its segment's first key on).
+    keep = (offs_n < seq_len)[None, :]
+    if CAUSAL:
+        keep = keep & (offs_n[None, :] <= last_key[:, None])
+    if SEGMENTS:
+        keep = keep & (offs_n[None, :] >= first_key[:, None])
+    return keep
+
+
+@triton.jit
 def _fwd_kv_loop(
     acc, acc_t, m_i, l_i, q, q_t, k_src, k_src_t, v_src, v_src_t,
     stride_ks, stride_kd, stride_vs, stride_vd, last_key, first_key, col0, slope2, qk_scale,
@@ -239,11 +251,7 @@ def _fwd_kv_loop(
         column = slope2 * (offs_n - col0).to(tl.float32)
         s = s * qk_scale + column[None, :]
         if MASKED:
-            keep = (offs_n < seq_len)[None, :]
-            if CAUSAL:
-                keep = keep & (offs_n[None, :] <= last_key[:, None])
-            if SEGMENTS:
-                keep = keep & (offs_n[None, :] >= first_key[:, None])
+            keep = _visible(offs_n, seq_len, last_key, first_key, CAUSAL, SEGMENTS)
             s = tl.where(keep, s, float("-inf"))
         # Without segments every row sees at least one unmasked key in the first block it
         # processes (key 0, as causal calls have shift >= 0), so m_new is finite and
@@ -718,12 +726,7 @@ def _bwd_dq_kv_loop(
         column = slope2 * (offs_n - col0).to(tl.float32)
         p = tl.exp2(s * qk_scale + column[None, :] - lse[:, None])
         # Every block is masked (keys past the end: their exp2 may be inf, so select, not scale).
-        keep = (offs_n < seq_len)[None, :]
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= last_key[:, None])
-        if SEGMENTS:
-            keep = keep & (offs_n[None, :] >= first_key[:, None])
-        p = tl.where(keep, p, 0.0)
+        p = tl.where(_visible(offs_n, seq_len, last_key, first_key, CAUSAL, SEGMENTS), p, 0.0)
         if DROPOUT:
             keep = _dropout_keep(seed, b, h, drop_rows, start_n + k_offset, drop_threshold, BLOCK_N)
             dp = tl.where(keep, dp * drop_scale, 0.0)

@@ -16,7 +16,6 @@ computes in FP8 and the adapter's A and B in the run's dtype.
 
 from __future__ import annotations
 
-import functools
 import math
 import typing
 import zlib
@@ -53,18 +52,22 @@ class LoRALinear(nn.Linear):
         return super().forward(x) + update * self.scaling
 
 
-@functools.cache
+_ADAPTED_CLASSES: dict[type[nn.Linear], type[LoRALinear]] = {nn.Linear: LoRALinear}
+
+
 def adapted_class(base: type[nn.Linear]) -> type[LoRALinear]:
     """The class an adapted layer of class `base` gets: `LoRALinear` for a plain `nn.Linear`,
     else a subclass of both (one per `base`), whose forward adds the update to `base`'s."""
-    if base is nn.Linear:
-        return LoRALinear
-    return type(f"LoRA{base.__name__}", (LoRALinear, base), {})
+    if base not in _ADAPTED_CLASSES:
+        _ADAPTED_CLASSES[base] = type(f"LoRA{base.__name__}", (LoRALinear, base), {})
+    return _ADAPTED_CLASSES[base]
 
 
 def base_class(layer: LoRALinear) -> type[nn.Linear]:
     """The class `layer` had before `apply_lora` adapted it."""
-    return next(c for c in type(layer).__mro__ if not issubclass(c, LoRALinear))
+    return cast(
+        type[nn.Linear], next(c for c in type(layer).__mro__ if not issubclass(c, LoRALinear))
+    )
 
 
 def _target_layers(model: Bloom, targets: Sequence[str]) -> Iterator[tuple[str, nn.Linear]]:

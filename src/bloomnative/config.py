@@ -966,10 +966,14 @@ def _validate_quantize(config: Config) -> None:
     linear = config.quantize.linear
     if linear == "none":
         return
+    # torchao's FP8 cast scales a weight by its amax, which its NF4 tensor does not compute;
+    # dequantising NF4 to cast it again would round the base twice, for no memory saved.
     _check(
-        config.lora.rank == 0,
-        f'quantize.linear = "{linear}" with lora.rank = {config.lora.rank}: FP8 linears are not '
-        'yet composed with adapters; set lora.rank = 0 or quantize.linear = "none"',
+        config.lora.quantize_base == "none",
+        f'quantize.linear = "{linear}" with lora.quantize_base = '
+        f'"{config.lora.quantize_base}": an NF4 base cannot be cast to FP8 (torchao scales a '
+        "weight by its amax, which its NF4 tensor does not compute); set "
+        'lora.quantize_base = "none" (LoRA on an FP8-computed base) or quantize.linear = "none"',
     )
 
 

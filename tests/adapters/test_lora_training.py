@@ -4,7 +4,9 @@ every save. The single-process run is the reference of the FSDP2 run (dp_shard 2
 packed pairs with a batch-size rampup, of a stopped and resumed run and of one killed (SIGKILL)
 and resumed; the frozen base after training is compared with the Hugging Face folder it came
 from (the checkpoints hold the adapters only), and a checkpoint read as a model with that base
-and its adapters folded in."""
+and its adapters folded in. With the base's block linears in FP8 (`[quantize] linear`, emulated),
+the reference run and the bf16 one follow their losses without FP8 within e4m3's bound below,
+and the adapters learn."""
 
 from __future__ import annotations
 
@@ -56,6 +58,14 @@ PAIRS_BF16 = [
 ]
 FP32_TOLERANCE = 1e-5
 BF16_TOLERANCE = 2e-3  # tests/parallel/test_layouts.py says why
+# The frozen base's block linears in FP8 (torchao's rowwise recipe, emulated on CPU), the
+# adapters in the run's dtype.
+FP8 = ["--quantize.linear=float8_rowwise", "--quantize.emulate=true"]
+# e4m3 keeps 3 mantissa bits: each operand of the base's matmuls is rounded by up to 2^-4 of
+# itself (tests/parallel/test_float8.py bounds one linear by that); through the network to the
+# loss this moved it by at most 4.6e-4 of it in fp32 and 1.1e-3 in bf16 (measured; bf16's own
+# rounding, 2^-8, adds to FP8's there): the bound of tests/train/test_float8_training.py, 2e-3.
+FP8_TOLERANCE = 2e-3
 
 
 def lora_run(corpus: str, base: Path, dump: Path, *extra: str) -> list[str]:
@@ -101,7 +111,8 @@ def write_pair_corpus(folder: Path) -> tuple[str, str]:
 def runs(synthetic_corpus, base, tmp_path_factory) -> SimpleNamespace:
     """In one process: the reference run; a run stopped at step STOP and resumed; the reference
     run's folder continued on another base (refused); a run started from a PEFT folder; bf16 on
-    packed pairs. Over 2 ranks (FSDP2): the reference run and the bf16 one."""
+    packed pairs; the reference and bf16 runs with the base's matmuls in FP8. Over 2 ranks
+    (FSDP2): the reference run and the bf16 one."""
     out = tmp_path_factory.mktemp("lora")
     other_base = hf_base(out / "other_base", seed=4)
     pairs, tokenizer = write_pair_corpus(out / "pair_data")
@@ -121,6 +132,9 @@ def runs(synthetic_corpus, base, tmp_path_factory) -> SimpleNamespace:
         ),
     )  # fmt: skip
     one.train("pairs_bf16", lora_run(pairs, base, out / "pairs_bf16", *PAIRS_BF16, tokenizer))
+    one.train("fp8", lora_run(synthetic_corpus, base, out / "fp8", *FP8))
+    pairs_fp8 = lora_run(pairs, base, out / "pairs_bf16_fp8", *PAIRS_BF16, tokenizer, *FP8)
+    one.train("pairs_bf16_fp8", pairs_fp8)
     two.add(
         "fsdp",
         KEEPING_BASE,
@@ -207,6 +221,19 @@ def test_fsdp_bf16_and_a_resume_give_the_single_process_losses(runs):
     assert sorted(bf16) == sorted(bf16_fsdp) == [1, 2, 3, 4, 5]
     for step, loss in bf16.items():
         assert bf16_fsdp[step] == pytest.approx(loss, rel=BF16_TOLERANCE), step
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("reference", ["one", "pairs_bf16"])
+def test_fp8_base_matmuls_follow_the_run_without_them_and_train(runs, reference):
+    expected = losses_by_step(runs.out / reference)
+    got = losses_by_step(runs.out / ("fp8" if reference == "one" else f"{reference}_fp8"))
+    assert got.keys() == expected.keys()
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=FP8_TOLERANCE), step
+    assert got != expected  # FP8 did compute: not the same floats
+    if reference == "one":  # the adapters learn as they do without FP8 (0.15 measured)
+        assert got[STEPS - 1] + got[STEPS] < got[1] + got[2] - 0.1
 
 
 @pytest.mark.multiprocess

@@ -1,6 +1,7 @@
 """FP8 linears through torchao (parallel/float8.py): their numerics against a float64 reference
 of the recipes' quantise-scale-matmul and against the high-precision linear within e4m3's
-rounding, what is converted and what is not, the state dict they leave, and the preflight's
+rounding, what is converted and what is not, the state dict they leave, adapters on them (the
+base's matmul in FP8, the adapter's in high precision; an NF4 base refused), and the preflight's
 one-line refusals."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from bloomnative.adapters.lora import LoRALinear, apply_lora, merge_lora
+from bloomnative.config import ConfigError, parse_args
 from bloomnative.launch.preflight import main as preflight
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.parallel import float8
@@ -26,6 +29,7 @@ E4M3_MAX = torch.finfo(E4M3).max  # 448
 # subnormals are 2^-9 apart, an absolute error of at most 2^-10 (in the scaled units).
 E4M3_RELATIVE = 2.0**-4
 E4M3_SUBNORMAL_ABSOLUTE = 2.0**-10
+BF16_TOLERANCE = 2e-3  # tests/parallel/test_layouts.py's, where it is justified
 
 
 def scales(x: torch.Tensor, recipe: str) -> torch.Tensor:
@@ -92,6 +96,35 @@ def test_fp8_linear_matches_its_float64_reference_and_the_fp32_linear_within_e4m
     assert ((got - exact).abs() <= bound * (1 + 1e-6) + 1e-6).all()
 
 
+def test_a_compiled_fp8_linear_computes_what_the_eager_one_does():
+    """Compile on and off, the cheap form: one FP8 linear (rowwise, emulated) compiled by
+    Inductor, forward and backward, against itself eager, within the bf16 tolerance of the layout
+    tests (tests/parallel/test_layouts.py; measured: equal). A compiled training run costs ~86
+    CPU seconds of Inductor builds on CPU; this one ~7 (three C++ files, built unvectorised and
+    in this process: the C++ is CPU-only code; what is checked is how AOTAutograd and Inductor
+    take torchao's autograd function and float8 tensors)."""
+    torch.manual_seed(0)
+    plain = nn.Linear(32, 128)
+    eager = apply_float8_to(_block_named(copy.deepcopy(plain)), "rowwise")
+    compiled = copy.deepcopy(eager)
+    compiled.compile(fullgraph=True)
+    x = torch.randn(64, 32) * torch.logspace(-2, 1, 32)
+
+    def forward_backward(linear: nn.Module) -> list[torch.Tensor]:
+        inputs = x.clone().requires_grad_()
+        out = linear(inputs)
+        out.square().sum().backward()
+        assert inputs.grad is not None and linear.weight.grad is not None
+        return [out.detach(), inputs.grad, linear.weight.grad, linear.bias.grad]
+
+    with torch._inductor.config.patch({"compile_threads": 1, "cpp.vec_isa_ok": False}):
+        got = forward_backward(compiled)
+    want, unquantised = forward_backward(eager), forward_backward(plain)
+    for name, a, b, c in zip(["out", "dx", "dw", "db"], got, want, unquantised, strict=True):
+        torch.testing.assert_close(a, b, rtol=BF16_TOLERANCE, atol=BF16_TOLERANCE * b.abs().max())
+        assert not torch.equal(a, c), f"{name}: compiled, the linear is not FP8"
+
+
 def _block_named(linear: nn.Linear) -> nn.Module:
     """`linear` under the name of a block's MLP up-projection, as apply_float8 looks for it."""
     block = nn.Module()
@@ -155,6 +188,47 @@ def test_the_state_dict_keeps_plain_high_precision_tensors_both_ways():
     apply_float8(back, "tensorwise", emulate=True)
     back.load_state_dict(ours)
     assert all(torch.equal(v, ours[k]) for k, v in back.state_dict().items())
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_an_adapter_on_an_fp8_linear_adds_its_high_precision_update_to_the_fp8_matmul(recipe):
+    from torchao.float8.float8_linear import Float8Linear
+
+    torch.manual_seed(0)
+    model = Bloom(BloomArgs(n_layer=1, hidden_size=32, n_head=4, vocab_size=128))
+    apply_float8(model, recipe, emulate=True)
+    apply_lora(model, 4, alpha=8.0, targets=["dense_h_to_4h"])
+    layer = model.layers["0"].mlp.dense_h_to_4h
+    assert isinstance(layer, LoRALinear) and isinstance(layer, Float8Linear)
+    assert type(layer.lora_a) is nn.Linear and type(layer.lora_b) is nn.Linear
+    # Under FP8 the update's share of the output would be rounded by up to 2^-4 of it; B as large
+    # as the base, so that this would show.
+    with torch.no_grad():
+        layer.lora_a.weight.normal_(0, 0.2)
+        layer.lora_b.weight.normal_(0, 1.0)
+    x = torch.randn(8, 32, requires_grad=True)
+    got = layer(x)
+    a, b = layer.lora_a.weight.double(), layer.lora_b.weight.double()
+    update = x.detach().double() @ a.T @ b.T * layer.scaling
+    want = reference(x.detach(), layer, recipe) + update
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    got.square().sum().backward()
+    trained = {n for n, p in layer.named_parameters() if p.grad is not None}
+    assert trained == {"lora_a.weight", "lora_b.weight"}  # the base frozen
+    with pytest.raises(ValueError, match="apply FP8 before the adapters"):
+        apply_float8(model, recipe, emulate=True)  # it would drop the adapters
+    merge_lora(model)  # folded in, the layer is the FP8 linear it was
+    assert type(model.layers["0"].mlp.dense_h_to_4h) is Float8Linear
+
+
+def test_an_nf4_base_with_fp8_is_refused_in_one_line(tiny_run_args):
+    qlora = ["--lora.rank=4", "--lora.quantize_base=nf4", "--quantize.linear=float8_rowwise"]
+    with pytest.raises(ConfigError) as refused:
+        parse_args([*tiny_run_args, *qlora])
+    line = str(refused.value)
+    assert "\n" not in line and "an NF4 base cannot be cast to FP8" in line, line
+    assert 'set lora.quantize_base = "none"' in line, line
+    parse_args([*tiny_run_args, *qlora[:1], *qlora[2:]])  # LoRA with FP8: composed
 
 
 def test_device_problems_name_the_fix():

@@ -3,7 +3,9 @@ single-process run: in fp32 the same loss at every step (relative difference < 1
 eval_loss at the training and at a longer sequence length, and the same final parameters; in
 bf16 the same losses within the bf16 tolerance below. A batch-size rampup under an interleaved
 pipeline leaves exactly the stage buffers of a run at the final size, and bf16 crosses the
-pipeline boundaries. A context-parallel checkpoint verifies and resumes bit for bit. A
+pipeline boundaries. FP8 linears (emulated) follow one process with FP8 under cp 2, pp 2
+(ZBVZeroBubble) and dp 2 x tp 2, and with activation checkpointing bit for bit. A
+context-parallel checkpoint verifies and resumes bit for bit. A
 Megatron-DeepSpeed import resumes under dp2 x tp2 and dp2 x pp2, and one AdamW step from it is
 the float64 step from its source. On CPU with gloo.
 
@@ -169,17 +171,25 @@ for world in [*LAYOUTS.values(), DP_TP_PP]:
 # FP8 linears (torchao's rowwise recipe, emulated; parallel/float8.py) under the layouts that
 # change what FP8 scales over, against one process with FP8 at the bf16 tolerance: a layout
 # moves only rounding (under cp a rank's rowwise scales of the weight gradient's matmul are
-# taken over its tokens only; under tp the scales are DTensor reductions over the whole tensor).
-# Measured: at most 1e-7 relative. Checked once but not kept (CI time): pp2 ZBVZeroBubble
-# (equal), tp2 tensorwise (3e-7); compile on/off is not tested (Inductor: ~86 CPU seconds).
+# taken over its tokens only; under tp the scales are DTensor reductions over the whole tensor;
+# a pipeline's zero-bubble schedule splits each FP8 backward into input and weight passes).
+# Measured: at most 1e-7 relative. Activation checkpointing recomputes each block's forward,
+# FP8 casts included, from its input: the same losses, evaluation and weights bit for bit.
+# FSDP2 (dp2) with FP8: tests/train/test_float8_training.py; compile on and off:
+# tests/parallel/test_float8.py (one linear: a compiled run costs ~86 CPU seconds). tp 2 (with
+# sequence and loss parallelism) runs under dp 2 x tp 2, its plan under FSDP2 too: alone it cost
+# as much again (15 CPU seconds, DTensor's dispatch of every FP8 cast). Checked once but not
+# kept (CI time): tp2 alone (1e-7), tp2 tensorwise (3e-7).
 FP8 = "-fp8"
 FP8_RUN = ["--quantize.linear=float8_rowwise", "--quantize.emulate=true"]
+FP8_AC = "single_ac_full" + FP8
 FP8_LAYOUTS = {
-    1: {"single" + FP8: FP8_RUN},
+    1: {"single" + FP8: FP8_RUN, FP8_AC: ["--activation_checkpoint.mode=full", *FP8_RUN]},
     2: {
         "cp2" + FP8: [*CP2, *FP8_RUN],
-        "tp2_sp_lossparallel" + FP8: ["--parallelism.tp=2", *FP8_RUN],
+        "pp2_zbv" + FP8: [*LAYOUTS[2]["pp2_zbv"], *FP8_RUN],
     },
+    4: {"dp2_tp2" + FP8: ["--parallelism.tp=2", *FP8_RUN]},
 }
 for size, fp8_layouts in FP8_LAYOUTS.items():
     LAYOUTS[size] |= fp8_layouts
@@ -322,6 +332,18 @@ def assert_trains_like_the_single_process(runs: Path, layout: str) -> None:
     assert set(got) == set(ref_params)
     for name, value in ref_params.items():
         torch.testing.assert_close(got[name], value, rtol=tolerance, atol=tolerance / 10, msg=name)
+
+
+@pytest.mark.multiprocess
+def test_activation_checkpointing_with_fp8_trains_bit_for_bit_as_without(runs):
+    # torchao's FP8 matmul saves its high-precision operands and casts them again in backward;
+    # a checkpointed block recomputes its forward, casts included, with the same inputs.
+    plain = runs / reference(FP8_AC)
+    assert metrics(runs / FP8_AC) == metrics(plain)
+    assert grad_norms(runs / FP8_AC) == grad_norms(plain)
+    got, want = params(runs / FP8_AC), params(plain)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[name], value) for name, value in want.items())
 
 
 @pytest.mark.multiprocess

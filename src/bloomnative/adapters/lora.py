@@ -7,6 +7,11 @@ at zero, so the adapted model starts equal to the base. The layer stays an `nn.L
 is swapped for `LoRALinear` in place), so the base's parameter names, and everything keyed on
 them (the parallel plans, checkpoints, Hugging Face export), do not change; the adapter adds
 `<layer>.lora_a.weight` and `<layer>.lora_b.weight`.
+
+A layer that is already a subclass of `nn.Linear` with a matmul of its own (torchao's FP8
+`Float8Linear`, `[quantize] linear`, applied first) keeps it: its class becomes a subclass of
+both (`adapted_class`), whose forward is the layer's own plus the update, so the frozen base
+computes in FP8 and the adapter's A and B in the run's dtype.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from typing import cast
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from bloomnative.config import LoRATarget
 from bloomnative.interop.adapter_state import lora_delta
@@ -44,7 +48,26 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = self.lora_b(self.lora_a(self.lora_dropout(x)))
-        return F.linear(x, self.weight, self.bias) + update * self.scaling
+        # The base layer's own forward: nn.Linear's, or the next class in an `adapted_class`.
+        return super().forward(x) + update * self.scaling
+
+
+_ADAPTED_CLASSES: dict[type[nn.Linear], type[LoRALinear]] = {nn.Linear: LoRALinear}
+
+
+def adapted_class(base: type[nn.Linear]) -> type[LoRALinear]:
+    """The class an adapted layer of class `base` gets: `LoRALinear` for a plain `nn.Linear`,
+    else a subclass of both (one per `base`), whose forward adds the update to `base`'s."""
+    if base not in _ADAPTED_CLASSES:
+        _ADAPTED_CLASSES[base] = type(f"LoRA{base.__name__}", (LoRALinear, base), {})
+    return _ADAPTED_CLASSES[base]
+
+
+def base_class(layer: LoRALinear) -> type[nn.Linear]:
+    """The class `layer` had before `apply_lora` adapted it."""
+    return cast(
+        type[nn.Linear], next(c for c in type(layer).__mro__ if not issubclass(c, LoRALinear))
+    )
 
 
 def _target_layers(model: Bloom, targets: Sequence[str]) -> Iterator[tuple[str, nn.Linear]]:
@@ -79,8 +102,9 @@ def apply_lora(
     parameter. Returns the adapted layers' names. The adapter's weights are left uninitialised
     where the model is on the meta device; `init_lora` or `lora_initial_value` fills them.
 
-    Apply it before the parallel plans (it only adds `nn.Linear`s, which they shard like any
-    other) and before the optimizer is built (only trainable parameters go in it).
+    Apply it after FP8 (`parallel.apply_float8`, whose linears it keeps: `adapted_class`),
+    before the parallel plans (it only adds `nn.Linear`s, which they shard like any other) and
+    before the optimizer is built (only trainable parameters go in it).
     """
     check_targets(targets)
     if rank < 1:
@@ -90,7 +114,7 @@ def apply_lora(
     adapted = []
     for name, layer in list(_target_layers(model, targets)):
         device, dtype = layer.weight.device, layer.weight.dtype
-        layer.__class__ = LoRALinear
+        layer.__class__ = adapted_class(type(layer))
         lora = cast(LoRALinear, layer)
         lora.lora_a = nn.Linear(layer.in_features, rank, bias=False, device=device, dtype=dtype)
         lora.lora_b = nn.Linear(rank, layer.out_features, bias=False, device=device, dtype=dtype)
@@ -195,7 +219,7 @@ def merge_lora(model: Bloom) -> None:
             delta = lora_delta(module.lora_a.weight, module.lora_b.weight, module.scaling)
             module.weight.add_(delta.to(module.weight.dtype))
             del module.lora_a, module.lora_b, module.lora_dropout, module.scaling
-            cast(nn.Linear, module).__class__ = nn.Linear
+            cast(nn.Linear, module).__class__ = base_class(module)
     for block in model.blocks():
         block.mlp.fused_bias_gelu = model.args.fused_kernels
     for param in model.parameters():

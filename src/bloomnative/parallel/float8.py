@@ -116,9 +116,17 @@ def apply_float8(
     included) to FP8 training with torchao's recipe `recipe` ("rowwise" or "tensorwise"), in
     torchao's emulation with `emulate`. Linears whose dimensions the FP8 kernels cannot take
     stay as they are; their names are returned and, when there are any, listed in one `log`
-    line."""
+    line. Apply it before adapters (`adapters.apply_lora`, which keeps the FP8 matmul of the
+    layers it adapts): it would replace an adapted layer by one without its adapter, so a block
+    linear with modules of its own is refused (ValueError)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    for name, module in part.named_modules():
+        if _is_block_linear(name, module) and any(module.children()):
+            raise ValueError(
+                f"apply_float8: {name} holds modules of its own (an adapter?); apply FP8 "
+                "before the adapters"
+            )
     skipped = [
         name
         for name, module in part.named_modules()

@@ -253,7 +253,7 @@ class Trainer:
     # ------------------------------------------------------------------ set-up helpers
 
     def _build_model(self) -> None:
-        """Meta model -> pipeline split -> FP8 linears -> TP / AC / compile / FSDP ->
+        """Meta model -> pipeline split -> FP8 linears -> adapters -> TP / AC / compile / FSDP ->
         materialise -> init."""
         cfg, par = self.config, self.config.parallelism
         with torch.device("meta"):
@@ -272,19 +272,19 @@ class Trainer:
         lora = cfg.lora
         quantised = lora.quantize_base == "nf4"
         for part in parts:
-            if lora.rank:
-                apply_lora(part, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
-                if self.bf16:  # no fp32 master weights for the frozen base
-                    store_frozen_in(part, torch.bfloat16)
-            if quantised:
-                self._materialise_quantised(part)
-            if cfg.quantize.linear != "none":
+            if cfg.quantize.linear != "none":  # before the adapters, which keep its matmuls
                 apply_float8(
                     part,
                     cfg.quantize.linear.removeprefix("float8_"),
                     cfg.quantize.emulate,
                     _log.info if self.rank == 0 else None,
                 )
+            if lora.rank:
+                apply_lora(part, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+                if self.bf16:  # no fp32 master weights for the frozen base
+                    store_frozen_in(part, torch.bfloat16)
+            if quantised:
+                self._materialise_quantised(part)
             parallelize_part(
                 part,
                 self.mesh,

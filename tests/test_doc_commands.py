@@ -121,6 +121,12 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
             "configs/bloom-560m.toml --training.steps=12" + SHRUNK_BLOOM,
             WHY_SHRUNK + " (the measurement's run; the estimate beside it keeps BLOOM-560m)",
         ),
+        (
+            "fp8_loss_curves.py --steps 300",
+            "fp8_loss_curves.py --steps 2 --model.n_layer=1",
+            "two steps of one block: the test checks that the figure's command runs",
+        ),
+        ("docs/fp8_loss_curves", "outputs/fp8_loss_curves", "the figure stays as recorded"),
     ],
     "docs/hf_interop.md": [
         ("outputs/run/checkpoints/step-2000", "outputs/debug/checkpoints/step-2", WHY_RUN),

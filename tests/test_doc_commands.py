@@ -122,7 +122,7 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
             WHY_SHRUNK + " (the measurement's run; the estimate beside it keeps BLOOM-560m)",
         ),
         (
-            "fp8_loss_curves.py --steps 300",
+            "fp8_loss_curves.py --steps 200",
             "fp8_loss_curves.py --steps 2 --model.n_layer=1",
             "two steps of one block: the test checks that the figure's command runs",
         ),

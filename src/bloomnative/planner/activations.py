@@ -190,10 +190,10 @@ def float8_linear_casts(tokens: int, features_in: int, features_out: int, recipe
     over `tokens` rows of `features_in` inputs and `features_out` outputs: the output gradient
     cast twice (scaled along its rows for grad_input, along its columns for grad_weight), the
     weight and the input, one byte per element (e4m3; e5m2 for the tensorwise recipe's
-    gradient: 2*T*O + I*O + T*I), each with its fp32
-    scales: one per tensor with `recipe` "tensorwise", one per row or column along the matmul's
-    inner dimension with "rowwise" (T + O for the gradient's two casts, I for the weight and I
-    for the input). The matmuls' high-precision results are the plain linear's."""
+    gradient: 2*T*O + I*O + T*I), each with its fp32 scales: one per tensor with `recipe`
+    "tensorwise", one per row or column along the matmul's inner dimension with "rowwise" (T + O
+    for the gradient's two casts, I for the weight and I for the input). The matmuls'
+    high-precision results are the plain linear's."""
     e4m3 = 2 * tokens * features_out + features_in * features_out + tokens * features_in
     scales = tokens + features_out + 2 * features_in if recipe == "rowwise" else 4
     return e4m3 + FP32 * scales

@@ -121,6 +121,16 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
             "configs/bloom-560m.toml --training.steps=12" + SHRUNK_BLOOM,
             WHY_SHRUNK + " (the measurement's run; the estimate beside it keeps BLOOM-560m)",
         ),
+        (
+            "fp8_loss_curves.py --steps 200",
+            "fp8_loss_curves.py --steps 2 --model.n_layer=1",
+            "two steps of one block: the test checks that the figure's command runs",
+        ),
+        (
+            "docs/fp8_loss_curves",
+            "fp8_loss_curves",
+            "written in the scratch root: the recorded figure stays as it is",
+        ),
     ],
     "docs/hf_interop.md": [
         ("outputs/run/checkpoints/step-2000", "outputs/debug/checkpoints/step-2", WHY_RUN),

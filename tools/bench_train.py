@@ -19,6 +19,12 @@ and reported per device:
 - the first step's time and, with compile.enable, compile time = first step - median step
   (`--cold-compile`: with empty Inductor/Triton caches).
 
+With `--quantize.linear=float8_rowwise` (or `float8_tensorwise`) the same run without FP8
+(`quantize.linear = "none"`, the run's dtype: bf16 on GPU) is timed first in the same process,
+Dynamo reset between the two, and reported beside it (`bloomnative_no_fp8`, and
+`ratio_fp8_over_no_fp8` of their median tokens/s): FP8 against bf16 on the same device, batches
+and compile settings.
+
 `--activation_checkpoint.mode=auto` lets the trainer's planner pick the least activation
 checkpointing that fits the device. `--baseline hf,torchtitan` replays the same token batches
 through transformers' BloomForCausalLM built with the same shape (random init) and through
@@ -45,7 +51,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -317,6 +323,7 @@ def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list
         return result
 
     frames_compiled: list[int] = []  # Dynamo's count after each step
+    counted_before = dynamo_counters()  # an earlier run's in this process
 
     def step() -> float:
         loss, _, _, gbs = train_step()
@@ -335,7 +342,8 @@ def bench_bloomnative(config: Config, options: BenchOptions) -> tuple[dict, list
         memory.read(),
     )
     result["build_s"] = build_s
-    result["dynamo"] = dynamo_counters() | {
+    counted = {key: n - counted_before[key] for key, n in dynamo_counters().items()}
+    result["dynamo"] = counted | {
         "frames_compiled_after_first_step": frames_compiled[-1] - frames_compiled[0]
     }
     if options.sync_debug:  # the first step sets up (compilation, pipeline shape exchange)
@@ -483,6 +491,8 @@ def describe_config(config: Config, args: BloomArgs) -> dict:
         "attention": config.model.attention,
         "fused_kernels": config.model.fused_kernels,
         "compile": config.compile.enable,
+        "quantize_linear": config.quantize.linear,
+        "quantize_emulate": config.quantize.emulate,
         "activation_checkpoint": config.activation_checkpoint.mode,
         "activation_checkpoint_every": config.activation_checkpoint.every,
         "tp": p.tp,
@@ -499,7 +509,11 @@ def runs_of(baseline: dict | None) -> list[dict]:
 
 
 def format_summary(report: dict) -> str:
-    rows = [("bloomnative", report["bloomnative"])]
+    rows = []
+    if report.get("bloomnative_no_fp8"):
+        rows.append(("bloomnative no FP8", report["bloomnative_no_fp8"]))
+    linear = report["config"]["quantize_linear"]
+    rows.append(("bloomnative" + ("" if linear == "none" else f" {linear}"), report["bloomnative"]))
     failed = []
     for mode, result in (report.get("baseline") or {}).items():
         if "error" in result:
@@ -508,7 +522,7 @@ def format_summary(report: dict) -> str:
             rows.append((mode, result))
     mem_key = "peak_allocated_gib" if report["device"] == "cuda" else "peak_rss_gib"
     header = (
-        f"{'run':<20}{'tok/s med':>12}{'tok/s p90':>12}{'TFLOP/s':>10}{'MFU peak':>10}"
+        f"{'run':<30}{'tok/s med':>12}{'tok/s p90':>12}{'TFLOP/s':>10}{'MFU peak':>10}"
         f"{'MFU ceil':>10}{'mem GiB':>9}{'1st step s':>12}"
     )
     lines = [header]
@@ -516,7 +530,7 @@ def format_summary(report: dict) -> str:
         mfu = r["mfu_device_peak"]
         mem = r["memory"][mem_key]
         lines.append(
-            f"{name:<20}{r['tokens_per_sec_median']:>12,.0f}{r['tokens_per_sec_p90']:>12,.0f}"
+            f"{name:<30}{r['tokens_per_sec_median']:>12,.0f}{r['tokens_per_sec_p90']:>12,.0f}"
             f"{r['tflops_median']:>10.3f}{'-' if mfu is None else f'{mfu:.1%}':>10}"
             f"{r['mfu_matmul_ceiling']:>10.1%}{'-' if mem is None else f'{mem:.2f}':>9}"
             f"{r['first_step_s']:>12.2f}"
@@ -538,7 +552,7 @@ def format_summary(report: dict) -> str:
             + "".join(f"\n  {line}" for line in ours["host_sync_lines"])
         )
     for key, value in report.items():
-        if key.startswith("ratio_ours_over_"):
+        if key.startswith("ratio_"):
             lines.append(f"{key}: {value:.3f} (tokens/s)")
     return "\n".join(lines)
 
@@ -601,6 +615,14 @@ def run_benchmark(
         )
         return 2
     ceiling_before = matmul_ceiling_tflops(device, options.matmul_size, options.matmul_repeats)
+    no_fp8 = None
+    if config.quantize.linear != "none":
+        plain = replace(config, quantize=replace(config.quantize, linear="none"))
+        no_fp8, _, plain_run = bench_bloomnative(plain, options)
+        no_fp8["memory_plan"] = planned_memory(plain_run)
+        del plain_run
+        release_memory(device)
+        torch._dynamo.reset()  # the FP8 run compiles as the first one did, from a fresh Dynamo
     ours, batches, run = bench_bloomnative(config, options)
     config, args = run.config, run.model_args
     report = {
@@ -616,8 +638,13 @@ def run_benchmark(
         "device_peak_tflops": device_peak_tflops(device, options.peak_tflops),
         "bloomnative": ours,
         "memory_plan": planned_memory(run),
+        "bloomnative_no_fp8": no_fp8,
         "baseline": None,
     }
+    if no_fp8 is not None:
+        report["ratio_fp8_over_no_fp8"] = (
+            ours["tokens_per_sec_median"] / no_fp8["tokens_per_sec_median"]
+        )
     if options.baselines:
         report["baseline"] = {}
     for name, mode in itertools.product(options.baselines, options.baseline_modes):
@@ -642,7 +669,7 @@ def run_benchmark(
         # something else was using the device (a shared CPU): the figures are not trustworthy.
         "stable": drift <= 0.2,
     }
-    for result in [ours, *runs_of(report["baseline"])]:
+    for result in [ours, *([no_fp8] if no_fp8 else []), *runs_of(report["baseline"])]:
         result["mfu_matmul_ceiling"] = result["tflops_median"] / ceiling["tflops"]
         if result["mfu_matmul_ceiling"] > 1.0:  # the ceiling itself was measured while slowed
             report["matmul_ceiling"]["stable"] = False

@@ -30,6 +30,10 @@ scratch live in a temporary folder, removed at the end.
 7. with time left: step 5's run of ours with zero_stage 2, which on one rank gathers (casts) the
    weights once a step instead of twice a micro batch (docs/benchmarks.md: host time per micro
    batch on one rank).
+8. only when named (``--steps train_1b7_fp8``: a lease returns at most eight files, the seven
+   steps' and the log): step 3's run with FP8 linears (torchao's rowwise recipe) beside the same
+   run without them, in one bench_train process: FP8 against bf16, tokens/s and MFU (emulated
+   FP8 with --tiny).
 
 ``BLOOMNATIVE_FIRST_CONTACT_BUDGETS="step=seconds,..."`` caps steps' budgets (the test's way to
 see a step killed by its deadline).
@@ -72,6 +76,7 @@ class Step:
     cap_s: float
     command: Callable[[bool, Path], list[str]]  # (tiny, result path) -> argv after python
     env: tuple[tuple[str, str], ...] = ()  # set for this step's process
+    named_only: bool = False  # run only when --steps names it, not in the default sequence
 
 
 def _own_step(name: str) -> Callable[[bool, Path], list[str]]:
@@ -117,6 +122,13 @@ def _hf_baseline(tiny: bool, result: Path) -> list[str]:
     return _bench_train(1, "--baseline=hf", f"--baseline-modes={mode}")(tiny, result)
 
 
+def _fp8_beside_bf16(tiny: bool, result: Path) -> list[str]:
+    # --tiny: emulated (the CPU has no FP8 matmul), one block with SDPA (Triton's interpreter
+    # made the two runs cost about 50 CPU seconds; FP8 does not touch the attention)
+    cpu = ["--quantize.emulate=true", "--model.attention=sdpa", "--model.n_layer=1"] if tiny else []
+    return _bench_train(4, "--quantize.linear=float8_rowwise", *cpu)(tiny, result)
+
+
 def _kernels(suites: str) -> Callable[[bool, Path], list[str]]:
     def command(tiny: bool, result: Path) -> list[str]:
         shapes = ["--smoke"] if tiny else ["--seqs=2048", "--head-dims=64,128", "--warmup=3",
@@ -138,7 +150,10 @@ STEPS = (
     Step("hf_baseline", 150, 555, _hf_baseline),
     Step("norms_loss_bench", 20, 120, _kernels("norms,loss")),
     Step("train_1b7_mb1_zero2", 60, 150, _bench_train(1, "--parallelism.zero_stage=2")),
+    # Two runs of step 3 (each compiled and timed): about twice its time.
+    Step("train_1b7_fp8", 150, 360, _fp8_beside_bf16, named_only=True),
 )
+DEFAULT_STEPS = {s.name for s in STEPS if not s.named_only}
 TINY_MIN_S = 5  # --tiny: every step is worth starting with this much left
 
 
@@ -270,8 +285,9 @@ def training_summary(result: dict) -> dict:
 
 
 def drive(out: Path, tiny: bool, deadline_s: float, t0: float, only: set[str] | None = None) -> int:
-    """Runs the steps in order (those named in `only`, when given) within `deadline_s` of `t0`;
-    0 when every step ran and passed. A step keeps its number when others are left out."""
+    """Runs the steps in order (those named in `only`, when given, else those not
+    `named_only`) within `deadline_s` of `t0`; 0 when every step ran and passed. A step keeps
+    its number when others are left out."""
     out.mkdir(parents=True, exist_ok=True)
     caps = step_caps()
     machine = machine_record()
@@ -281,7 +297,7 @@ def drive(out: Path, tiny: bool, deadline_s: float, t0: float, only: set[str] | 
         os.environ.setdefault("TRITON_CACHE_DIR", str(Path(scratch, "triton")))
         os.environ["PYTHONUNBUFFERED"] = "1"
         for index, step in enumerate(STEPS, start=1):
-            if only is not None and step.name not in only:
+            if step.name not in (only if only is not None else DEFAULT_STEPS):
                 continue
             left = deadline_s - (time.time() - t0)
             budget = min(caps.get(step.name, step.cap_s), left - MARGIN_S)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from bloomnative.adapters.lora import LoRALinear, apply_lora, merge_lora
-from bloomnative.config import ConfigError, parse_args
+from bloomnative.config import ConfigError, QuantizeConfig, parse_args
 from bloomnative.launch.preflight import main as preflight
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.parallel import float8
@@ -270,3 +270,16 @@ def test_preflight_warns_in_one_line_when_fp8_runs_uncompiled(tiny_run_args, cap
     assert len(warned) == 1 and "with compile.enable = false: FP8 is only fast" in warned[0]
     assert preflight([*argv, "--compile.enable=true"]) == 0
     assert "WARNING" not in capsys.readouterr().err
+
+
+def test_preflight_check_refuses_a_gpu_below_sm_89_unless_emulated(monkeypatch):
+    """check_float8 reads the run's CUDA device's compute capability (faked here: no GPU)."""
+    capability = {"value": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability["value"])
+    cuda = torch.device("cuda")
+    rowwise = QuantizeConfig(linear="float8_rowwise")
+    with pytest.raises(ConfigError, match=r"compute capability sm_80: FP8 matmuls need sm_89"):
+        float8.check_float8(rowwise, True, cuda, warn=print)
+    float8.check_float8(QuantizeConfig(linear="float8_rowwise", emulate=True), True, cuda, print)
+    capability["value"] = (9, 0)
+    float8.check_float8(rowwise, True, cuda, warn=print)

@@ -14,6 +14,7 @@ from bloomnative import planner
 from bloomnative.config import ParallelismConfig
 from bloomnative.model import Bloom, BloomArgs
 from bloomnative.parallel import LayoutError
+from bloomnative.planner.rank_estimate import block_backward_buffers
 from harness.training import REPO, load_tool
 
 # h = 8: a block has 12h^2 + 13h = 872 parameters; embedding 16 x 8 = 128; each LayerNorm 16.
@@ -190,6 +191,26 @@ def test_ring_attention_buffers_hand_computed():
     assert planner.ring_attention_buffers(TINY, bf16_params_layout(), workload(), prec) == 0
     with pytest.raises(LayoutError, match="seq_len = 4 is not a multiple of 2 \\* parallelism.cp"):
         planner.estimate_rank(TINY, layout_of(cp=4), workload())
+
+
+def test_fp8_linears_add_their_backward_casts_to_the_working_set_hand_computed():
+    # b*s = 8 tokens; dense_h_to_4h (8 in, 32 out) holds the most: 2*8*32 + 8*32 + 8*8 = 832
+    # one-byte elements and, rowwise, 8 + 32 + 2*8 = 56 fp32 scales (tensorwise 4). Under TP 2
+    # it has 16 outputs on the rank: 2*8*16 + 8*16 + 8*8 = 448, with 8 + 16 + 2*8 = 40 scales
+    # (dense_4h_to_h, 16 in and 8 out: 384 and 48). The kept activations do not change.
+    for layout, rowwise, tensorwise in (
+        (layout_of(), 832 + 4 * 56, 832 + 4 * 4),
+        (layout_of(tp=2), 448 + 4 * 40, 448 + 4 * 4),
+    ):
+        plain = workload()
+        prec = planner.Precision.of(layout, plain)
+        base = block_backward_buffers(TINY, layout, plain, prec)
+        for recipe, casts in (("rowwise", rowwise), ("tensorwise", tensorwise)):
+            fp8 = workload(float8=recipe)
+            assert block_backward_buffers(TINY, layout, fp8, prec) - base == casts
+            assert block_bytes(layout, fp8) == block_bytes(layout, plain)
+    with pytest.raises(planner.PlanError, match="float8 = 'e4m3'; valid: none, rowwise"):
+        planner.estimate_rank(TINY, layout_of(), workload(float8="e4m3"))
 
 
 def test_bf16_activations_do_not_depend_on_the_data_parallel_degree():

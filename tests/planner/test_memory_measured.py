@@ -4,6 +4,7 @@ memory_measurement.py for what each measurement sees)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 from pathlib import Path
@@ -13,7 +14,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bloomnative import planner
-from bloomnative.model import Bloom
+from bloomnative.config import ParallelismConfig
+from bloomnative.model import Bloom, BloomArgs
 from harness.hf_models import make_hf_bloom, save_hf_bloom
 from harness.launching import SCENARIO_DIR, python_command, run, train_env
 from harness.memory_measurement import (
@@ -233,3 +235,64 @@ def test_adapter_step_peak_matches_the_estimate(tmp_path, hf_base, overrides):
     trainer.train_step()  # warm-up: AdamW state exists from now on
     measured = measured_step_peak(trainer)
     assert relative_error(estimate.allocated_peak, measured) < TOLERANCE
+
+
+FP8_RECIPES = ("rowwise", "tensorwise")
+
+
+def test_fp8_linears_keep_what_the_plain_ones_keep(tmp_path):
+    """torchao's FP8 linear saves its high-precision input and weight for backward, not their
+    FP8 casts or scales (`planner.block_activation_terms`): one micro batch of the debug model
+    in bf16 saves the same bytes with either recipe's FP8 linears (emulated) as without them,
+    as the planner says."""
+    saved, predicted = {}, {}
+    for recipe in ("none", *FP8_RECIPES):
+        fp8 = [] if recipe == "none" else [f"--quantize.linear=float8_{recipe}"]
+        trainer = build_trainer(
+            tmp_path / recipe, "--training.dtype=bf16", "--quantize.emulate=true", *fp8
+        )
+        model = trainer.model_parts[0]
+        converted = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+        assert len(converted) == (recipe != "none") * 4 * trainer.resolved.model_args.n_layer
+        saved[recipe] = saved_activation_bytes(trainer)
+        predicted[recipe] = predicted_saved_bytes(predict(trainer))
+    assert saved["rowwise"] == saved["tensorwise"] == saved["none"], saved
+    assert predicted["rowwise"] == predicted["tensorwise"] == predicted["none"]
+    assert relative_error(predicted["none"], saved["none"]) < TOLERANCE
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_fp8_backward_casts_are_the_planners(monkeypatch, recipe):
+    """The FP8 tensors (one-byte data and fp32 scales) torchao's backward casts, recorded in a real
+    backward of each of the debug model's block linears, in bytes: `planner.float8_linear_casts`."""
+    import torchao.float8.float8_linear as float8_linear
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    casts: list[torch.Tensor] = []
+    cast = float8_linear.hp_tensor_to_float8_dynamic
+
+    def recording(*args, **kwargs):
+        casts.append(cast(*args, **kwargs))
+        return casts[-1]
+
+    monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic", recording)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    args = BloomArgs.from_preset("debug")
+    tokens = 48
+    layout = planner.layout_from_config(ParallelismConfig())
+    for name, (features_in, features_out) in planner.block_linear_shapes(args, layout).items():
+        linear = torch.nn.Sequential(torch.nn.Linear(features_in, features_out)).bfloat16()
+        convert_to_float8_training(linear, config=config)
+        x = torch.randn(tokens, features_in, dtype=torch.bfloat16, requires_grad=True)
+        y = linear(x)
+        casts.clear()  # the forward's
+        y.backward(torch.randn_like(y))
+        held = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for fp8 in casts
+            for t in (fp8._data, fp8._scale)
+        }
+        # e4m3, and e5m2 for the tensorwise recipe's gradient: one byte each
+        assert [c._data.element_size() for c in casts] == [1] * 4
+        predicted = planner.float8_linear_casts(tokens, features_in, features_out, recipe)
+        assert sum(held.values()) == predicted, name

@@ -1,6 +1,7 @@
 """`tools/gpu_acceptance.sh first-contact --tiny` end to end on CPU: the seven steps of a GPU
-lease's first command, each writing its flat JSON the moment it ends, a step killed by its budget
-recorded as such with the earlier files intact, and nothing else under $OUT."""
+lease's first command and the FP8 step run when named, each writing its flat JSON the moment it
+ends, a step killed by its budget recorded as such with the earlier files intact, and nothing
+else under $OUT."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from harness.training import REPO
 STEPS = ["environment", "correctness", "train_1b7", "attention_bench", "hf_baseline",
          "norms_loss_bench", "train_1b7_mb1_zero2"]  # fmt: skip
 JSONS = [f"{i:02d}_{step}.json" for i, step in enumerate(STEPS, start=1)]
+FP8_JSON = "08_train_1b7_fp8.json"  # run only when --steps names it
 MACHINE_FIELDS = {"device_name", "python", "torch", "triton", "cuda", "step", "status"}
 
 
@@ -42,13 +44,14 @@ def assert_flat_with_machine(record: dict) -> None:
 def test_first_contact_tiny_writes_every_step_and_records_the_one_killed_by_its_budget(tmp_path):
     out = tmp_path / "out"
     # hf_baseline gets 2 s: the process is killed while it imports, the step after it still runs
-    rc, records = first_contact(out, budgets="hf_baseline=2")
-    assert sorted(os.listdir(out)) == sorted([*JSONS, "first_contact.log"])
+    every_step = ",".join([*STEPS, "train_1b7_fp8"])
+    rc, records = first_contact(out, f"--steps={every_step}", budgets="hf_baseline=2")
+    assert sorted(os.listdir(out)) == sorted([*JSONS, FP8_JSON, "first_contact.log"])
     for record in records.values():
         assert_flat_with_machine(record)
-    status = {name: records[name]["status"] for name in JSONS}
+    status = {name: records[name]["status"] for name in [*JSONS, FP8_JSON]}
     killed = "05_hf_baseline.json"
-    assert status == {**dict.fromkeys(JSONS, "ok"), killed: "timeout"}, status
+    assert status == {**dict.fromkeys([*JSONS, FP8_JSON], "ok"), killed: "timeout"}, status
     assert records[killed]["reason"] == "killed by its 2 s budget" and rc == 1
     correctness = records["02_correctness.json"]
     assert correctness["result.ok"] is True
@@ -62,12 +65,22 @@ def test_first_contact_tiny_writes_every_step_and_records_the_one_killed_by_its_
     zero2 = records["07_train_1b7_mb1_zero2.json"]
     assert "--parallelism.zero_stage=2" in zero2["result.command"]
     assert zero2["result.config.micro_batch_size"] == 1
+    fp8 = records[FP8_JSON]  # FP8 (emulated here) beside the same run without it
+    assert fp8["result.config.quantize_linear"] == "float8_rowwise"
+    assert "--quantize.emulate=true" in fp8["result.command"]
+    ours = fp8["result.bloomnative.tokens_per_sec_median"]
+    plain = fp8["result.bloomnative_no_fp8.tokens_per_sec_median"]
+    assert fp8["result.ratio_fp8_over_no_fp8"] == pytest.approx(ours / plain, rel=1e-9)
+    # the same weights and batch: the first losses differ by FP8's rounding (2e-3 of the loss in
+    # tests/train/test_float8_training.py)
+    first = fp8["result.bloomnative.loss_first"]
+    assert first == pytest.approx(fp8["result.bloomnative_no_fp8.loss_first"], rel=2e-3)
     rows = records["04_attention_bench.json"]
     assert any(
         str(v).startswith("sdpa flash, causal") for k, v in rows.items() if k.endswith(".impl")
     )
     log = (out / "first_contact.log").read_text()
-    assert all(f"=== {step}: exit" in log for step in STEPS)
+    assert all(f"=== {step}: exit" in log for step in [*STEPS, "train_1b7_fp8"])
     # each comparison is printed as it ends (what a step killed by its budget still tells)
     for i in range(5):
         assert f"correctness: {correctness[f'result.float64.{i}.name']}: ok, errors" in log
@@ -75,7 +88,7 @@ def test_first_contact_tiny_writes_every_step_and_records_the_one_killed_by_its_
 
 @pytest.mark.multiprocess
 def test_first_contact_skips_every_step_it_has_no_time_for(tmp_path):
-    rc, records = first_contact(tmp_path, "--deadline-s=1")
+    rc, records = first_contact(tmp_path, "--deadline-s=1")  # the FP8 step is not one of them
     assert sorted(records) == JSONS and sorted(os.listdir(tmp_path)) == JSONS
     for record in records.values():
         assert_flat_with_machine(record)

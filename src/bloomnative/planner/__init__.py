@@ -43,6 +43,8 @@ and the tests use (docs/api.md).
 
 from bloomnative.planner.activations import (
     block_activation_terms,
+    block_linear_shapes,
+    float8_linear_casts,
     loss_saved_terms,
     loss_transient,
 )
@@ -88,6 +90,8 @@ from bloomnative.planner.rank_estimate import (
 __all__ = [
     "Adapters",
     "block_activation_terms",
+    "block_linear_shapes",
+    "float8_linear_casts",
     "loss_saved_terms",
     "loss_transient",
     "RecomputeChoice",

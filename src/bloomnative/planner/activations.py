@@ -128,6 +128,13 @@ def block_activation_terms(
     The softmax output (2as^2b) is dropped for flash kernels (see `attention_terms`).
     With adapters (`workload.adapters`) the input of a block linear without one is dropped
     (`frozen_linear_inputs`).
+
+    FP8 linears (`workload.float8`) change no term: torchao's float8 linear (0.18,
+    `matmul_with_hp_or_float8_args`) saves its high-precision input and weight, not their FP8
+    casts, and casts both again in backward, so it keeps no FP8 tensor and no scale between
+    forward and backward; the casts live during the backward (`float8_backward_casts`).
+    Compiled, the partitioner may save an FP8 copy and its scales instead of an input: fewer
+    bytes, so these terms bound what a compiled block keeps.
     """
     h, c = args.hidden_size, prec.compute
     tokens = micro_batch_tokens(layout, workload)
@@ -162,6 +169,49 @@ LINEAR_INPUT_TERMS = {
     "dense_h_to_4h": "dense_h_to_4h input",
     "dense_4h_to_h": "dense_4h_to_h input",
 }
+
+
+def block_linear_shapes(args: BloomArgs, layout: Layout) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each block linear on a rank: the column-parallel QKV and
+    dense_h_to_4h split their outputs over tp, the row-parallel dense and dense_4h_to_h their
+    inputs."""
+    h, t = args.hidden_size, layout.dims.tp
+    return {
+        "query_key_value": (h, 3 * h // t),
+        "dense": (h // t, h),
+        "dense_h_to_4h": (h, 4 * h // t),
+        "dense_4h_to_h": (4 * h // t, h),
+    }
+
+
+def float8_linear_casts(tokens: int, features_in: int, features_out: int, recipe: str) -> int:
+    """Bytes of the FP8 operands one FP8 linear's backward holds at once (torchao 0.18's
+    `matmul_with_hp_or_float8_args.backward`, whose locals keep each cast until it returns),
+    over `tokens` rows of `features_in` inputs and `features_out` outputs: the output gradient
+    cast twice (scaled along its rows for grad_input, along its columns for grad_weight), the
+    weight and the input, one byte per element (e4m3; e5m2 for the tensorwise recipe's
+    gradient: 2*T*O + I*O + T*I), each with its fp32 scales: one per tensor with `recipe`
+    "tensorwise", one per row or column along the matmul's inner dimension with "rowwise" (T + O
+    for the gradient's two casts, I for the weight and I for the input). The matmuls'
+    high-precision results are the plain linear's."""
+    e4m3 = 2 * tokens * features_out + features_in * features_out + tokens * features_in
+    scales = tokens + features_out + 2 * features_in if recipe == "rowwise" else 4
+    return e4m3 + FP32 * scales
+
+
+def float8_backward_casts(args: BloomArgs, layout: Layout, workload: Workload) -> int:
+    """`float8_linear_casts` of the block linear where they are largest (every token of the
+    micro batch: a column-parallel linear's input is gathered under SP), or 0 without FP8. Not
+    counted: an uncompiled cast's fp32 temporaries (a moment each; compiled, Inductor fuses
+    them into the cast) and, with `quantize.emulate`, the emulated matmul's fp32 copies of its
+    operands."""
+    if workload.float8 == "none":
+        return 0
+    tokens = micro_batch_tokens(layout, workload)
+    return max(
+        float8_linear_casts(tokens, features_in, features_out, workload.float8)
+        for features_in, features_out in block_linear_shapes(args, layout).values()
+    )
 
 
 def frozen_linear_inputs(layout: Layout, workload: Workload) -> set[str]:

@@ -55,9 +55,9 @@ def workload_from_config(
     """What the trainer runs for `config` at its final batch size: its micro batches (the
     pipeline's when pp_microbatches is set), dtype, recompute, attention kernel on `device_type`
     (or the given attention memory kind), dropout (the config's, or forced on by `dropout`), loss
-    (`compiled_loss`: the run's `ResolvedRun.compile_loss`) and AdamW implementation. Raises
-    LayoutError for a run the trainer would refuse (`layout_check.check_layout`, every rampup
-    batch size)."""
+    (`compiled_loss`: the run's `ResolvedRun.compile_loss`), AdamW implementation and FP8
+    recipe (`[quantize] linear`). Raises LayoutError for a run the trainer would refuse
+    (`layout_check.check_layout`, every rampup batch size)."""
     t, par, dims = config.training, config.parallelism, layout.dims
     args = model_args_from_config(config.model)
     check_layout(dims, args, par, t, config.model.fused_loss, config.validation)
@@ -86,6 +86,7 @@ def workload_from_config(
         ),
         offload=config.activation_checkpoint.offload,
         adapters=adapters_from_config(config),
+        float8=config.quantize.linear.removeprefix("float8_"),
     )
 
 

@@ -24,6 +24,7 @@ RECOMPUTE_MODES: tuple[str, ...] = typing.get_args(RecomputeMode)
 ATTENTION_MEMORY = ("flash", "sdpa_efficient", "materialized", "cpu_math")
 OPTIMIZER_IMPLS: tuple[str, ...] = (*typing.get_args(OptimizerImpl), "bf16", "8bit")
 ADAPTER_TARGETS: tuple[str, ...] = typing.get_args(LoRATarget)
+FLOAT8_RECIPES = ("none", "rowwise", "tensorwise")
 
 
 class PlanError(ValueError):
@@ -133,6 +134,11 @@ class Workload:
     adapters: Adapters | None = None
     """Low-rank adapters, the base frozen; None: every parameter trains. A block linear without
     an adapter keeps no input for backward (`activations.block_activation_terms`)."""
+    float8: str = "none"
+    """The FP8 recipe of the block linears (`[quantize] linear = "float8_<recipe>"`: "rowwise"
+    or "tensorwise", torchao's float8 training), or "none". It keeps for backward what the
+    linear it replaces keeps (`activations.block_activation_terms`); its backward holds FP8
+    copies of its operands and their scales (`activations.float8_backward_casts`)."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from bloomnative.planner.activations import (
     block_activation_terms,
     checkpointed_block_terms,
     embedding_terms,
+    float8_backward_casts,
     head_terms,
     loss_saved_terms,
     loss_transient,
@@ -27,6 +28,7 @@ from bloomnative.planner.activations import (
 )
 from bloomnative.planner.inputs import (
     ADAPTER_TARGETS,
+    FLOAT8_RECIPES,
     FP32,
     OPTIMIZER_IMPLS,
     RECOMPUTE_MODES,
@@ -166,8 +168,9 @@ def block_backward_buffers(
 ) -> int:
     """Gradient buffers alive while one block back-propagates (an approximation): the two
     largest activation gradients of the block (the MLP's 4h-wide ones, or the softmax's with
-    materialized attention), or the ring attention's buffers with context parallelism, and the
-    residual-stream gradient in and out."""
+    materialized attention), or the ring attention's buffers with context parallelism, the
+    residual-stream gradient in and out, and with FP8 linears their backward's FP8 casts
+    (`float8_backward_casts`)."""
     tokens = micro_batch_tokens(layout, workload)
     mlp = 2 * tokens * (4 * args.hidden_size // layout.dims.tp) * prec.compute
     heads = args.n_head // layout.dims.tp
@@ -176,7 +179,7 @@ def block_backward_buffers(
     ring = ring_attention_buffers(args, layout, workload, prec)
     widest = max(mlp, scores if materialized else 0, ring)
     stream = 2 * tokens * args.hidden_size // layout.sequence_shards * prec.compute
-    return widest + stream
+    return widest + stream + float8_backward_casts(args, layout, workload)
 
 
 def ring_attention_buffers(
@@ -317,6 +320,8 @@ def validate_plan(args: BloomArgs, layout: Layout, workload: Workload) -> None:
     check_pipeline_microbatches(workload.microbatches, dims.pp, par.pp_schedule)
     if dims.cp > 1 and layout.deepspeed:
         raise PlanError("zero_stage 1 (Megatron-DeepSpeed) is planned without context parallelism")
+    if workload.float8 not in FLOAT8_RECIPES:
+        raise PlanError(f"float8 = {workload.float8!r}; valid: {', '.join(FLOAT8_RECIPES)}")
     if workload.adapters is not None:
         _check_adapters(workload.adapters, layout)
 

@@ -30,11 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from bloomnative.checkpoint.checkpointer import optimizer_state
-from bloomnative.checkpoint.integrity import ChecksummingWriter, write_record
-from bloomnative.checkpoint.run_record import ARGS_FILE, model_fields, write_json_file
+from bloomnative.checkpoint.run_record import ARGS_FILE, model_fields
 from bloomnative.data.rampup import BatchSizeSchedule
 from bloomnative.interop.adapter_state import CheckpointFormatError
 from bloomnative.interop.mds_files import (
@@ -54,7 +52,7 @@ from bloomnative.interop.native_checkpoint import (
     bloom_from_state_dict,
     canonical_state_dict,
     expected_shapes,
-    staged_output_dir,
+    write_checkpoint_entries,
 )
 from bloomnative.model import BloomArgs
 
@@ -310,13 +308,8 @@ def write_training_checkpoint(
     """Writes `state` as the training checkpoint `<dump_folder>/checkpoints/step-<iteration>`
     (checksummed, with the model's bloom_args.json); returns that folder."""
     out = Path(dump_folder) / "checkpoints" / f"step-{state.iteration}"
-    entries = training_state(state)
-    with staged_output_dir(out, overwrite) as staging:
-        writer = ChecksummingWriter(staging)
-        dcp.save(entries, storage_writer=writer, no_dist=True)
-        write_json_file(staging, ARGS_FILE, model_fields(state.args))
-        write_record(staging, writer.sums)
-    return out
+    files = {ARGS_FILE: model_fields(state.args)}
+    return write_checkpoint_entries(training_state(state), out, files, overwrite)
 
 
 def import_mds_checkpoint(

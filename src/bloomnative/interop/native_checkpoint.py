@@ -305,6 +305,47 @@ def open_checkpoint(checkpoint_dir: str | Path) -> CheckpointReader:
         raise CheckpointFormatError(str(e)) from None
 
 
+def read_entries(reader: CheckpointReader, prefixes: tuple[str, ...] = ("",)) -> dict:
+    """The verified checkpoint's entries whose keys start with one of `prefixes` (all, by
+    default), flat (`<component>.<key>`): tensors in their stored shape and dtype, other
+    entries as plain data (checkpoint/reading.py)."""
+    template: dict = {}
+    for key, meta in reader.metadata.state_dict_metadata.items():
+        if key.startswith(prefixes):
+            if isinstance(meta, TensorStorageMetadata):
+                template[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+            else:
+                template[key] = None
+    nested = nest_entries(template)
+    reading.load(nested, reader, no_dist=True)
+    return {f"{top}.{rest}": v for top, entries in nested.items() for rest, v in entries.items()}
+
+
+def nest_entries(entries: dict) -> dict[str, dict]:
+    """Flat `<component>.<key>` entries as {component: {key: value}}, which DCP saves and loads
+    under the same flat keys."""
+    nested: dict[str, dict] = {}
+    for key, value in entries.items():
+        top, _, rest = key.partition(".")
+        nested.setdefault(top, {})[rest] = value
+    return nested
+
+
+def write_checkpoint_entries(
+    entries: dict, out: str | Path, files: dict[str, dict], overwrite: bool = False
+) -> Path:
+    """Writes the checkpoint folder `out` in one process: the entries ({component: {key:
+    value}}, as a training checkpoint holds them) and the JSON `files` beside them
+    (checkpoint/run_record.py), with the checksum record covering all; returns `out`."""
+    with staged_output_dir(out, overwrite) as staging, _single_process_dcp():
+        writer = ChecksummingWriter(staging)
+        dcp.save(entries, storage_writer=writer, no_dist=True)
+        for name, content in files.items():
+            write_json_file(staging, name, content)
+        write_record(staging, writer.sums)
+    return Path(out)
+
+
 def read_model_shapes(reader: CheckpointReader) -> dict[str, TensorStorageMetadata]:
     """Canonical name -> stored tensor metadata (global shape, dtype) of the checkpoint's model
     entry, from its metadata, without loading any tensor."""

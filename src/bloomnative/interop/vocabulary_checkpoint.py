@@ -90,8 +90,9 @@ def _resized_entries(reader: CheckpointReader, plan: VocabularyPlan) -> dict:
         if not isinstance(moment, torch.Tensor) or moment.shape != weight.shape:
             raise VocabularyError(
                 f"{reader.folder}: {key} is not a tensor of the embedding's shape "
-                f"{tuple(weight.shape)} (optimizer.state_dtype = \"8bit\" stores quantized "
-                "blocks, whose rows cannot be cut); resume it with fp32 or bf16 moments first"
+                f'{tuple(weight.shape)} (optimizer.state_dtype = "8bit" stores quantized '
+                "blocks, whose rows cannot be cut): export it with tools/convert_hf.py to-hf and "
+                "trim or extend the Hugging Face folder (the run restarts its optimizer)"
             )
         entries[key] = embedding_rows(moment, plan, means=False)
     return entries

@@ -436,3 +436,16 @@ def test_a_trimmed_checkpoint_passes_preflight_and_resumes_a_training_step(
     assert (trimmed_checkpoint / "checkpoints" / f"step-{STEP + 1}").is_dir()
     losses = [row["loss"] for row in metric_rows(trimmed_checkpoint) if "loss" in row]
     assert len(losses) == 1 and np.isfinite(losses[0])
+
+
+def test_the_tokenizer_argument_goes_with_a_checkpoint_only(checkpoint, folders, tmp_path, capsys):
+    argv = ["--corpus", str(folders["corpus"]), "--keep-min-count", "1"]
+    argv += ["--out", str(tmp_path / "out")]
+    assert vocab.main(["trim", "--model", str(checkpoint[0]), *argv]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "is a training checkpoint: give --tokenizer" in line
+    tokenizer = ["--tokenizer", str(BUNDLED)]
+    assert vocab.main(["trim", "--model", str(folders["hf"]), *tokenizer, *argv]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"--tokenizer is for a training checkpoint as --model, and {folders['hf']}" in line
+    assert not (tmp_path / "out").exists()

@@ -1,8 +1,10 @@
 """BigScience's Megatron-DeepSpeed checkpoints of BLOOM (`global_stepN/` folders with the
 BF16_Optimizer's ZeRO partitions) imported as a bloomnative training checkpoint that resumes.
 
-`read_mds_state` reassembles every parameter's fp32 master and Adam moments from the DP
-partitions (`mds_files.read_rank`) and joins the TP slices as Megatron split them:
+`read_mds_state` indexes every parameter's fp32 master and Adam moments in the DP partitions
+(`mds_files.read_rank`, the files mapped, not read) and joins the TP slices as Megatron split
+them when a tensor is asked for (`JoinedTensors`); `write_training_checkpoint` asks for one at a
+time as it writes, so a conversion holds one whole tensor and one of its TP slices:
 
 - column parallel (split on dim 0): the word embedding (the vocabulary rows), the fused QKV
   weight and bias, dense_h_to_4h's weight and bias;

@@ -307,17 +307,32 @@ def open_checkpoint(checkpoint_dir: str | Path) -> CheckpointReader:
         raise CheckpointFormatError(str(e)) from None
 
 
-def read_entries(reader: CheckpointReader, prefixes: tuple[str, ...] = ("",)) -> dict:
+def read_entries(
+    reader: CheckpointReader,
+    prefixes: tuple[str, ...] = ("",),
+    tensors: bool = True,
+) -> dict:
     """The verified checkpoint's entries whose keys start with one of `prefixes` (all, by
-    default), flat (`<component>.<key>`): tensors in their stored shape and dtype, other
-    entries as plain data (checkpoint/reading.py)."""
+    default), flat (`<component>.<key>`): tensors in their stored shape and dtype (without
+    `tensors`: as meta tensors, nothing read), other entries as plain data
+    (checkpoint/reading.py)."""
     template: dict = {}
     for key, meta in reader.metadata.state_dict_metadata.items():
         if key.startswith(prefixes):
             if isinstance(meta, TensorStorageMetadata):
-                template[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+                device = "cpu" if tensors else "meta"
+                template[key] = torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
             else:
                 template[key] = None
+    if not tensors:
+        read = {k: v for k, v in template.items() if not isinstance(v, torch.Tensor)}
+        return {**template, **(read_entries_of(reader, read) if read else {})}
+    return read_entries_of(reader, template)
+
+
+def read_entries_of(reader: CheckpointReader, template: dict) -> dict:
+    """`template`'s entries (flat keys; tensors of the stored shape, None for others) read
+    from the verified checkpoint."""
     nested = nest_entries(template)
     reading.load(nested, reader, no_dist=True)
     return {f"{top}.{rest}": v for top, entries in nested.items() for rest, v in entries.items()}

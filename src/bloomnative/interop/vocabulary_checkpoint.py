@@ -18,12 +18,14 @@ vocab_mapping.json in its record) and `<out>/tokenizer/` (tokenizer.json, the
 tokenizer_config.json and special_tokens_map.json that were beside the original one, and
 vocab_mapping.json), the folder `tools/vocab.py remap-data --model` and `data.tokenizer` take.
 The source checkpoint is verified against its checksum record before anything of it is read,
-and read without unpickling anything but plain data (checkpoint/reading.py).
+and read without unpickling anything but plain data (checkpoint/reading.py). Its tensors are
+read one at a time as the new checkpoint is written (`native_checkpoint.write_checkpoint_entries`),
+so the memory it takes is about its largest tensor's, twice (the embedding, before and after).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -36,6 +38,7 @@ from bloomnative.interop.native_checkpoint import (
     nest_entries,
     open_checkpoint,
     read_entries,
+    read_entries_of,
     recorded_model_args,
     staged_output_dir,
     write_checkpoint_entries,
@@ -78,15 +81,16 @@ def _open(checkpoint_dir: Path) -> tuple[CheckpointReader, int]:
     return reader, shape[0]
 
 
-def _resized_entries(reader: CheckpointReader, plan: VocabularyPlan) -> dict:
-    """Every entry of the checkpoint, the embedding and its moments with the plan's rows."""
-    entries = read_entries(reader)
+def _resized_entries(
+    reader: CheckpointReader, plan: VocabularyPlan
+) -> tuple[dict, Callable[[str], torch.Tensor]]:
+    """Every entry of the checkpoint, its tensors as meta tensors (the embedding and its moments
+    in the plan's shape), and how to read one: as stored, or with the plan's rows. A tensor is
+    read when the new checkpoint's writer asks for it, so one is in memory at a time."""
+    entries = read_entries(reader, tensors=False)
     weight = entries[WEIGHT_KEY]
-    entries[WEIGHT_KEY] = embedding_rows(weight, plan)
     for key in MOMENT_KEYS:
-        if key not in entries:
-            continue  # a model-only checkpoint
-        moment = entries[key]
+        moment = entries.get(key, weight)  # a model-only checkpoint has none
         if not isinstance(moment, torch.Tensor) or moment.shape != weight.shape:
             raise VocabularyError(
                 f"{reader.folder}: {key} is not a tensor of the embedding's shape "
@@ -94,8 +98,21 @@ def _resized_entries(reader: CheckpointReader, plan: VocabularyPlan) -> dict:
                 "blocks, whose rows cannot be cut): export it with tools/convert_hf.py to-hf and "
                 "trim or extend the Hugging Face folder (the run restarts its optimizer)"
             )
-        entries[key] = embedding_rows(moment, plan, means=False)
-    return entries
+    stored = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+    rows = len(plan.old_rows)
+    for key in (WEIGHT_KEY, *MOMENT_KEYS):
+        if key in entries:
+            dtype = entries[key].dtype  # a moment's may be bf16
+            entries[key] = torch.empty(rows, *weight.shape[1:], dtype=dtype, device="meta")
+
+    def read(key: str) -> torch.Tensor:
+        meta = stored[key]
+        tensor = read_entries_of(reader, {key: torch.empty(meta.shape, dtype=meta.dtype)})[key]
+        if key in (WEIGHT_KEY, *MOMENT_KEYS):
+            return embedding_rows(tensor, plan, means=key == WEIGHT_KEY)
+        return tensor
+
+    return nest_entries(entries), read
 
 
 def _records(reader: CheckpointReader, rows: int) -> dict[str, dict]:
@@ -123,13 +140,13 @@ def _write(
     """Writes `<out>/checkpoints/<step folder>` with the rows of `plan` and `<out>/tokenizer/`
     (module docstring); `tokenizer` is the original tokenizer.json, whose companion files are
     copied. Returns the checkpoint folder."""
-    entries = _resized_entries(reader, plan)
+    entries, read = _resized_entries(reader, plan)
     records = _records(reader, len(plan.old_rows))
     records[MAPPING_FILE] = plan.mapping
     written = out / "checkpoints" / reader.folder.name
     with staged_output_dir(out / TOKENIZER_DIR, overwrite) as staging:
         write_tokenizer_files(tokenizer, staging, plan)
-        write_checkpoint_entries(nest_entries(entries), written, records, overwrite)
+        write_checkpoint_entries(entries, written, records, overwrite, read)
     return written
 
 

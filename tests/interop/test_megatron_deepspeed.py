@@ -259,7 +259,7 @@ def test_one_adamw_step_from_the_import_uses_the_moments(tmp_path, folder, sourc
 def allocated_peak(fn) -> int:
     """The most bytes of CPU memory torch had allocated at once while `fn()` ran, above what
     was allocated before: every allocation and free the profiler records, in order."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, acc_events=True) as prof:
         fn()
     alive = peak = 0
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):

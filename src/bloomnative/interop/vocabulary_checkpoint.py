@@ -60,6 +60,9 @@ from bloomnative.model.state import EMBEDDING
 WEIGHT_KEY = f"{MODEL_KEY}.{EMBEDDING}"
 MOMENT_KEYS = tuple(f"optimizer.state.{EMBEDDING}.{m}" for m in ("exp_avg", "exp_avg_sq"))
 """The entries of a training checkpoint with one row per vocabulary entry."""
+_SMALL = 1 << 20
+"""Tensors of at most this many bytes (norms, biases, counters, small layers' weights) are read
+together up front; each larger one as it is written."""
 TOKENIZER_DIR = "tokenizer"
 """The folder of `<out>` that holds the new tokenizer files."""
 
@@ -99,6 +102,12 @@ def _resized_entries(
                 "trim or extend the Hugging Face folder (the run restarts its optimizer)"
             )
     stored = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+    small = {
+        k: torch.empty(v.shape, dtype=v.dtype)
+        for k, v in stored.items()
+        if k not in (WEIGHT_KEY, *MOMENT_KEYS) and v.numel() * v.element_size() <= _SMALL
+    }
+    entries.update(read_entries_of(reader, small) if small else {})
     rows = len(plan.old_rows)
     for key in (WEIGHT_KEY, *MOMENT_KEYS):
         if key in entries:

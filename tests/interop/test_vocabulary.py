@@ -20,7 +20,7 @@ from bloomnative.checkpoint.integrity import read_record
 from bloomnative.config import Config, parse_args
 from bloomnative.data import IndexedDataset
 from bloomnative.data.preprocess import PreprocessConfig, preprocess
-from bloomnative.interop import load_hf_model
+from bloomnative.interop import load_hf_model, load_native_model
 from bloomnative.interop.mds_export import read_native_state
 from bloomnative.interop.megatron_deepspeed import MdsState, write_training_checkpoint
 from bloomnative.interop.vocabulary import MAPPING_FILE
@@ -402,6 +402,36 @@ def test_an_extended_checkpoint_starts_new_rows_at_the_mean_with_zero_moments(ch
         assert torch.equal(got["fp32"][row], original["fp32"][pieces].mean(dim=0))
         assert got["exp_avg"][row].abs().max() == got["exp_avg_sq"][row].abs().max() == 0
     assert state.step == STEP
+
+
+def test_a_trimmed_checkpoint_exports_to_transformers_with_its_tokenizer(
+    checkpoint, trimmed_checkpoint, folders, tmp_path
+):
+    """tools/convert_hf.py to-hf of the trimmed checkpoint with its tokenizer folder loads in
+    transformers: the new tokenizer's ids, mapped back, are the original's, and the logits at
+    the kept rows are the original checkpoint's model's at those rows (fp32, 1e-5)."""
+    step = trimmed_checkpoint / "checkpoints" / checkpoint[0].name
+    out = tmp_path / "hf"
+    argv = [
+        "to-hf",
+        "--checkpoint",
+        str(step),
+        "--tokenizer",
+        str(step.parent.parent / "tokenizer"),
+    ]
+    assert load_tool("convert_hf").main([*argv, "--out", str(out)]) == 0
+    mapping = torch.tensor(old_ids(trimmed_checkpoint / "tokenizer"))
+    text = documents(folders["corpus"])[1]
+    ids = torch.tensor([transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"][:48]])
+    old_tokenizer = tokenizers.Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
+    assert mapping[ids].tolist() == [old_tokenizer.encode(text).ids[:48]]
+    with torch.no_grad():
+        exported = transformers.BloomForCausalLM.from_pretrained(out).eval()(ids).logits
+        original = load_native_model(checkpoint[0])(mapping[ids])
+    kept = mapping >= 0
+    torch.testing.assert_close(
+        exported[..., kept], original[..., mapping[kept]], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_a_trimmed_checkpoint_passes_preflight_and_resumes_a_training_step(

@@ -24,7 +24,9 @@ deepspeed/checkpoint/ds_to_universal.py).
 
 The files are pickles: `load_pickle` reads them with `torch.load(weights_only=True)` and the
 few classes they hold allowlisted (`ALLOWED_CLASSES`); a file naming any other class is refused
-before anything in it is unpickled.
+before anything in it is unpickled. The optimizer files are opened mapped (`torch.load`'s mmap),
+so `read_rank` indexes a rank without reading its tensors, and `RankSlices.read` reads one
+parameter's slice when asked.
 """
 
 from __future__ import annotations

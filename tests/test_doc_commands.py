@@ -138,6 +138,11 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
         ("configs/bloom-560m.toml", "configs/bloom-560m.toml" + SHRUNK_BLOOM, WHY_HF),
     ],
     "docs/continuing.md": [
+        (
+            "outputs/bloom-560m-continued/checkpoints/step-660750",
+            "outputs/debug/checkpoints/step-2",
+            WHY_RUN,
+        ),
         ("path/to/bloom-560m", "exports/run-step-2000", WHY_HF),
         ("my_language.jsonl", "a.jsonl", "the documents `write_inputs` makes"),
     ],
@@ -198,7 +203,7 @@ TO_HF = ("docs/hf_interop.md", "python tools/convert_hf.py to-hf --checkpoint ou
 LORA_PAIRS = ("docs/finetuning.md", "python tools/preprocess_data.py *")
 LORA_RUN = ("docs/finetuning.md", "./run_train.sh *")
 EVAL_EXPORT = ("docs/evaluation.md", "python tools/convert_hf.py to-hf *")
-VOCAB_TRIM = ("docs/continuing.md", "python tools/vocab.py trim *")
+VOCAB_TRIM = ("docs/continuing.md", "python tools/vocab.py trim --model path/*")
 VOCAB_EXTEND = ("docs/continuing.md", "python tools/vocab.py extend *")
 READS = {
     ("docs/evaluation.md", "python tools/evaluate.py *"): README_RUN,
@@ -215,6 +220,7 @@ READS = {
     ("docs/finetuning.md", "python tools/generate.py *"): LORA_RUN,
     ("docs/finetuning.md", "python tools/convert_hf.py to-peft *"): LORA_RUN,
     VOCAB_TRIM: TO_HF,
+    ("docs/continuing.md", "python tools/vocab.py trim --model outputs/*"): TO_HF,
     VOCAB_EXTEND: VOCAB_TRIM,
     ("docs/continuing.md", "python tools/preprocess_data.py *"): VOCAB_EXTEND,
     ("docs/hf_interop.md", "python tools/convert_hf.py to-peft *"): LORA_RUN,

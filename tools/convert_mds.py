@@ -32,7 +32,9 @@ writes <out>/checkpoints/step-N: the fp32 master weights, AdamW's moments and st
 step, the samples consumed and the learning-rate schedule's position.
 Then ./run_train.sh --job.dump_folder=<out> (with the run's model shape, optimizer.state_dtype =
 "fp32" and its learning-rate schedule) continues from it. Every file is unpickled with only the
-classes such a checkpoint holds allowed.
+classes such a checkpoint holds allowed. The files are mapped and one tensor is read at a time
+as the checkpoint is written: the conversion allocates about the largest tensor and one of its
+tensor-parallel slices (BLOOM-176B: about 18 GB; docs/continuing.md).
 """
 
 TO_MDS_HELP = """\

@@ -12,16 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.checkpoint import reading
 from bloomnative.config import OptimizerConfig, parse_args
 from bloomnative.data.rampup import BatchSizeSchedule
 from bloomnative.interop import CheckpointFormatError, save_native_checkpoint
+from bloomnative.interop.mds_export import read_native_state
 from bloomnative.interop.megatron_deepspeed import (
     canonical_name,
     import_mds_checkpoint,
     read_mds_state,
+    write_training_checkpoint,
 )
 from bloomnative.interop.native_checkpoint import open_checkpoint
 from bloomnative.model import Bloom
@@ -251,6 +254,38 @@ def test_one_adamw_step_from_the_import_uses_the_moments(tmp_path, folder, sourc
         torch.testing.assert_close(p.detach().double(), expected, rtol=0, atol=1e-6)
         fresh = adamw_float64(src["fp32"], 0 * src["fp32"], 0 * src["fp32"], grads[name], lr, wd, 0)
         assert (fresh - expected).abs().max() > 1e-4, name  # the moments change the step
+
+
+def allocated_peak(fn) -> int:
+    """The most bytes of CPU memory torch had allocated at once while `fn()` ran, above what
+    was allocated before: every allocation and free the profiler records, in order."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, acc_events=True) as prof:
+        fn()
+    alive = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        alive += event.self_cpu_memory_usage
+        peak = max(peak, alive)
+    return peak
+
+
+def test_to_native_holds_one_whole_tensor_and_one_slice_at_a_time(tmp_path):
+    """The import of a tp2 x pp2 x dp2 folder whose embedding is most of it: once the files
+    are opened (mapped, read as the tensors are asked for), writing the checkpoint allocates at
+    most the embedding's whole tensor and one of its TP slices at once, a third of what the
+    checkpoint holds, and the import equals the source."""
+    run = Run(hidden=16, padded_vocab=8192, vocab=8192)
+    source = source_tensors(run)
+    state = read_mds_state(write_checkpoint(tmp_path / "mds", run, source))
+    dump = tmp_path / "dump"
+    peak = allocated_peak(lambda: write_training_checkpoint(state, dump))
+    embedding = source["word_embeddings.weight"]["fp32"].nbytes
+    held = sum(t.nbytes for states in source.values() for t in states.values())
+    assert peak <= embedding + embedding // run.tp + 4096, (peak, embedding)
+    assert held > 3 * embedding
+    imported = read_native_state(dump / "checkpoints" / f"step-{run.iteration}")
+    for name, states in source.items():
+        for s, tensor in states.items():
+            assert torch.equal(imported.tensors[name][s], tensor), (name, s)
 
 
 def _planted(path: Path, marker: Path) -> None:

@@ -1,5 +1,7 @@
 """tools/vocab.py trim / extend on a tiny Hugging Face BLOOM with the bundled byte-level BPE
-tokenizer, against transformers and the original tokenizer (the tokenizers library)."""
+tokenizer, against transformers and the original tokenizer (the tokenizers library); and on a
+training checkpoint, whose AdamW moment rows follow the weight rows, against the source
+tensors, then through preflight and a training step."""
 
 from __future__ import annotations
 
@@ -14,14 +16,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bloomnative.config import Config
+from bloomnative.checkpoint.integrity import read_record
+from bloomnative.config import Config, parse_args
 from bloomnative.data import IndexedDataset
 from bloomnative.data.preprocess import PreprocessConfig, preprocess
-from bloomnative.interop import load_hf_model
+from bloomnative.interop import load_hf_model, load_native_model
+from bloomnative.interop.mds_export import read_native_state
+from bloomnative.interop.megatron_deepspeed import MdsState, write_training_checkpoint
 from bloomnative.interop.vocabulary import MAPPING_FILE
+from bloomnative.launch.preflight import PreflightError, checked_config
+from bloomnative.model import BloomArgs
+from bloomnative.model.state import EMBEDDING
 from bloomnative.train.input_files import model_section
+from bloomnative.train.trainer import Trainer
 from harness.hf_models import make_hf_bloom, save_hf_bloom, transformers
-from harness.training import REPO, load_tool
+from harness.mds_layout import BETAS, EPS, LR, WEIGHT_DECAY, Run, source_tensors
+from harness.training import REPO, TINY_RUN, load_tool, metric_rows
 
 tokenizers = pytest.importorskip("tokenizers")
 vocab = load_tool("vocab")
@@ -300,3 +310,172 @@ def test_a_token_the_tokenizer_has_is_one_line_and_exit_2(folders, tmp_path, cap
     assert vocab.main([*argv, "--out", str(tmp_path / "out")]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "' the' is already token" in line and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- a training checkpoint
+
+STEP = 7
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+    """A training checkpoint of SHAPE at step STEP (the trainer's format, as
+    tools/convert_mds.py writes it) with random weights and AdamW moments, and those tensors."""
+    run = Run(n_layer=2, hidden=32, n_head=2, padded_vocab=SHAPE["vocab_size"])
+    source = source_tensors(run, seed=5)
+    hyper = {
+        name: {
+            "lr": LR,
+            "betas": BETAS,
+            "eps": EPS,
+            "weight_decay": WEIGHT_DECAY if states["fp32"].ndim >= 2 else 0.0,
+        }
+        for name, states in source.items()
+    }
+    args = BloomArgs(n_layer=2, hidden_size=32, n_head=2, vocab_size=SHAPE["vocab_size"])
+    state = MdsState(args, source, hyper, STEP, STEP, 8 * STEP, 8 * STEP)
+    dump = tmp_path_factory.mktemp("checkpoint") / "run"
+    return write_training_checkpoint(state, dump), source
+
+
+@pytest.fixture(scope="module")
+def trimmed_checkpoint(checkpoint, folders, tmp_path_factory) -> Path:
+    """The checkpoint trimmed to the corpus with --keep-min-count 1: its dump folder."""
+    out = tmp_path_factory.mktemp("trimmed_checkpoint") / "run"
+    argv = ["trim", "--model", str(checkpoint[0]), "--tokenizer", str(BUNDLED / "tokenizer.json")]
+    argv += ["--corpus", str(folders["corpus"]), "--keep-min-count", "1", "--out", str(out)]
+    assert vocab.main(argv) == 0
+    return out
+
+
+def test_a_trimmed_checkpoint_keeps_the_rows_of_the_weights_and_both_moments(
+    checkpoint, trimmed_checkpoint, folders
+):
+    """The kept rows of the embedding and of AdamW's exp_avg and exp_avg_sq are the original
+    rows exactly, the padding rows zero; every other tensor and counter is unchanged; the
+    mapping is in the checkpoint's record and the tokenizer is the Hugging Face trim's."""
+    folder, source = checkpoint
+    step = trimmed_checkpoint / "checkpoints" / folder.name
+    state = read_native_state(step)
+    mapping = torch.tensor(old_ids(trimmed_checkpoint / "tokenizer"))
+    assert mapping.tolist() == old_ids(folders["trim1"])
+    assert state.args.vocab_size == len(mapping) < SHAPE["vocab_size"]
+    kept = mapping >= 0
+    for name, states in source.items():
+        for s, tensor in states.items():
+            got = state.tensors[name][s]
+            if name != EMBEDDING:
+                assert torch.equal(got, tensor), (name, s)
+                continue
+            assert torch.equal(got[kept], tensor[mapping[kept]]), s
+            assert got[~kept].abs().max() == 0, s
+    assert (state.step, state.iteration, state.consumed_samples) == (STEP, STEP, 8 * STEP)
+    assert MAPPING_FILE in read_record(step)
+    assert json.loads((step / MAPPING_FILE).read_text())["old_id"] == mapping.tolist()
+    for name in ("tokenizer.json", MAPPING_FILE):
+        assert (trimmed_checkpoint / "tokenizer" / name).is_file()
+    assert json.loads((trimmed_checkpoint / "tokenizer" / "tokenizer.json").read_text()) == (
+        json.loads((folders["trim1"] / "tokenizer.json").read_text())
+    )
+
+
+def test_an_extended_checkpoint_starts_new_rows_at_the_mean_with_zero_moments(checkpoint, tmp_path):
+    folder, source = checkpoint
+    tokens = [" bloomnative", "trim_and_extend"]
+    (tmp_path / "tokens.txt").write_text("\n".join(tokens))
+    argv = ["extend", "--model", str(folder), "--tokenizer", str(BUNDLED)]
+    argv += ["--tokens", str(tmp_path / "tokens.txt"), "--out", str(tmp_path / "out")]
+    assert vocab.main(argv) == 0
+    state = read_native_state(tmp_path / "out" / "checkpoints" / folder.name)
+    added = json.loads((tmp_path / "out" / "tokenizer" / MAPPING_FILE).read_text())["added"]
+    new = [added[t]["id"] for t in tokens]
+    assert new == [TOKENIZER_SIZE, TOKENIZER_SIZE + 1]  # on the rows beyond the tokenizer
+    assert state.args.vocab_size == SHAPE["vocab_size"]
+    old = torch.ones(SHAPE["vocab_size"], dtype=torch.bool)
+    old[new] = False
+    original, got = source[EMBEDDING], state.tensors[EMBEDDING]
+    for s in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(got[s][old], original[s][old]), s
+    for token, row in zip(tokens, new, strict=True):
+        pieces = added[token]["pieces"]
+        assert len(pieces) > 1
+        assert torch.equal(got["fp32"][row], original["fp32"][pieces].mean(dim=0))
+        assert got["exp_avg"][row].abs().max() == got["exp_avg_sq"][row].abs().max() == 0
+    assert state.step == STEP
+
+
+def test_a_trimmed_checkpoint_exports_to_transformers_with_its_tokenizer(
+    checkpoint, trimmed_checkpoint, folders, tmp_path
+):
+    """tools/convert_hf.py to-hf of the trimmed checkpoint with its tokenizer folder loads in
+    transformers: the new tokenizer's ids, mapped back, are the original's, and the logits at
+    the kept rows are the original checkpoint's model's at those rows (fp32, 1e-5)."""
+    step = trimmed_checkpoint / "checkpoints" / checkpoint[0].name
+    out = tmp_path / "hf"
+    argv = [
+        "to-hf",
+        "--checkpoint",
+        str(step),
+        "--tokenizer",
+        str(step.parent.parent / "tokenizer"),
+    ]
+    assert load_tool("convert_hf").main([*argv, "--out", str(out)]) == 0
+    mapping = torch.tensor(old_ids(trimmed_checkpoint / "tokenizer"))
+    text = documents(folders["corpus"])[1]
+    ids = torch.tensor([transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"][:48]])
+    old_tokenizer = tokenizers.Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
+    assert mapping[ids].tolist() == [old_tokenizer.encode(text).ids[:48]]
+    with torch.no_grad():
+        exported = transformers.BloomForCausalLM.from_pretrained(out).eval()(ids).logits
+        original = load_native_model(checkpoint[0])(mapping[ids])
+    kept = mapping >= 0
+    torch.testing.assert_close(
+        exported[..., kept], original[..., mapping[kept]], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_a_trimmed_checkpoint_passes_preflight_and_resumes_a_training_step(
+    trimmed_checkpoint, datasets, tmp_path
+):
+    """The corpus' dataset of the original tokenizer, remapped with the checkpoint trim's
+    tokenizer folder, passes preflight at the new vocab_size (the original dataset and
+    tokenizer do not), and the trainer resumes the trimmed checkpoint at its step and trains."""
+    tokenizer = trimmed_checkpoint / "tokenizer"
+    remapped = str(tmp_path / "remapped_text_document")
+    argv = ["remap-data", "--model", str(tokenizer), "--original", str(BUNDLED / "tokenizer.json")]
+    assert vocab.main([*argv, "--data", datasets["hf"], "--out-prefix", remapped]) == 0
+    size = len(old_ids(tokenizer))
+    run = [
+        *TINY_RUN,
+        "--model.n_layer=2",
+        "--model.n_head=2",
+        f"--model.vocab_size={size}",
+        f"--training.steps={STEP + 1}",
+        f"--job.dump_folder={trimmed_checkpoint}",
+    ]
+    data = [f"--data.blend={remapped}", f"--data.tokenizer={tokenizer / 'tokenizer.json'}"]
+    checked_config([*run, *data], [1])
+    with pytest.raises(PreflightError, match=f"outside the vocabulary \\[0, {size}\\)"):
+        checked_config([*run, f"--data.blend={datasets['hf']}", data[1]], [1])
+    with pytest.raises(PreflightError, match=f"has {TOKENIZER_SIZE} token ids but the model's"):
+        checked_config([*run, data[0], f"--data.tokenizer={BUNDLED / 'tokenizer.json'}"], [1])
+    trainer = Trainer(parse_args([*run, *data]))
+    assert trainer.step == STEP
+    trainer.run()
+    assert trainer.step == STEP + 1
+    assert (trimmed_checkpoint / "checkpoints" / f"step-{STEP + 1}").is_dir()
+    losses = [row["loss"] for row in metric_rows(trimmed_checkpoint) if "loss" in row]
+    assert len(losses) == 1 and np.isfinite(losses[0])
+
+
+def test_the_tokenizer_argument_goes_with_a_checkpoint_only(checkpoint, folders, tmp_path, capsys):
+    argv = ["--corpus", str(folders["corpus"]), "--keep-min-count", "1"]
+    argv += ["--out", str(tmp_path / "out")]
+    assert vocab.main(["trim", "--model", str(checkpoint[0]), *argv]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "is a training checkpoint: give --tokenizer" in line
+    tokenizer = ["--tokenizer", str(BUNDLED)]
+    assert vocab.main(["trim", "--model", str(folders["hf"]), *tokenizer, *argv]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"--tokenizer is for a training checkpoint as --model, and {folders['hf']}" in line
+    assert not (tmp_path / "out").exists()

@@ -5,9 +5,10 @@ bf16 the same losses within the bf16 tolerance below. A batch-size rampup under 
 pipeline leaves exactly the stage buffers of a run at the final size, and bf16 crosses the
 pipeline boundaries. FP8 linears (emulated) follow one process with FP8 under cp 2, pp 2
 (ZBVZeroBubble) and dp 2 x tp 2, and with activation checkpointing bit for bit. A
-context-parallel checkpoint verifies and resumes bit for bit. A
-Megatron-DeepSpeed import resumes under dp2 x tp2 and dp2 x pp2, and one AdamW step from it is
-the float64 step from its source. On CPU with gloo.
+context-parallel checkpoint verifies and resumes bit for bit. A Megatron-DeepSpeed import, its
+vocabulary extended (tools/vocab.py extend on the checkpoint), resumes under dp2 x tp2 and
+dp2 x pp2, and one AdamW step from it is the float64 step from its source with the added rows
+as documented. On CPU with gloo.
 
 bf16 tolerance: relative 2e-3 (about 2^-9), half of bf16's unit roundoff u = 2^-8 (bf16 keeps 8
 significant bits): written as bf16 numbers, the two losses would be at most one rounding step
@@ -32,7 +33,9 @@ from bloomnative.checkpoint.integrity import read_record, verify_files
 from bloomnative.config import model_args_from_config, parse_args
 from bloomnative.data import build_gpt_datasets
 from bloomnative.interop import import_mds_checkpoint
+from bloomnative.interop.vocabulary_checkpoint import extend_checkpoint
 from bloomnative.model import Bloom
+from bloomnative.model.state import EMBEDDING
 from bloomnative.parallel import init_weights, shard_sequence
 from harness.launching import SCENARIO_DIR
 from harness.mds_layout import (
@@ -45,7 +48,13 @@ from harness.mds_layout import (
     write_checkpoint,
 )
 from harness.shared_world import SharedWorld
-from harness.training import EOD_ID, TINY_RUN, build_eod_heavy_corpus, metric_rows
+from harness.training import (
+    EOD_ID,
+    TINY_RUN,
+    build_eod_heavy_corpus,
+    metric_rows,
+    write_word_tokenizer,
+)
 from scenarios.layout_scenario import RESUMED
 
 TRAIN_LAYOUT = f"{SCENARIO_DIR / 'layout_scenario.py'}:train_layout"
@@ -195,11 +204,15 @@ for size, fp8_layouts in FP8_LAYOUTS.items():
     LAYOUTS[size] |= fp8_layouts
 REFERENCES = ("single", "single_rampup", "single_eod", "single" + FP8)
 # A Megatron-DeepSpeed import (tests/interop/test_megatron_deepspeed.py) of TINY_RUN's model
-# shape, saved at tp2 x pp2 x dp2, resumed and stepped once under these layouts of the
-# 4-process world (tests/scenarios/mds_scenario.py).
+# shape, saved at tp2 x pp2 x dp2, its vocabulary extended by two tokens of the synthetic
+# corpus' word tokenizer (ids 128 and 129: the 128 rows grow to 256), resumed and stepped once
+# under these layouts of the 4-process world (tests/scenarios/mds_scenario.py).
 STEP_IMPORT = f"{SCENARIO_DIR / 'mds_scenario.py'}:step_import"
 MDS_RUN = Run(n_layer=4, hidden=32, n_head=4, padded_vocab=128, vocab=128)
 MDS_LAYOUTS = {"mds_dp2_tp2": ["--parallelism.tp=2"], "mds_dp2_pp2": ["--parallelism.pp=2"]}
+MDS_PIECES = {"w5 w9": [5, 9], "w17 w3 w40": [17, 3, 40]}
+"""The added tokens and the ids the word tokenizer cuts them into."""
+MDS_EXTENDED_VOCAB = 256
 
 
 @pytest.fixture(scope="module")
@@ -241,18 +254,38 @@ def runs_8(runs, synthetic_corpus, eod_corpus) -> Path:
 
 
 def add_import_steps(world: SharedWorld, base: list[str], out: Path) -> None:
-    """MDS_LAYOUTS's scenarios, each resuming its own import of one MDS_RUN checkpoint."""
+    """MDS_LAYOUTS's scenarios, each resuming its own extension of one import of an MDS_RUN
+    checkpoint."""
     source = write_checkpoint(out / "mds", MDS_RUN, source_tensors(MDS_RUN))
+    imported = import_mds_checkpoint(source, out / "mds_import")
+    tokenizer = write_word_tokenizer(out / "words.json")
     for name, overrides in MDS_LAYOUTS.items():
-        import_mds_checkpoint(source, out / name)
+        assert extend_checkpoint(imported, tokenizer, list(MDS_PIECES), out / name) == MDS_PIECES
         argv = [
             *base,
             f"--job.dump_folder={out / name}",
             "--checkpoint.enable=true",
             f"--training.steps={MDS_RUN.iteration + 1}",
+            f"--model.vocab_size={MDS_EXTENDED_VOCAB}",
+            f"--data.tokenizer={out / name / 'tokenizer' / 'tokenizer.json'}",
             *overrides,
         ]
         world.add(name, STEP_IMPORT, argv)
+
+
+def extended_source() -> dict[str, dict[str, torch.Tensor]]:
+    """MDS_RUN's source tensors as the extension documents them: the embedding's old rows, a
+    new token's weight row the mean of its pieces' rows, every other new weight row and every
+    new moment row zero."""
+    source = source_tensors(MDS_RUN)
+    embedding = source[EMBEDDING]
+    grown = {
+        s: torch.cat([t, t.new_zeros(MDS_EXTENDED_VOCAB - t.shape[0], t.shape[1])])
+        for s, t in embedding.items()
+    }
+    for row, pieces in enumerate(MDS_PIECES.values(), start=MDS_RUN.padded_vocab):
+        grown["fp32"][row] = embedding["fp32"][pieces].mean(dim=0)
+    return {**source, EMBEDDING: grown}
 
 
 def metrics(folder: Path) -> tuple[list[float], dict[str, float]]:
@@ -395,12 +428,13 @@ def test_pipeline_boundaries_carry_the_compute_dtype(runs, dtype):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", MDS_LAYOUTS)
 def test_one_adamw_step_from_a_megatron_import_is_float64_adamw_under_the_layout(runs, layout):
-    """The trainer resumes the import under dp2 x tp2 and dp2 x pp2 (at the source's step), and
-    one step of its optimizers with given gradients equals the float64 AdamW step from the
-    source's weights and moments (within 1e-6), which differs from a step without them."""
+    """The trainer resumes the import, its vocabulary extended, under dp2 x tp2 and dp2 x pp2
+    (at the source's step), and one step of its optimizers with given gradients equals the
+    float64 AdamW step from the source's weights and moments with the added rows as documented
+    (within 1e-6), which differs from a step without the moments."""
     assert json.loads((runs / layout / "resumed.json").read_text()) == {"step": MDS_RUN.iteration}
     got = params(runs / layout)
-    source = source_tensors(MDS_RUN)
+    source = extended_source()
     assert got.keys() == source.keys()
     for name, src in source.items():
         wd = WEIGHT_DECAY if src["fp32"].ndim >= 2 else 0.0

@@ -15,9 +15,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from bloomnative.checkpoint import reading
 from bloomnative.interop.adapter_state import CheckpointFormatError
 from bloomnative.interop.mds_files import STATES
 from bloomnative.interop.mds_universal import write_universal
@@ -25,29 +23,13 @@ from bloomnative.interop.megatron_deepspeed import MdsState, ds_name
 from bloomnative.interop.native_checkpoint import (
     canonical_state_dict,
     open_checkpoint,
+    read_entries,
     read_native_model,
     staged_output_dir,
 )
 
 _GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay")
 _COUNTERS = ("train.step", "data.consumed_samples", "lr_clock.applied_samples")
-
-
-def _load_entries(reader: reading.CheckpointReader, prefixes: tuple[str, ...]) -> dict:
-    """The checkpoint's entries whose keys start with one of `prefixes`, flat."""
-    template: dict = {}
-    for key, meta in reader.metadata.state_dict_metadata.items():
-        if key.startswith(prefixes):
-            if isinstance(meta, TensorStorageMetadata):
-                template[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-            else:
-                template[key] = None
-    nested: dict = {}
-    for key, value in template.items():
-        top, _, rest = key.partition(".")
-        nested.setdefault(top, {})[rest] = value
-    reading.load(nested, reader, no_dist=True)
-    return {f"{top}.{rest}": v for top, entries in nested.items() for rest, v in entries.items()}
 
 
 def read_native_state(checkpoint_dir: str | Path) -> MdsState:
@@ -57,7 +39,7 @@ def read_native_state(checkpoint_dir: str | Path) -> MdsState:
     reader = open_checkpoint(checkpoint_dir)
     model = read_native_model(reader)
     weights = canonical_state_dict(model)
-    entries = _load_entries(reader, ("optimizer.", *_COUNTERS))
+    entries = read_entries(reader, ("optimizer.", *_COUNTERS))
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     hyper: dict[str, dict] = {}
     steps: set[int] = set()

@@ -24,7 +24,9 @@ deepspeed/checkpoint/ds_to_universal.py).
 
 The files are pickles: `load_pickle` reads them with `torch.load(weights_only=True)` and the
 few classes they hold allowlisted (`ALLOWED_CLASSES`); a file naming any other class is refused
-before anything in it is unpickled.
+before anything in it is unpickled. The optimizer files are opened mapped (`torch.load`'s mmap),
+so `read_rank` indexes a rank without reading its tensors, and `RankSlices.read` reads one
+parameter's slice when asked.
 """
 
 from __future__ import annotations
@@ -115,8 +117,11 @@ ALLOWED_CLASSES: list[tuple[Callable[..., Any], str]] = [
 may hold, under the names its pickles give them."""
 
 
-def load_pickle(path: Path) -> Any:
-    """The content of one checkpoint file, unpickled with only `ALLOWED_CLASSES` allowed.
+def load_pickle(path: Path, mmap: bool = False) -> Any:
+    """The content of one checkpoint file, unpickled with only `ALLOWED_CLASSES` allowed; with
+    `mmap`, its tensors are mapped from the file rather than read (torch.load's mmap: only the
+    pages a read touches come from the disk, into the page cache), where the file is in
+    torch.save's zip format (torch >= 1.6, as BigScience's are), else read.
 
     A file that names another class is refused (CheckpointFormatError naming the file and the
     class) before it is unpickled."""
@@ -133,9 +138,17 @@ def load_pickle(path: Path) -> Any:
         )
     with torch.serialization.safe_globals([*ALLOWED_CLASSES]):
         try:
+            if mmap and _is_zip(path):
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
             raise CheckpointFormatError(f"{path}: cannot be read safely ({e})") from None
+
+
+def _is_zip(path: Path) -> bool:
+    """Whether `path` is in torch.save's zip format (the one torch.load can map)."""
+    with path.open("rb") as f:
+        return f.read(4) == b"PK\x03\x04"
 
 
 @dataclass(frozen=True)
@@ -242,13 +255,30 @@ def open_folder(folder: str | Path) -> MdsCheckpoint:
 
 @dataclass
 class RankSlices:
-    """One (pp, tp) rank's parameters, reassembled from its DP partitions: per DeepSpeed
-    parameter name, its TP slice of each of `STATES`, and the optimizer step count."""
+    """One (pp, tp) rank's parameters, indexed in its files: per DeepSpeed parameter name, the
+    shape of its TP slice, its group's options and `read`, which gives the slice of one of
+    `STATES` (in fp32, read from the files when called); and the optimizer step counts."""
 
-    tensors: dict[str, dict[str, torch.Tensor]]
+    shapes: dict[str, torch.Size]
     steps: set[int]
     hyper: dict[str, dict]
     """Per parameter, its group's options (lr, betas, eps, weight_decay, ...)."""
+    read: Callable[[str, str], torch.Tensor]
+    """(parameter, state) -> its TP slice, whole, in fp32."""
+
+
+@dataclass(frozen=True)
+class _Fragment:
+    """A piece of a parameter's TP slice: `numel` values from `start` of group `group`'s flat
+    partition in the optimizer file `path` (one DP rank's)."""
+
+    path: Path
+    group: int
+    start: int
+    numel: int
+
+
+_OPTIM_KEYS = ("param_slice_mappings", "single_partition_of_fp32_groups", "base_optimizer_state")
 
 
 def _step(group_state: dict, param_group: dict) -> int | None:
@@ -256,66 +286,76 @@ def _step(group_state: dict, param_group: dict) -> int | None:
     return None if step is None else int(step)
 
 
+def _flat(optim: dict, group: int, state: str) -> torch.Tensor:
+    """A DP rank's flat partition of one state of one parameter group."""
+    if state == STATES[0]:
+        return optim["single_partition_of_fp32_groups"][group]
+    return optim["base_optimizer_state"]["state"][group][state]
+
+
 def read_rank(ckpt: MdsCheckpoint, pp: int, tp: int) -> RankSlices:
-    """The fp32 masters and moments of rank (pp, tp), whole (its DP partitions joined) and in
-    the shapes its model file's `param_shapes` gives."""
+    """Rank (pp, tp)'s parameters in the shapes its model file's `param_shapes` gives, each
+    the fragments its DP partitions hold. The optimizer files are opened mapped
+    (`load_pickle`'s mmap): a slice is read from the disk when `read` asks for it."""
     layout = ckpt.layout
     model_path = ckpt.folder / layout.model_file(pp, tp)
     shapes = load_pickle(model_path).get("param_shapes")
     if not isinstance(shapes, list):
         raise CheckpointFormatError(f"{model_path}: no param_shapes list (key 'param_shapes')")
-    pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
+    fragments: dict[str, list[_Fragment]] = {}
+    files: dict[Path, dict] = {}
     steps: set[int] = set()
     options: list[dict] = []
     for dp in range(layout.dp):
         path = ckpt.folder / layout.optim_file(pp, tp, dp)
-        optim = load_pickle(path).get("optimizer_state_dict", {})
-        try:
-            mappings = optim["param_slice_mappings"]
-            masters = optim["single_partition_of_fp32_groups"]
-            base = optim["base_optimizer_state"]
-        except KeyError as e:
-            raise CheckpointFormatError(
-                f"{path}: no {e.args[0]} in its optimizer_state_dict"
-            ) from None
+        optim = files[path] = load_pickle(path, mmap=True).get("optimizer_state_dict", {})
+        missing = [key for key in _OPTIM_KEYS if key not in optim]
+        if missing:
+            raise CheckpointFormatError(f"{path}: no {missing[0]} in its optimizer_state_dict")
+        mappings, base = optim["param_slice_mappings"], optim["base_optimizer_state"]
         if len(mappings) != len(shapes):
             raise CheckpointFormatError(
                 f"{path}: {len(mappings)} parameter groups, {model_path.name} has {len(shapes)}"
             )
         for g, mapping in enumerate(mappings):
             group_state, param_group = base["state"][g], base["param_groups"][g]
-            flat = {"fp32": masters[g], **{s: group_state[s] for s in STATES[1:]}}
             if (step := _step(group_state, param_group)) is not None:
                 steps.add(step)
             if dp == 0:
                 options.append({k: v for k, v in param_group.items() if k != "params"})
             for name, where in mapping.items():
-                for state, tensor in flat.items():
-                    piece = tensor.narrow(0, int(where.start), int(where.numel))
-                    pieces.setdefault(name, {}).setdefault(state, []).append(piece)
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
+                piece = _Fragment(path, g, int(where.start), int(where.numel))
+                fragments.setdefault(name, []).append(piece)
+    slice_shapes: dict[str, torch.Size] = {}
     hyper: dict[str, dict] = {}
     for g, g_shapes in enumerate(shapes):
         for name, shape in g_shapes.items():
             hyper[name] = options[g]
-            if name not in pieces:
+            if name not in fragments:
                 raise CheckpointFormatError(
                     f"{model_path}: parameter {name} has no fragment in any DP partition"
                 )
-            joined = {s: torch.cat(parts) for s, parts in pieces.pop(name).items()}
+            held = sum(f.numel for f in fragments[name])
             numel = int(torch.Size(shape).numel())
-            if joined["fp32"].numel() != numel:
+            if held != numel:
                 raise CheckpointFormatError(
                     f"{model_path}: parameter {name} is {tuple(shape)} ({numel} values) but its "
-                    f"DP partitions hold {joined['fp32'].numel()}"
+                    f"DP partitions hold {held}"
                 )
-            tensors[name] = {s: t.reshape(shape).float() for s, t in joined.items()}
-    if pieces:
+            slice_shapes[name] = torch.Size(shape)
+    if extra := sorted(set(fragments) - set(slice_shapes)):
         raise CheckpointFormatError(
-            f"{model_path}: the optimizer partitions hold {sorted(pieces)[0]}, absent from its "
-            "param_shapes"
+            f"{model_path}: the optimizer partitions hold {extra[0]}, absent from its param_shapes"
         )
-    return RankSlices(tensors, steps, hyper)
+
+    def read(name: str, state: str) -> torch.Tensor:
+        pieces = [
+            _flat(files[f.path], f.group, state).narrow(0, f.start, f.numel)
+            for f in fragments[name]
+        ]
+        return torch.cat(pieces).reshape(slice_shapes[name]).float()
+
+    return RankSlices(slice_shapes, steps, hyper, read)
 
 
 def ranks(ckpt: MdsCheckpoint) -> Iterator[tuple[int, int]]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -96,21 +97,23 @@ def _group_members(ckpt: MdsCheckpoint) -> dict[str, int]:
 
 
 def _load_state(path: Path) -> torch.Tensor:
+    """The tensor of one state file, mapped from the file (`load_pickle`'s mmap)."""
     if not path.is_file():
         raise CheckpointFormatError(
             f"{path.parent.parent.parent}: missing file {path.name} of {path.parent.name}"
         )
-    content = load_pickle(path)
+    content = load_pickle(path, mmap=True)
     tensor = content.get("param") if isinstance(content, dict) else None
     if not isinstance(tensor, torch.Tensor):
         raise CheckpointFormatError(f"{path}: holds no tensor under 'param'")
-    return tensor.float()
+    return tensor
 
 
 def read_universal(ckpt: MdsCheckpoint) -> RankSlices:
-    """Every parameter's fp32 master and moments (whole, under GPTModelPipe's names), its
-    group's options and the step counts, with the word embedding padded with zero rows to
-    `args.padded_vocab_size` as DeepSpeed's universal loader pads it."""
+    """Every parameter (whole, under GPTModelPipe's names), its group's options and the step
+    counts; `read` gives a state in fp32, with the word embedding padded with zero rows to
+    `args.padded_vocab_size` as DeepSpeed's universal loader pads it. Every state file is
+    opened here (mapped: read from the disk when `read` asks for it)."""
     zero = ckpt.folder / ZERO
     optimizer_path = zero / "optimizer_state.pt"
     if not optimizer_path.is_file():
@@ -118,7 +121,7 @@ def read_universal(ckpt: MdsCheckpoint) -> RankSlices:
     param_groups = load_pickle(optimizer_path).get("param_groups")
     if not isinstance(param_groups, list):
         raise CheckpointFormatError(f"{optimizer_path}: no param_groups list")
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    mapped: dict[str, dict[str, torch.Tensor]] = {}
     hyper: dict[str, dict] = {}
     steps: set[int] = set()
     for name, g in _group_members(ckpt).items():
@@ -128,16 +131,23 @@ def read_universal(ckpt: MdsCheckpoint) -> RankSlices:
                 f"group {g}"
             )
         hyper[name] = {k: v for k, v in param_groups[g].items() if k != "params"}
-        tensors[name] = {s: _load_state(zero / name / f"{s}.pt") for s in STATES}
+        mapped[name] = {s: _load_state(zero / name / f"{s}.pt") for s in STATES}
         step_path = zero / name / "step.pt"
         if step_path.is_file():
             steps.add(int(load_pickle(step_path)))
     padded = int(getattr(ckpt.args, "padded_vocab_size", 0))
-    embedding = tensors.get(EMBEDDING)
-    if embedding is not None and embedding["fp32"].shape[0] < padded:
-        for s, t in embedding.items():
-            embedding[s] = torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])])
-    return RankSlices(tensors, steps, hyper)
+    shapes = {name: states[STATES[0]].shape for name, states in mapped.items()}
+    if EMBEDDING in shapes and shapes[EMBEDDING][0] < padded:
+        shapes[EMBEDDING] = torch.Size([padded, *shapes[EMBEDDING][1:]])
+
+    def read(name: str, state: str) -> torch.Tensor:
+        tensor = mapped[name][state].float()
+        missing = shapes[name][0] - tensor.shape[0]
+        if missing > 0:
+            return torch.cat([tensor, tensor.new_zeros(missing, *tensor.shape[1:])])
+        return tensor
+
+    return RankSlices(shapes, steps, hyper, read)
 
 
 def _cat_dim(name: str) -> dict:
@@ -153,7 +163,7 @@ def write_universal(
     out: Path,
     args: argparse.Namespace,
     model_state: dict,
-    tensors: dict[str, dict[str, torch.Tensor]],
+    tensors: Mapping[str, Mapping[str, torch.Tensor]],
     groups: list[tuple[dict, list[str]]],
     step: int,
 ) -> Path:

@@ -1,8 +1,10 @@
 """BigScience's Megatron-DeepSpeed checkpoints of BLOOM (`global_stepN/` folders with the
 BF16_Optimizer's ZeRO partitions) imported as a bloomnative training checkpoint that resumes.
 
-`read_mds_state` reassembles every parameter's fp32 master and Adam moments from the DP
-partitions (`mds_files.read_rank`) and joins the TP slices as Megatron split them:
+`read_mds_state` indexes every parameter's fp32 master and Adam moments in the DP partitions
+(`mds_files.read_rank`, the files mapped, not read) and joins the TP slices as Megatron split
+them when a tensor is asked for (`JoinedTensors`); `write_training_checkpoint` asks for one at a
+time as it writes, so a conversion holds one whole tensor and one of its TP slices:
 
 - column parallel (split on dim 0): the word embedding (the vocabulary rows), the fused QKV
   weight and bias, dense_h_to_4h's weight and bias;
@@ -26,15 +28,14 @@ weight decay), the step, the samples consumed and the learning-rate schedule's p
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from bloomnative.checkpoint.checkpointer import optimizer_state
-from bloomnative.checkpoint.integrity import ChecksummingWriter, write_record
-from bloomnative.checkpoint.run_record import ARGS_FILE, model_fields, write_json_file
+from bloomnative.checkpoint.run_record import ARGS_FILE, model_fields
 from bloomnative.data.rampup import BatchSizeSchedule
 from bloomnative.interop.adapter_state import CheckpointFormatError
 from bloomnative.interop.mds_files import (
@@ -51,12 +52,12 @@ from bloomnative.interop.mds_files import (
 from bloomnative.interop.mds_universal import is_universal, open_universal, read_universal
 from bloomnative.interop.native_checkpoint import (
     MODEL_KEY,
-    bloom_from_state_dict,
     canonical_state_dict,
     expected_shapes,
-    staged_output_dir,
+    write_checkpoint_entries,
 )
-from bloomnative.model import BloomArgs
+from bloomnative.model import Bloom, BloomArgs
+from bloomnative.model.state import EMBEDDING
 
 _TIED = "tied_modules.embed."
 _EMBEDDING_NAMES = {
@@ -71,8 +72,10 @@ class MdsState:
     """A Megatron-DeepSpeed checkpoint's training state under bloomnative's names."""
 
     args: BloomArgs
-    tensors: dict[str, dict[str, torch.Tensor]]
-    """Canonical name -> {"fp32", "exp_avg", "exp_avg_sq"}, whole (all TP slices joined)."""
+    tensors: Mapping[str, Mapping[str, torch.Tensor]]
+    """Canonical name -> {"fp32", "exp_avg", "exp_avg_sq"}, whole (all TP slices joined). An
+    import's (`JoinedTensors`) reads a tensor from the source files each time it is asked for
+    one, so that a conversion holds one at a time."""
     hyper: dict[str, dict]
     """Canonical name -> its optimizer group's lr, betas, eps and weight_decay in the source."""
     step: int
@@ -84,6 +87,12 @@ class MdsState:
     batch_size: BatchSizeSchedule | None = None
     """The run's global batch size and batch-size rampup (Megatron's `--global-batch-size`,
     `--rampup-batch-size`), None when its args do not name them."""
+
+    def shapes(self) -> dict[str, torch.Size]:
+        """Canonical name -> its shape, without reading any tensor of an import."""
+        if isinstance(self.tensors, JoinedTensors):
+            return dict(self.tensors.shapes)
+        return {name: states[STATES[0]].shape for name, states in self.tensors.items()}
 
     def training_overrides(self) -> list[str]:
         """The run_train.sh arguments that continue the source's batch-size schedule: with the
@@ -132,18 +141,109 @@ def _first_layer(names: list[str]) -> int:
     return min((int(n.partition(".")[0]) for n in names if ".input_layernorm." in n), default=0)
 
 
-def _join_tp(name: str, slices: list[torch.Tensor], folder: Path) -> torch.Tensor:
-    try:
-        if name.endswith(COLUMN_PARALLEL):
-            return torch.cat(slices, dim=0)
-        if name.endswith(ROW_PARALLEL):
-            return torch.cat(slices, dim=1)
-        return torch.stack(slices).mean(dim=0)
-    except RuntimeError:
-        shapes = ", ".join(str(tuple(t.shape)) for t in slices)
+def _split_dim(name: str) -> int | None:
+    """The dim Megatron splits `name` on over TP ranks (None: every rank holds all of it)."""
+    if name.endswith(COLUMN_PARALLEL):
+        return 0
+    if name.endswith(ROW_PARALLEL):
+        return 1
+    return None
+
+
+def _joined_shape(
+    name: str, shapes: list[torch.Size], rows: int | None, folder: Path
+) -> torch.Size:
+    """The shape of `name` with its TP slices of `shapes` joined (the first `rows` rows only,
+    when given); CheckpointFormatError when the slices do not fit together."""
+    dim = _split_dim(name)
+    fit = all(
+        len(shape) == len(shapes[0])
+        and all(a == b for d, (a, b) in enumerate(zip(shape, shapes[0], strict=True)) if d != dim)
+        for shape in shapes
+    )
+    if not fit or (dim is not None and dim >= len(shapes[0])):
+        listed = ", ".join(str(tuple(shape)) for shape in shapes)
         raise CheckpointFormatError(
-            f"{folder}: the tensor-parallel slices of {name} do not fit together ({shapes})"
-        ) from None
+            f"{folder}: the tensor-parallel slices of {name} do not fit together ({listed})"
+        )
+    joined = list(shapes[0])
+    if dim is not None:
+        joined[dim] = sum(shape[dim] for shape in shapes)
+    if rows is not None:
+        joined[0] = min(joined[0], rows)
+    return torch.Size(joined)
+
+
+class JoinedTensors(Mapping[str, Mapping[str, torch.Tensor]]):
+    """The parameters of a Megatron-DeepSpeed checkpoint, whole, under canonical names: a
+    state of a parameter is read from the source files (`RankSlices.read`) when it is asked for,
+    its TP slices copied one at a time into the whole tensor (column parallel: dim 0, row
+    parallel: dim 1), or averaged where every TP rank holds a copy. Nothing is kept: at a time
+    a read holds the whole tensor and one slice."""
+
+    def __init__(
+        self,
+        folder: Path,
+        slices: dict[str, list[tuple[RankSlices, str]]],
+        rows: dict[str, int],
+    ):
+        """`slices`: canonical name -> its TP slices' (rank, DeepSpeed name), in TP order;
+        `rows`: the names whose rows are cut to a number (the padded vocabulary)."""
+        self.folder, self.slices, self.rows = folder, slices, rows
+        self.shapes = {
+            name: _joined_shape(
+                name, [rank.shapes[ds] for rank, ds in parts], rows.get(name), folder
+            )
+            for name, parts in slices.items()
+        }
+
+    def __getitem__(self, name: str) -> Mapping[str, torch.Tensor]:
+        if name not in self.slices:
+            raise KeyError(name)
+        return _States(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.slices)
+
+    def __len__(self) -> int:
+        return len(self.slices)
+
+    def read(self, name: str, state: str) -> torch.Tensor:
+        """One state of `name`, whole, in fp32."""
+        parts = self.slices[name]
+        dim = _split_dim(name)
+        if dim is None:
+            return torch.stack([rank.read(ds, state) for rank, ds in parts]).mean(dim=0)
+        shape = self.shapes[name]
+        if len(parts) == 1 and parts[0][0].shapes[parts[0][1]] == shape:
+            rank, ds = parts[0]
+            return rank.read(ds, state)
+        whole = torch.empty(shape)
+        offset = 0
+        for rank, ds in parts:
+            width = min(rank.shapes[ds][dim], shape[dim] - offset)
+            if width > 0:
+                whole.narrow(dim, offset, width).copy_(rank.read(ds, state).narrow(dim, 0, width))
+            offset += width
+        return whole
+
+
+class _States(Mapping[str, torch.Tensor]):
+    """The states of one parameter of `JoinedTensors`, each read when asked for."""
+
+    def __init__(self, joined: JoinedTensors, name: str):
+        self.joined, self.name = joined, name
+
+    def __getitem__(self, state: str) -> torch.Tensor:
+        if state not in STATES:
+            raise KeyError(state)
+        return self.joined.read(self.name, state)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(STATES)
+
+    def __len__(self) -> int:
+        return len(STATES)
 
 
 def _bloom_args(ckpt: MdsCheckpoint, vocab_size: int | None) -> BloomArgs:
@@ -188,15 +288,15 @@ def _batch_size(ckpt: MdsCheckpoint) -> BatchSizeSchedule | None:
     return schedule
 
 
-def _check_shapes(ckpt: MdsCheckpoint, args: BloomArgs, tensors: dict[str, dict]) -> None:
+def _check_shapes(ckpt: MdsCheckpoint, args: BloomArgs, shapes: dict[str, torch.Size]) -> None:
     """CheckpointFormatError, in one line, for the first tensor the args disagree with."""
     expected = expected_shapes(args)
     given = (
         f"num_layers={args.n_layer}, hidden_size={args.hidden_size}, "
         f"num_attention_heads={args.n_head}, padded_vocab_size={ckpt.args.padded_vocab_size}"
     )
-    for name in sorted(set(expected) | set(tensors)):
-        got = tensors[name]["fp32"].shape if name in tensors else None
+    for name in sorted(set(expected) | set(shapes)):
+        got = shapes.get(name)
         if got != expected.get(name):
             want = tuple(expected[name]) if name in expected else "no such tensor"
             have = tuple(got) if got is not None else "absent"
@@ -224,15 +324,16 @@ def read_mds_state(checkpoint: str | Path, vocab_size: int | None = None) -> Mds
 def _joined_state(
     ckpt: MdsCheckpoint, read: dict[tuple[int, int], RankSlices], vocab_size: int | None
 ) -> MdsState:
-    """The state of the (pp, tp) ranks `read`, their TP slices joined, under canonical names."""
+    """The state of the (pp, tp) ranks `read`, their TP slices joined when read
+    (`JoinedTensors`), under canonical names."""
     args = _bloom_args(ckpt, vocab_size)
-    first = _first_layer([n for rank in read.values() for n in rank.tensors])
-    slices: dict[str, dict[str, list[torch.Tensor]]] = {}
+    first = _first_layer([n for rank in read.values() for n in rank.shapes])
+    slices: dict[str, list[tuple[RankSlices, str]]] = {}
     hyper: dict[str, dict] = {}
     steps: set[int] = set()
     for (pp, tp), rank in read.items():
         steps |= rank.steps
-        for ds_name, tensors in rank.tensors.items():
+        for ds_name in rank.shapes:
             if pp > 0 and ds_name.startswith(_TIED):
                 continue  # the last stage's copy of the tied embedding
             name = canonical_name(ds_name, first)
@@ -241,22 +342,14 @@ def _joined_state(
                     f"{ckpt.folder / ckpt.layout.model_file(pp, tp)}: parameter {ds_name} is "
                     "not one of Megatron-DeepSpeed's BLOOM (GPTModelPipe) parameters"
                 )
-            for state, tensor in tensors.items():
-                slices.setdefault(name, {}).setdefault(state, []).append(tensor)
+            slices.setdefault(name, []).append((rank, ds_name))
             hyper.setdefault(name, rank.hyper[ds_name])
     if len(steps) > 1:
         raise CheckpointFormatError(
             f"{ckpt.folder}: the optimizer partitions record different step counts {sorted(steps)}"
         )
-    joined = {
-        name: {s: _join_tp(name, parts[s], ckpt.folder) for s in STATES}
-        for name, parts in slices.items()
-    }
-    embedding = joined.get("word_embeddings.weight")
-    if embedding is not None:
-        for s in STATES:
-            embedding[s] = embedding[s][: args.vocab_size]
-    _check_shapes(ckpt, args, joined)
+    joined = JoinedTensors(ckpt.folder, slices, {EMBEDDING: args.vocab_size})
+    _check_shapes(ckpt, args, joined.shapes)
     consumed = int(getattr(ckpt.args, "consumed_train_samples", 0) or 0)
     return MdsState(
         args=args,
@@ -270,13 +363,14 @@ def _joined_state(
     )
 
 
-def training_state(state: MdsState) -> dict:
+def training_state(state: MdsState) -> tuple[dict, dict[str, tuple[str, str]]]:
     """`state` as the entries of a bloomnative training checkpoint (`Trainer._checkpointed`):
     model, optimizer (torch.optim.AdamW's, flattened under canonical names), train, data,
-    lr_clock and nonfinite."""
-    model = bloom_from_state_dict(
-        state.args, {n: t["fp32"].clone() for n, t in state.tensors.items()}, "the import"
-    )
+    lr_clock and nonfinite; the weights and moments as meta tensors (no memory), with the
+    (canonical name, state) of `state.tensors` each entry's values are read from."""
+    with torch.device("meta"):
+        model = Bloom(state.args)
+    model.tie_weights()
     params = dict(model.named_parameters())
     groups: dict[tuple, list[torch.nn.Parameter]] = {}
     for name, options in state.hyper.items():
@@ -288,13 +382,15 @@ def training_state(state: MdsState) -> dict:
             for (lr, betas, eps, wd), ps in groups.items()
         ]
     )
+    sources = {}
     for name, p in params.items():
         optimizer.state[p] = {
             "step": torch.tensor(float(state.step)),
-            "exp_avg": state.tensors[name]["exp_avg"].clone(),
-            "exp_avg_sq": state.tensors[name]["exp_avg_sq"].clone(),
+            **{s: torch.empty_like(p) for s in STATES[1:]},
         }
-    return {
+        sources[f"{MODEL_KEY}.{name}"] = (name, STATES[0])
+        sources |= {f"optimizer.state.{name}.{s}": (name, s) for s in STATES[1:]}
+    entries = {
         MODEL_KEY: canonical_state_dict(model),
         "optimizer": optimizer_state([model], [optimizer]),
         "train": {"step": torch.tensor(state.iteration)},
@@ -302,21 +398,39 @@ def training_state(state: MdsState) -> dict:
         "lr_clock": {"applied_samples": torch.tensor(state.lr_samples)},
         "nonfinite": {"skipped": torch.tensor(0)},
     }
+    return entries, sources
+
+
+def _finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:
+    """Whether every value is finite, checked a chunk at a time (isfinite's temporaries are a
+    chunk's, not the tensor's)."""
+    return all(bool(part.isfinite().all()) for part in tensor.reshape(-1).split(chunk))
 
 
 def write_training_checkpoint(
     state: MdsState, dump_folder: str | Path, overwrite: bool = False
 ) -> Path:
     """Writes `state` as the training checkpoint `<dump_folder>/checkpoints/step-<iteration>`
-    (checksummed, with the model's bloom_args.json); returns that folder."""
+    (checksummed, with the model's bloom_args.json); returns that folder. The weights and
+    moments are read from `state.tensors` one at a time as the file is written, so an
+    import holds one whole tensor (and one of its TP slices) at a time."""
     out = Path(dump_folder) / "checkpoints" / f"step-{state.iteration}"
-    entries = training_state(state)
-    with staged_output_dir(out, overwrite) as staging:
-        writer = ChecksummingWriter(staging)
-        dcp.save(entries, storage_writer=writer, no_dist=True)
-        write_json_file(staging, ARGS_FILE, model_fields(state.args))
-        write_record(staging, writer.sums)
-    return out
+    entries, sources = training_state(state)
+
+    def read(key: str) -> torch.Tensor:
+        name, s = sources[key]
+        tensor = state.tensors[name][s]
+        if not isinstance(state.tensors, JoinedTensors):  # the caller's: the writer frees its own
+            tensor = tensor.clone()
+        if s == STATES[0] and not _finite(tensor):
+            raise CheckpointFormatError(
+                f"{name} holds NaN or infinite values: the weights are broken (a diverged run, "
+                "a bad copy); use another checkpoint"
+            )
+        return tensor
+
+    files = {ARGS_FILE: model_fields(state.args)}
+    return write_checkpoint_entries(entries, out, files, overwrite, read)
 
 
 def import_mds_checkpoint(

@@ -31,6 +31,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -303,6 +305,104 @@ def open_checkpoint(checkpoint_dir: str | Path) -> CheckpointReader:
         return verified_reader(checkpoint_dir)
     except IntegrityError as e:
         raise CheckpointFormatError(str(e)) from None
+
+
+def read_entries(
+    reader: CheckpointReader,
+    prefixes: tuple[str, ...] = ("",),
+    tensors: bool = True,
+) -> dict:
+    """The verified checkpoint's entries whose keys start with one of `prefixes` (all, by
+    default), flat (`<component>.<key>`): tensors in their stored shape and dtype (without
+    `tensors`: as meta tensors, nothing read), other entries as plain data
+    (checkpoint/reading.py)."""
+    template: dict = {}
+    for key, meta in reader.metadata.state_dict_metadata.items():
+        if key.startswith(prefixes):
+            if isinstance(meta, TensorStorageMetadata):
+                device = "cpu" if tensors else "meta"
+                template[key] = torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
+            else:
+                template[key] = None
+    if not tensors:
+        read = {k: v for k, v in template.items() if not isinstance(v, torch.Tensor)}
+        return {**template, **(read_entries_of(reader, read) if read else {})}
+    return read_entries_of(reader, template)
+
+
+def read_entries_of(reader: CheckpointReader, template: dict) -> dict:
+    """`template`'s entries (flat keys; tensors of the stored shape, None for others) read
+    from the verified checkpoint."""
+    nested = nest_entries(template)
+    reading.load(nested, reader, no_dist=True)
+    return {f"{top}.{rest}": v for top, entries in nested.items() for rest, v in entries.items()}
+
+
+def nest_entries(entries: dict) -> dict[str, dict]:
+    """Flat `<component>.<key>` entries as {component: {key: value}}, which DCP saves and loads
+    under the same flat keys."""
+    nested: dict[str, dict] = {}
+    for key, value in entries.items():
+        top, _, rest = key.partition(".")
+        nested.setdefault(top, {})[rest] = value
+    return nested
+
+
+def write_checkpoint_entries(
+    entries: dict,
+    out: str | Path,
+    files: dict[str, dict],
+    overwrite: bool = False,
+    read: Callable[[str], torch.Tensor] | None = None,
+) -> Path:
+    """Writes the checkpoint folder `out` in one process: the entries ({component: {key:
+    value}}, as a training checkpoint holds them) and the JSON `files` beside them
+    (checkpoint/run_record.py), with the checksum record covering all; returns `out`.
+
+    An entry given as a meta tensor (its shape and dtype only) is read as DCP writes it:
+    `read(<component>.<key>)` gives its values, one entry at a time (`_ReadingPlanner`), in a
+    tensor that nothing else holds (its memory is freed once written). A CheckpointFormatError
+    that `read` raises is raised as it is."""
+    planner = _ReadingPlanner(read) if read is not None else None
+    with staged_output_dir(out, overwrite) as staging, _single_process_dcp():
+        writer = ChecksummingWriter(staging)
+        try:
+            dcp.save(entries, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as e:
+            for error, _ in e.failures.values():
+                if isinstance(error, CheckpointFormatError):
+                    raise error from None
+            raise
+        for name, content in files.items():
+            write_json_file(staging, name, content)
+        write_record(staging, writer.sums)
+    return Path(out)
+
+
+class _ReadingPlanner(DefaultSavePlanner):
+    """DCP's save planner, with the values of the meta tensors of the state dict read by
+    `read` when the writer asks for them. DCP's file writer keeps a reference to each tensor
+    it wrote until the file is closed (for its safetensors format, unused here), so the memory
+    of the tensor read before is freed when the next is asked for: a save holds one."""
+
+    def __init__(self, read: Callable[[str], torch.Tensor]):
+        super().__init__()
+        self.read = read
+        self.previous: torch.Tensor | None = None
+
+    def resolve_data(self, write_item):
+        value = self.lookup_object(write_item.index)
+        if not (isinstance(value, torch.Tensor) and value.is_meta):
+            return super().resolve_data(write_item)
+        if self.previous is not None and self.previous.untyped_storage().resizable():
+            self.previous.untyped_storage().resize_(0)  # written: the file has its bytes
+        tensor = self.read(write_item.index.fqn)
+        if tensor.shape != value.shape:
+            raise CheckpointFormatError(
+                f"{write_item.index.fqn} is {tuple(tensor.shape)}, {tuple(value.shape)} expected"
+            )
+        self.previous = tensor = tensor.to(value.dtype).contiguous()
+        return tensor
 
 
 def read_model_shapes(reader: CheckpointReader) -> dict[str, TensorStorageMetadata]:

@@ -251,10 +251,37 @@ def padded_rows(kept: list[int], tokenizer_size: int, rows: int, multiple: int) 
     return kept + spare + [-1] * (missing - len(spare))
 
 
-def _cut_rows(weight: torch.Tensor, old_rows: list[int]) -> torch.Tensor:
-    index = torch.tensor(old_rows)
+@dataclass(frozen=True)
+class VocabularyPlan:
+    """What a trim or an extension does to the rows of the embedding (and the tied head), the
+    same for a Hugging Face folder and a training checkpoint."""
+
+    old_rows: list[int]
+    """Per new row, the original row it is (-1: none, a row of zeros unless in `means`)."""
+    means: dict[int, list[int]]
+    """New row -> the original rows whose mean its weights start as (an added token's
+    pieces); its optimizer moments start at zero."""
+    tokenizer: dict[str, Any]
+    """The new tokenizer.json."""
+    mapping: dict[str, Any]
+    """vocab_mapping.json: the operation, its figures and `old_id` (= `old_rows`)."""
+
+    def new_id(self) -> dict[int, int]:
+        """Original id -> new id of every row kept."""
+        return {old: new for new, old in enumerate(self.old_rows) if old >= 0}
+
+
+def embedding_rows(weight: torch.Tensor, plan: VocabularyPlan, means: bool = True) -> torch.Tensor:
+    """The new rows of a tensor with one row per vocabulary entry (the embedding, or one of its
+    AdamW moments with `means` False): kept rows copied exactly, rows in `plan.means` the mean
+    of their pieces' rows (computed in fp32, stored in `weight`'s dtype) or zero, other rows
+    zero."""
+    index = torch.tensor(plan.old_rows, dtype=torch.long)
     rows = weight[index.clamp(min=0)].clone()
     rows[index < 0] = 0
+    if means:
+        for new, pieces in plan.means.items():
+            rows[new] = weight[pieces].float().mean(dim=0).to(weight.dtype)
     return rows
 
 
@@ -288,40 +315,85 @@ def check_model_folder(model_dir: Path) -> None:
             raise VocabularyError(f"--model {model_dir}: the folder has no {name}")
 
 
-def _write_folder(
-    model_dir: Path,
-    out_dir: Path,
-    old_rows: list[int],
-    tokenizer: dict[str, Any],
-    mapping: dict[str, Any],
-    overwrite: bool,
-    embedding: torch.Tensor | None = None,
-) -> None:
-    """The output folder: the embedding's rows are the old rows `old_rows` (-1: zeros), or
-    `embedding` as given; the special ids of config files follow the new numbering."""
-    new_id = {old: new for new, old in enumerate(old_rows) if old >= 0}
+def tokenizer_file(tokenizer: str | Path) -> Path:
+    """The tokenizer.json `tokenizer` names: the file, or the one of a folder."""
+    path = Path(tokenizer)
+    path = path / TOKENIZER_FILES[0] if path.is_dir() else path
+    if not path.is_file():
+        raise VocabularyError(f"{tokenizer}: neither a tokenizer.json nor a folder holding one")
+    return path
+
+
+def write_tokenizer_files(source: Path, staging: Path, plan: VocabularyPlan) -> None:
+    """Into `staging`: the plan's tokenizer.json, the vocab_mapping.json, and the
+    tokenizer_config.json and special_tokens_map.json beside `source` (a tokenizer.json),
+    the former's added tokens renumbered."""
+    folder = source.parent
+    (staging / TOKENIZER_FILES[0]).write_text(json.dumps(plan.tokenizer, ensure_ascii=False))
+    if (folder / TOKENIZER_FILES[1]).is_file():
+        settings = _tokenizer_config(folder / TOKENIZER_FILES[1], plan.new_id())
+        (staging / TOKENIZER_FILES[1]).write_text(json.dumps(settings, indent=2) + "\n")
+    if (folder / TOKENIZER_FILES[2]).is_file():
+        (staging / TOKENIZER_FILES[2]).write_bytes((folder / TOKENIZER_FILES[2]).read_bytes())
+    (staging / MAPPING_FILE).write_text(json.dumps(plan.mapping) + "\n")
+
+
+def _write_folder(model_dir: Path, out_dir: Path, plan: VocabularyPlan, overwrite: bool) -> None:
+    """The output folder: the embedding's rows as `plan` says (`embedding_rows`); the special
+    ids of config files follow the new numbering."""
+    new_id = plan.new_id()
     state = read_hf_weights(model_dir, dtype=None)
     for name in [n for n in state if n.endswith(_EMBEDDING_NAMES)]:
-        grown = embedding.to(state[name].dtype) if embedding is not None else None
-        state[name] = grown if grown is not None else _cut_rows(state[name], old_rows)
+        state[name] = embedding_rows(state[name], plan)
     config = _renumbered_ids(read_hf_config(model_dir), new_id, model_dir / CONFIG_FILE)
-    config["vocab_size"] = len(old_rows)
+    config["vocab_size"] = len(plan.old_rows)
     with staged_output_dir(out_dir, overwrite) as staging:
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         write_safetensors_shards(state, staging, 5 * GiB)
-        (staging / TOKENIZER_FILES[0]).write_text(json.dumps(tokenizer, ensure_ascii=False))
-        if (model_dir / TOKENIZER_FILES[1]).is_file():
-            settings = _tokenizer_config(model_dir / TOKENIZER_FILES[1], new_id)
-            (staging / TOKENIZER_FILES[1]).write_text(json.dumps(settings, indent=2) + "\n")
-        if (model_dir / TOKENIZER_FILES[2]).is_file():
-            (staging / TOKENIZER_FILES[2]).write_bytes(
-                (model_dir / TOKENIZER_FILES[2]).read_bytes()
-            )
+        write_tokenizer_files(model_dir / TOKENIZER_FILES[0], staging, plan)
         if (model_dir / GENERATION_CONFIG).is_file():
             generation = json.loads((model_dir / GENERATION_CONFIG).read_text())
             generation = _renumbered_ids(generation, new_id, model_dir / GENERATION_CONFIG)
             (staging / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
-        (staging / MAPPING_FILE).write_text(json.dumps(mapping) + "\n")
+
+
+def plan_trim(
+    tokenizer: Path,
+    rows: int,
+    corpus: Iterable[str | Path],
+    keep_min_count: int,
+    pad_to_multiple: int = PAD_TO_MULTIPLE,
+    json_key: str = "text",
+    source: str | Path = "",
+) -> tuple[VocabularyPlan, TrimSummary]:
+    """The trim of an embedding of `rows` rows whose tokenizer is the file `tokenizer` to the
+    vocabulary `corpus` (text files, or prefixes of datasets tokenized with it) uses at least
+    `keep_min_count` times (module docstring): the kept rows in the original order, padded to a
+    multiple of `pad_to_multiple`."""
+    if keep_min_count < 1:
+        raise VocabularyError(f"keep_min_count = {keep_min_count}: give a whole number >= 1")
+    bpe = ByteLevelBPE.from_file(tokenizer)
+    if rows < bpe.size():
+        raise VocabularyError(
+            f"{source}: vocab_size = {rows} is smaller than its tokenizer's {bpe.size()} ids"
+        )
+    counts = corpus_counts(tokenizer, corpus, bpe.size(), json_key)
+    kept, reasons = kept_ids(bpe, counts, keep_min_count)
+    old_rows = padded_rows(kept, bpe.size(), rows, pad_to_multiple)
+    summary = TrimSummary(
+        **reasons,
+        padding=len(old_rows) - len(kept),
+        vocab_size=len(old_rows),
+        original_vocab_size=rows,
+    )
+    mapping = {
+        "operation": "trim",
+        "source": str(source),
+        "keep_min_count": keep_min_count,
+        **{k: v for k, v in vars(summary).items()},
+        "old_id": old_rows,
+    }
+    return VocabularyPlan(old_rows, {}, bpe.trimmed(kept), mapping), summary
 
 
 def trim_hf_folder(
@@ -335,37 +407,21 @@ def trim_hf_folder(
 ) -> TrimSummary:
     """Writes `out_dir`: the model of `model_dir` with the vocabulary `corpus` (text files, or
     prefixes of datasets tokenized with its tokenizer) uses at least `keep_min_count` times
-    (module docstring), its rows in the original order, padded to a
-    multiple of `pad_to_multiple`. vocab_mapping.json's "old_id" lists the original row of each
-    new row (-1: a zero padding row)."""
+    (module docstring, `plan_trim`). vocab_mapping.json's "old_id" lists the original row of
+    each new row (-1: a zero padding row)."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if keep_min_count < 1:
-        raise VocabularyError(f"keep_min_count = {keep_min_count}: give a whole number >= 1")
     check_model_folder(model_dir)
-    bpe = ByteLevelBPE.from_file(model_dir / TOKENIZER_FILES[0])
     rows = int(read_hf_config(model_dir)["vocab_size"])
-    if rows < bpe.size():
-        raise VocabularyError(
-            f"{model_dir / CONFIG_FILE}: vocab_size = {rows} is smaller than its tokenizer's "
-            f"{bpe.size()} ids"
-        )
-    counts = corpus_counts(model_dir / TOKENIZER_FILES[0], corpus, bpe.size(), json_key)
-    kept, reasons = kept_ids(bpe, counts, keep_min_count)
-    old_rows = padded_rows(kept, bpe.size(), rows, pad_to_multiple)
-    summary = TrimSummary(
-        **reasons,
-        padding=len(old_rows) - len(kept),
-        vocab_size=len(old_rows),
-        original_vocab_size=rows,
+    plan, summary = plan_trim(
+        model_dir / TOKENIZER_FILES[0],
+        rows,
+        corpus,
+        keep_min_count,
+        pad_to_multiple,
+        json_key,
+        source=model_dir,
     )
-    mapping = {
-        "operation": "trim",
-        "source": str(model_dir),
-        "keep_min_count": keep_min_count,
-        **{k: v for k, v in vars(summary).items()},
-        "old_id": old_rows,
-    }
-    _write_folder(model_dir, out_dir, old_rows, bpe.trimmed(kept), mapping, overwrite)
+    _write_folder(model_dir, out_dir, plan, overwrite)
     return summary
 
 
@@ -380,6 +436,44 @@ def read_new_tokens(path: Path) -> list[str]:
     return tokens
 
 
+def plan_extend(
+    tokenizer_path: Path,
+    rows: int,
+    tokens: list[str],
+    pad_to_multiple: int = PAD_TO_MULTIPLE,
+    source: str | Path = "",
+) -> VocabularyPlan:
+    """`tokens` added to the tokenizer `tokenizer_path` as added tokens, each with a new row,
+    the mean of the rows of the ids the old tokenizer encodes its text to. A new id falls on
+    the embedding's rows (`rows`) beyond its tokenizer first (padding no text encodes to), then
+    on new rows; when rows are added, the embedding grows to a multiple of `pad_to_multiple`
+    (zero rows). vocab_mapping.json records each token's id and pieces (old ids)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    pieces = {t: tokenizer.encode(t, add_special_tokens=False).ids for t in tokens}
+    for token, ids in pieces.items():
+        if len(ids) == 1:
+            raise VocabularyError(f"{token!r} is already token {ids[0]} of {source}")
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in tokens])
+    new_ids = {t: new for t in tokens if (new := tokenizer.token_to_id(t)) is not None}
+    size = rows
+    if max(new_ids.values()) >= rows:
+        size = max(new_ids.values()) + 1
+        size += -size % pad_to_multiple
+    old_rows = [*range(rows), *[-1] * (size - rows)]
+    for new in new_ids.values():
+        old_rows[new] = -1
+    mapping = {
+        "operation": "extend",
+        "source": str(source),
+        "added": {t: {"id": new_ids[t], "pieces": pieces[t]} for t in tokens},
+        "old_id": old_rows,
+    }
+    means = {new_ids[t]: pieces[t] for t in tokens}
+    return VocabularyPlan(old_rows, means, json.loads(tokenizer.to_str()), mapping)
+
+
 def extend_hf_folder(
     model_dir: str | Path,
     tokens: list[str],
@@ -387,63 +481,34 @@ def extend_hf_folder(
     pad_to_multiple: int = PAD_TO_MULTIPLE,
     overwrite: bool = False,
 ) -> dict[str, list[int]]:
-    """Writes `out_dir`: the model of `model_dir` with `tokens` added to its tokenizer as added
-    tokens, each with a new row, the mean of the rows of the ids the old tokenizer encodes its
-    text to. A new id falls on the original's rows beyond its tokenizer first (padding no text
-    encodes to), then on new rows; when rows are added, the embedding grows to a multiple of
-    `pad_to_multiple` (zero rows). Returns each token's pieces (old ids), also recorded in
-    vocab_mapping.json."""
-    from tokenizers import AddedToken, Tokenizer
-
+    """Writes `out_dir`: the model of `model_dir` with `tokens` added (`plan_extend`). Returns
+    each token's pieces (old ids), also recorded in vocab_mapping.json."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_model_folder(model_dir)
-    tokenizer = Tokenizer.from_file(str(model_dir / TOKENIZER_FILES[0]))
-    pieces = {t: tokenizer.encode(t, add_special_tokens=False).ids for t in tokens}
-    for token, ids in pieces.items():
-        if len(ids) == 1:
-            raise VocabularyError(f"{token!r} is already token {ids[0]} of {model_dir}")
-    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in tokens])
-    new_ids = {t: new for t in tokens if (new := tokenizer.token_to_id(t)) is not None}
-    state = read_hf_weights(model_dir, dtype=None)
-    (name,) = [n for n in state if n.endswith(_EMBEDDING_NAMES[0])]
-    old = state[name].float()
-    rows = old.shape[0]
-    if max(new_ids.values()) >= rows:
-        rows = max(new_ids.values()) + 1
-        rows += -rows % pad_to_multiple
-    embedding = torch.zeros(rows, old.shape[1])
-    embedding[: old.shape[0]] = old
-    for token, new in new_ids.items():
-        embedding[new] = old[pieces[token]].mean(dim=0)
-    old_rows = [*range(old.shape[0]), *[-1] * (embedding.shape[0] - old.shape[0])]
-    for new in new_ids.values():
-        old_rows[new] = -1
-    mapping = {
-        "operation": "extend",
-        "source": str(model_dir),
-        "added": {t: {"id": new_ids[t], "pieces": pieces[t]} for t in tokens},
-        "old_id": old_rows,
-    }
-    data = json.loads(tokenizer.to_str())
-    _write_folder(model_dir, out_dir, old_rows, data, mapping, overwrite, embedding)
-    return pieces
+    rows = int(read_hf_config(model_dir)["vocab_size"])
+    plan = plan_extend(model_dir / TOKENIZER_FILES[0], rows, tokens, pad_to_multiple, model_dir)
+    _write_folder(model_dir, out_dir, plan, overwrite)
+    return {t: added["pieces"] for t, added in plan.mapping["added"].items()}
 
 
 def remap_indexed_dataset(
     prefix: str | Path, trimmed_dir: str | Path, original_dir: str | Path, out_prefix: str | Path
 ) -> int:
     """Writes `out_prefix`.bin/.idx: the dataset `prefix`, tokenized with the tokenizer of
-    `original_dir`, in the ids of the trimmed folder `trimmed_dir` (module docstring), with the
-    same sequences and documents. Returns how many sequences were encoded again."""
+    `original_dir` (a folder holding it, or the tokenizer.json), in the ids of the trim's
+    output `trimmed_dir` (a Hugging Face folder, or the tokenizer folder of a checkpoint's trim:
+    its tokenizer.json and vocab_mapping.json; module docstring), with the same sequences and
+    documents. Returns how many sequences were encoded again."""
     from tokenizers import Tokenizer
 
-    trimmed_dir, original_dir = Path(trimmed_dir), Path(original_dir)
-    check_model_folder(trimmed_dir)
-    check_model_folder(original_dir)
+    trimmed_dir = Path(trimmed_dir)
+    for name in (TOKENIZER_FILES[0], MAPPING_FILE):
+        if not (trimmed_dir / name).is_file():
+            raise VocabularyError(f"--model {trimmed_dir}: the folder has no {name}")
     mapping = json.loads((trimmed_dir / MAPPING_FILE).read_text())
     if mapping.get("operation") != "trim":
         raise VocabularyError(f"{trimmed_dir / MAPPING_FILE}: not the mapping of a trim")
-    original = Tokenizer.from_file(str(original_dir / TOKENIZER_FILES[0]))
+    original = Tokenizer.from_file(str(tokenizer_file(original_dir)))
     trimmed = Tokenizer.from_file(str(trimmed_dir / TOKENIZER_FILES[0]))
     old_ids = np.asarray(mapping["old_id"])
     new_of_old = np.full(original.get_vocab_size(with_added_tokens=True), -1, dtype=np.int64)

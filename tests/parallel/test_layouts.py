@@ -4,7 +4,7 @@ eval_loss at the training and at a longer sequence length, and the same final pa
 bf16 the same losses within the bf16 tolerance below. A batch-size rampup under an interleaved
 pipeline leaves exactly the stage buffers of a run at the final size, and bf16 crosses the
 pipeline boundaries. FP8 linears (emulated) follow one process with FP8 under cp 2, pp 2
-(ZBVZeroBubble) and dp 2 x tp 2, and with activation checkpointing bit for bit. A
+(every schedule) and dp 2 x tp 2, and with activation checkpointing bit for bit. A
 context-parallel checkpoint verifies and resumes bit for bit. A Megatron-DeepSpeed import, its
 vocabulary extended (tools/vocab.py extend on the checkpoint), resumes under dp2 x tp2 and
 dp2 x pp2, and one AdamW step from it is the float64 step from its source with the added rows
@@ -190,13 +190,18 @@ for world in [*LAYOUTS.values(), DP_TP_PP]:
 # as much again (15 CPU seconds, DTensor's dispatch of every FP8 cast). Checked once but not
 # kept (CI time): tp2 alone (1e-7), tp2 tensorwise (3e-7).
 FP8 = "-fp8"
+# Every pipeline schedule: one stage per rank (GPipe, 1F1B), two (Interleaved1F1B) and the
+# zero-bubble ones, whose backward runs as an input pass and a weight pass.
+PP_SCHEDULES = (
+    "pp2_gpipe", "pp2_1f1b", "pp2_interleaved1f1b", "pp2_zbv", "pp2_interleaved_zero_bubble",
+)  # fmt: skip
 FP8_RUN = ["--quantize.linear=float8_rowwise", "--quantize.emulate=true"]
 FP8_AC = "single_ac_full" + FP8
 FP8_LAYOUTS = {
     1: {"single" + FP8: FP8_RUN, FP8_AC: ["--activation_checkpoint.mode=full", *FP8_RUN]},
     2: {
         "cp2" + FP8: [*CP2, *FP8_RUN],
-        "pp2_zbv" + FP8: [*LAYOUTS[2]["pp2_zbv"], *FP8_RUN],
+        **{name + FP8: [*LAYOUTS[2][name], *FP8_RUN] for name in PP_SCHEDULES},
     },
     4: {"dp2_tp2" + FP8: ["--parallelism.tp=2", *FP8_RUN]},
 }

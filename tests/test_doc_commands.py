@@ -73,7 +73,7 @@ SUBSTITUTIONS: dict[str, list[tuple[str, str, str]]] = {
         (
             "./run_tests.sh",
             "./run_tests.sh tests/test_doc_references.py",
-            "the whole suite takes 15 minutes (this test included): one small file of it shows "
+            "the whole suite takes 25 minutes (this test included): one small file of it shows "
             "that the command sets up and runs pytest",
         ),
         ("configs/bloom-560m.toml", "configs/bloom-560m.toml" + SHRUNK_BLOOM, WHY_SHRUNK),

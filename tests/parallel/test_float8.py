@@ -99,10 +99,11 @@ def test_fp8_linear_matches_its_float64_reference_and_the_fp32_linear_within_e4m
 def test_a_compiled_fp8_linear_computes_what_the_eager_one_does():
     """Compile on and off, the cheap form: one FP8 linear (rowwise, emulated) compiled by
     Inductor, forward and backward, against itself eager, within the bf16 tolerance of the layout
-    tests (tests/parallel/test_layouts.py; measured: equal). A compiled training run costs ~86
-    CPU seconds of Inductor builds on CPU; this one ~7 (three C++ files, built unvectorised and
-    in this process: the C++ is CPU-only code; what is checked is how AOTAutograd and Inductor
-    take torchao's autograd function and float8 tensors)."""
+    tests (tests/parallel/test_layouts.py; measured: equal). A compiled training run, which
+    test_layouts.py runs against the eager one in CI's current-stack pass, costs ~45 CPU seconds
+    of Inductor builds on CPU; this one ~7 (three C++ files, built unvectorised and in this
+    process: the C++ is CPU-only code; what is checked is how AOTAutograd and Inductor take
+    torchao's autograd function and float8 tensors), so it runs on both stacks."""
     torch.manual_seed(0)
     plain = nn.Linear(32, 128)
     eager = apply_float8_to(_block_named(copy.deepcopy(plain)), "rowwise")

@@ -218,7 +218,11 @@ FP8_COMPILED = {"single_compiled" + FP8: [*FP8_RUN, "--compile.enable=true"]}
 # under these layouts of the 4-process world (tests/scenarios/mds_scenario.py).
 STEP_IMPORT = f"{SCENARIO_DIR / 'mds_scenario.py'}:step_import"
 MDS_RUN = Run(n_layer=4, hidden=32, n_head=4, padded_vocab=128, vocab=128)
-MDS_LAYOUTS = {"mds_dp2_tp2": ["--parallelism.tp=2"], "mds_dp2_pp2": ["--parallelism.pp=2"]}
+MDS_LAYOUTS = {
+    "mds_dp2_tp2": ["--parallelism.tp=2"],
+    "mds_dp2_pp2": ["--parallelism.pp=2"],
+    "mds_dp2_cp2": CP2,  # FSDP over dp x cp: 4 shards of each weight and moment
+}
 MDS_PIECES = {"w5 w9": [5, 9], "w17 w3 w40": [17, 3, 40]}
 """The added tokens and the ids the word tokenizer cuts them into."""
 MDS_EXTENDED_VOCAB = 256

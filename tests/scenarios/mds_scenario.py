@@ -39,7 +39,9 @@ def step_import(argv: list[str]) -> None:
         optimizer.step()
     params = gathered_params(trainer)
     mesh = trainer.mesh
-    if trainer.dp_mesh.get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0:
+    if trainer.dp_mesh.get_local_rank() == 0 and all(
+        mesh[dim].get_local_rank() == 0 for dim in ("cp", "tp")
+    ):
         torch.save(params, out / f"params_pp{trainer.pp_rank}.pt")
     if dist.get_rank() == 0:
         (out / "resumed.json").write_text(json.dumps({"step": trainer.step}))

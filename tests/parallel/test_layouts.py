@@ -6,9 +6,9 @@ pipeline leaves exactly the stage buffers of a run at the final size, and bf16 c
 pipeline boundaries. FP8 linears (emulated) follow one process with FP8 under cp 2, pp 2
 (every schedule) and dp 2 x tp 2, and with activation checkpointing bit for bit. A
 context-parallel checkpoint verifies and resumes bit for bit. A Megatron-DeepSpeed import, its
-vocabulary extended (tools/vocab.py extend on the checkpoint), resumes under dp2 x tp2 and
-dp2 x pp2, and one AdamW step from it is the float64 step from its source with the added rows
-as documented. On CPU with gloo.
+vocabulary extended (tools/vocab.py extend on the checkpoint), resumes under dp2 x tp2,
+dp2 x pp2 and dp2 x cp2, and one AdamW step from it is the float64 step from its source with the
+added rows as documented. On CPU with gloo.
 
 bf16 tolerance: relative 2e-3 (about 2^-9), half of bf16's unit roundoff u = 2^-8 (bf16 keeps 8
 significant bits): written as bf16 numbers, the two losses would be at most one rounding step

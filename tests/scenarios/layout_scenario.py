@@ -37,6 +37,17 @@ def gathered_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     }
 
 
+def save_params(trainer: Trainer, out: Path) -> None:
+    """The gathered parameters (collective), saved once per pipeline stage: by the rank of the
+    stage that is first in every other dimension, as `out`/params_pp<stage>.pt."""
+    params = gathered_params(trainer)
+    mesh = trainer.mesh
+    if trainer.dp_mesh.get_local_rank() == 0 and all(
+        mesh[dim].get_local_rank() == 0 for dim in ("cp", "tp")
+    ):
+        torch.save(params, out / f"params_pp{trainer.pp_rank}.pt")
+
+
 def live_stage_buffers() -> dict:
     """Every pipeline stage object still alive in this process and the receive buffers it
     holds (activations and gradients, per micro batch): count, bytes and dtypes."""
@@ -72,12 +83,7 @@ def train_layout(argv: list[str]) -> None:
         resumed = {"step": trainer.step, "verified": sorted(trainer.checkpointer.verified)}
         (out / f"resumed_rank{dist.get_rank()}.json").write_text(json.dumps(resumed))
     trainer.train()
-    params = gathered_params(trainer)
-    mesh = trainer.mesh
-    if trainer.dp_mesh.get_local_rank() == 0 and all(
-        mesh[dim].get_local_rank() == 0 for dim in ("cp", "tp")
-    ):
-        torch.save(params, out / f"params_pp{trainer.pp_rank}.pt")
+    save_params(trainer, out)
     if config.parallelism.pp > 1:  # the scan of every object costs a third of a layout's CPU
         stages = live_stage_buffers()
         (out / f"stages_rank{dist.get_rank()}.json").write_text(json.dumps(stages))

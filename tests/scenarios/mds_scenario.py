@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -18,7 +17,7 @@ from bloomnative.config import parse_args
 from bloomnative.model.state import EMBEDDING, TIED_HEAD, owns_head_copy
 from bloomnative.train.trainer import Trainer
 from harness.mds_layout import STEP_LR, step_gradient
-from scenarios.layout_scenario import gathered_params
+from scenarios.layout_scenario import save_params
 
 
 def step_import(argv: list[str]) -> None:
@@ -37,12 +36,7 @@ def step_import(argv: list[str]) -> None:
         for group in optimizer.param_groups:
             group["lr"] = STEP_LR
         optimizer.step()
-    params = gathered_params(trainer)
-    mesh = trainer.mesh
-    if trainer.dp_mesh.get_local_rank() == 0 and all(
-        mesh[dim].get_local_rank() == 0 for dim in ("cp", "tp")
-    ):
-        torch.save(params, out / f"params_pp{trainer.pp_rank}.pt")
+    save_params(trainer, out)
     if dist.get_rank() == 0:
         (out / "resumed.json").write_text(json.dumps({"step": trainer.step}))
     del trainer

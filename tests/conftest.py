@@ -1,5 +1,6 @@
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 # The Triton kernels run through Triton's interpreter on CPU, which must be chosen before Triton
@@ -12,6 +13,7 @@ os.environ.setdefault(
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from bloomnative.log import LogSettings, setup_logging
 from harness import launching
@@ -44,6 +46,19 @@ def pytest_runtest_protocol(item, nextitem):
         if dist.is_initialized():
             dist.destroy_process_group()
         setup_logging(LogSettings())
+
+
+@pytest.fixture
+def one_process(tmp_path) -> Iterator[DeviceMesh]:
+    """A gloo process group of this process alone (a file store: no port to race for), and its
+    one-rank CPU mesh."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

@@ -365,6 +365,13 @@ class QuantizeConfig:
     """With linear = "float8_*": torchao's emulation of the FP8 matmul (quantised operands,
     dequantised and multiplied in fp32) on any device: the numerics of FP8, not its speed (CPU
     tests, GPUs below sm_89)."""
+    fsdp_float8_all_gather: bool = False
+    """With linear = "float8_tensorwise": FSDP2 casts each block linear's weight shard to FP8
+    before its all-gather and gathers one byte per element instead of the run's dtype (torchao's
+    `enable_fsdp_float8_all_gather`; its scales, one per weight, are computed for all weights in
+    one all-reduce before each step). Needs FSDP2 (data parallelism, or bf16). Checkpoints still
+    hold the weights in the run's dtype. Not with the rowwise recipe, whose weight scales differ
+    between the forward's and the backward's casts."""
 
 
 @dataclass
@@ -964,6 +971,12 @@ def _validate_dropout(config: Config) -> None:
 
 def _validate_quantize(config: Config) -> None:
     linear = config.quantize.linear
+    _check(
+        linear == "float8_tensorwise" or not config.quantize.fsdp_float8_all_gather,
+        f'quantize.fsdp_float8_all_gather = true with quantize.linear = "{linear}": torchao '
+        "gathers FP8 weights only with one scale per weight; set quantize.linear = "
+        '"float8_tensorwise" or quantize.fsdp_float8_all_gather = false',
+    )
     if linear == "none":
         return
     # torchao's FP8 cast scales a weight by its amax, which its NF4 tensor does not compute;

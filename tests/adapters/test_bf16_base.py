@@ -7,11 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 from bloomnative.adapters import TARGET_MODULES, adapter_state_dict, apply_lora
 from bloomnative.adapters.lora import store_frozen_in
@@ -20,18 +17,6 @@ from bloomnative.parallel import apply_fsdp
 from harness.hf_models import make_hf_bloom, save_hf_bloom, tokens
 
 SHAPE = dict(hidden_size=32, n_head=4, n_layer=2, vocab_size=128)
-
-
-@pytest.fixture
-def one_process(tmp_path):
-    """A gloo process group of this process alone (a file store: no port to race for)."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def loss_and_grads(base: Path, mesh, frozen_dtype: torch.dtype | None):

@@ -11,12 +11,16 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from bloomnative.adapters.lora import LoRALinear, apply_lora, merge_lora
+from bloomnative.checkpoint import checkpointer as ckpt
 from bloomnative.config import ConfigError, QuantizeConfig, parse_args
 from bloomnative.launch.preflight import main as preflight
 from bloomnative.model import Bloom, BloomArgs
-from bloomnative.parallel import float8
+from bloomnative.model.state import load_model_state, model_state
+from bloomnative.parallel import apply_fsdp, float8
 from bloomnative.parallel.float8 import apply_float8, float8_device_problem
 from harness.launching import only_stderr_line
 
@@ -280,7 +284,108 @@ def test_preflight_check_refuses_a_gpu_below_sm_89_unless_emulated(monkeypatch):
     cuda = torch.device("cuda")
     rowwise = QuantizeConfig(linear="float8_rowwise")
     with pytest.raises(ConfigError, match=r"compute capability sm_80: FP8 matmuls need sm_89"):
-        float8.check_float8(rowwise, True, cuda, warn=print)
-    float8.check_float8(QuantizeConfig(linear="float8_rowwise", emulate=True), True, cuda, print)
+        float8.check_float8(rowwise, True, cuda, print, fsdp=True)
+    float8.check_float8(
+        QuantizeConfig(linear="float8_rowwise", emulate=True), True, cuda, print, fsdp=True
+    )
     capability["value"] = (9, 0)
-    float8.check_float8(rowwise, True, cuda, warn=print)
+    float8.check_float8(rowwise, True, cuda, print, fsdp=True)
+
+
+def _gathered_fp8_model(mesh, seed: int, all_gather: bool) -> tuple[Bloom, torch.optim.AdamW]:
+    torch.manual_seed(seed)
+    model = Bloom(BloomArgs(n_layer=2, hidden_size=32, n_head=4, vocab_size=128))
+    apply_float8(model, "tensorwise", emulate=True, fsdp_all_gather=all_gather)
+    apply_fsdp(model, mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model: Bloom, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor:
+    if any(_fp8_gathered(p) for p in model.parameters()):
+        float8.precompute_float8_scales([model])
+    logits = model(ids[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _fp8_gathered(tensor: torch.Tensor) -> bool:
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return isinstance(getattr(tensor, "_local_tensor", tensor), WeightWithDynamicFloat8CastTensor)
+
+
+def test_fsdp_gathers_fp8_weights_and_checkpoints_hold_plain_tensors(one_process, monkeypatch):
+    """quantize.fsdp_float8_all_gather (tensorwise): FSDP2 casts each block linear's weight
+    shard to e4m3 before its all-gather, which then carries one byte an element. One scale per
+    weight either way, so the model computes what it computes gathering the fp32 weights and
+    casting them after (here bit for bit). A checkpoint's model and optimizer state are plain
+    tensors (torchao's wrapper would be pickled), the parameters' own storage, and load back
+    into the wrapped weights."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    gathered: list[torch.dtype] = []
+    cast = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+
+    def spy(self, mesh):  # torchao's signature: FSDP2 reads it to choose how to call it
+        inputs, metadata = cast(self, mesh)
+        gathered.extend(t.dtype for t in inputs)
+        return inputs, metadata
+
+    monkeypatch.setattr(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", spy)
+    ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    model, optimizer = _gathered_fp8_model(one_process, 0, all_gather=True)
+    reference, ref_optimizer = _gathered_fp8_model(one_process, 0, all_gather=False)
+    for _ in range(2):
+        gathered.clear()
+        assert torch.equal(_step(model, optimizer, ids), _step(reference, ref_optimizer, ids))
+        # 2 blocks x 4 linears, gathered for forward and again for backward (ZeRO-3).
+        assert gathered == [E4M3] * 16
+
+    # Stored as the plain tensors inside: the weights, and AdamW's moments where they are made
+    # like their weights (torchao keeps its class through empty_like).
+    assert sum(map(_fp8_gathered, model.parameters())) == 8
+    saved = {**model_state([model]), **ckpt.optimizer_state([model], [optimizer])}
+    want = {**model_state([reference]), **ckpt.optimizer_state([reference], [ref_optimizer])}
+    assert saved.keys() == want.keys()
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor):  # DTensors, but AdamW's step counts
+            assert type(getattr(value, "_local_tensor", value)) is torch.Tensor, key
+            assert torch.equal(_whole(value), _whole(want[key])), key
+    qkv = "layers.0.self_attention.query_key_value.weight"
+    inner = model.get_parameter(qkv)._local_tensor._tensor
+    assert saved[qkv]._local_tensor.data_ptr() == inner.data_ptr()
+
+    # Loaded into another run's wrapped weights and moments, it steps as the saved run does.
+    fresh, fresh_optimizer = _gathered_fp8_model(one_process, 1, all_gather=True)
+    _step(fresh, fresh_optimizer, ids)  # moments to load into
+    full = {k: _whole(v) for k, v in saved.items() if k in model_state([model])}
+    load_model_state([fresh], full, full=True)
+    moments_saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
+    ckpt.load_optimizer_state([fresh], [fresh_optimizer], moments_saved)
+    assert sum(map(_fp8_gathered, fresh.parameters())) == 8
+    assert torch.equal(_step(fresh, fresh_optimizer, ids), _step(model, optimizer, ids))
+
+
+def test_fp8_all_gather_is_refused_in_one_line_without_tensorwise_scales_or_fsdp(
+    tiny_run_args, capsys
+):
+    gather = ["--quantize.emulate=true", "--quantize.fsdp_float8_all_gather=true"]
+    with pytest.raises(ConfigError) as refused:
+        parse_args([*tiny_run_args, "--quantize.linear=float8_rowwise", *gather])
+    line = str(refused.value)
+    assert "\n" not in line and "gathers FP8 weights only with one scale per weight" in line
+    assert 'set quantize.linear = "float8_tensorwise"' in line, line
+    # tiny_run_args: one process in fp32, which FSDP2 does not wrap.
+    tensorwise = [*tiny_run_args, "--quantize.linear=float8_tensorwise", *gather]
+    assert preflight(tensorwise) == 2
+    assert only_stderr_line(capsys).startswith(
+        "config error: quantize.fsdp_float8_all_gather = true, but FSDP2 does not wrap this run's"
+    )
+    assert preflight([*tensorwise, "--training.dtype=bf16", "--compile.enable=true"]) == 0

@@ -213,6 +213,34 @@ def test_fp8_linears_add_their_backward_casts_to_the_working_set_hand_computed()
         planner.estimate_rank(TINY, layout_of(), workload(float8="e4m3"))
 
 
+def test_fp8_all_gather_gathers_block_linear_weights_in_one_byte_hand_computed():
+    # h = 16: every block linear weight (16 x 48, 16 x 16, 16 x 64, 64 x 16) takes FP8, 12h^2 =
+    # 3072 elements a block, gathered in 1 byte each instead of bf16's 2; the rest stays bf16.
+    args = BloomArgs(n_layer=2, hidden_size=16, n_head=2, vocab_size=16)
+    tensorwise = workload(float8="tensorwise")
+    gathered = workload(float8="tensorwise", float8_all_gather=True)
+    zero2 = layout_of(dp_shard=2, zero_stage=2)
+    name = "gathered weights (FSDP all-gather outputs)"
+    before, after = (
+        planner.estimate_rank(args, zero2, wl).component(name).bytes
+        for wl in (tensorwise, gathered)
+    )
+    assert before - after == 2 * 3072
+    # zero 3: the current and the prefetched block, re-gathered in backward.
+    zero3 = layout_of(dp_shard=2, zero_stage=3)
+    before, after = (
+        next(
+            c.bytes
+            for c in planner.estimate_rank(args, zero3, wl).components
+            if c.name == "backward transient: backward working set"
+        )
+        for wl in (tensorwise, gathered)
+    )
+    assert before - after == 2 * 3072
+    with pytest.raises(planner.PlanError, match="float8_all_gather with float8 = 'rowwise'"):
+        planner.estimate_rank(args, zero2, workload(float8="rowwise", float8_all_gather=True))
+
+
 def test_bf16_activations_do_not_depend_on_the_data_parallel_degree():
     wl = workload(attention="flash")
     assert planner.Precision.of(layout_of(), wl) == planner.Precision(compute=2, fsdp=True)

@@ -106,3 +106,56 @@ def test_a_checkpoint_resumes_across_fp8_on_and_off(runs, source, extra, tmp_pat
     assert first[SAVE_AT + 1] == pytest.approx(
         losses_by_step(runs[source])[SAVE_AT + 1], rel=LOSS_RTOL
     )
+
+
+TENSORWISE_BF16_DP2 = [
+    "--quantize.linear=float8_tensorwise",
+    "--quantize.emulate=true",
+    "--training.dtype=bf16",
+    "--training.micro_batch_size=2",
+]
+GATHER = "--quantize.fsdp_float8_all_gather=true"
+
+
+def test_fsdp_fp8_all_gather_trains_like_gathering_bf16_and_resumes_under_a_pipeline(tmp_path):
+    """quantize.fsdp_float8_all_gather under FSDP2 on two ranks in bf16: FSDP gathers each
+    weight cast to e4m3 from its fp32 shard instead of cast to bf16 and then to e4m3, one
+    rounding fewer, so the losses follow the run that gathers bf16 within FP8's tolerance. Its
+    checkpoint stores what that run's does (plain fp32 tensors, the same entries), and resumed
+    under two pipeline stages (each gathering FP8 on its one-rank FSDP mesh) it continues the
+    run within the same tolerance."""
+    bf16 = _dump(tmp_path, "tensorwise", TENSORWISE_BF16_DP2, nproc=2)
+    gathered = _dump(tmp_path, "gathered", [*TENSORWISE_BF16_DP2, GATHER], nproc=2)
+    want, got = losses_by_step(bf16), losses_by_step(gathered)
+    assert list(got) == list(want) == list(range(1, STEPS + 1))
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=LOSS_RTOL), step
+    assert got[STEPS] < got[1] - 0.5
+
+    step = f"step-{SAVE_AT}"
+    # DCP would pickle torchao's weight class, which only a process that imported torchao (it
+    # allowlists the class for weights-only loading) could read: a conversion, an evaluation or
+    # a run without FP8 could not.
+    naming_torchao = [
+        file.name
+        for file in (gathered / "checkpoints" / step).iterdir()
+        if b"torchao" in file.read_bytes()
+    ]
+    assert naming_torchao == []
+    saved = {run.name: checkpoint_entries(run / "checkpoints" / step) for run in (bf16, gathered)}
+    assert saved["gathered"].keys() == saved["tensorwise"].keys()
+    for key, value in saved["gathered"].items():
+        if isinstance(value, torch.Tensor):
+            assert type(value) is torch.Tensor, key
+            assert value.dtype == saved["tensorwise"][key].dtype, key
+
+    resumed = tmp_path / "resumed-pp2"
+    shutil.copytree(gathered / "checkpoints" / step, resumed / "checkpoints" / step)
+    pipeline = ["--parallelism.pp=2", "--parallelism.dp_shard=1"]
+    run_training(
+        [*DEBUG_RUN, f"--job.dump_folder={resumed}", *TENSORWISE_BF16_DP2, GATHER, *pipeline], 2
+    )
+    after = losses_by_step(resumed)
+    assert list(after) == list(range(SAVE_AT + 1, STEPS + 1))
+    for step_number, loss in after.items():
+        assert loss == pytest.approx(got[step_number], rel=LOSS_RTOL), step_number

@@ -136,10 +136,19 @@ def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
     to accumulate, so its fp32 master copy holds nothing that the bf16 one lacks, and the copy
     FSDP2 gathers is the same rounding. Apply it before FSDP2 (which records each parameter's
     dtype; it needs one dtype among the trainable parameters only) and before the base's
-    weights are loaded (they are rounded as they are copied in)."""
-    for param in model.parameters():
-        if not param.requires_grad:
-            param.data = param.data.to(dtype)
+    weights are loaded (they are rounded as they are copied in).
+
+    Each frozen parameter is replaced by a new one (tied ones by one new parameter): assigning
+    `.data` would change a tensor subclass's outer dtype only, not the tensor it wraps
+    (torchao's FP8 all-gather weight, `parallel.float8`)."""
+    stored: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.requires_grad:
+                continue
+            if id(param) not in stored:
+                stored[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            setattr(module, name, stored[id(param)])
 
 
 def adapter_shapes(

@@ -79,7 +79,13 @@ from bloomnative.checkpoint.legacy import legacy_states
 from bloomnative.checkpoint.reading import CheckpointReader
 from bloomnative.checkpoint.run_record import json_file_bytes, write_json_file
 from bloomnative.log import get_logger
-from bloomnative.model.state import canonical_key, load_model_state, model_state, owns_head_copy
+from bloomnative.model.state import (
+    canonical_key,
+    load_model_state,
+    model_state,
+    owns_head_copy,
+    stored_tensor,
+)
 
 _log = get_logger(__name__)
 
@@ -155,10 +161,12 @@ def optimizer_state(
     parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]
 ) -> dict:
     """Flattened optimizer state (`state.<param>.<name>`, `param_groups.<param>.<option>`) under
-    canonical parameter names."""
+    canonical parameter names, plain tensors (`model.state.stored_tensor`: AdamW's moments of
+    an FP8 all-gather weight are made like it)."""
     state: dict = {}
     for part, opt in zip(parts, optimizers, strict=True):
         sd = get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS)
+        sd = {k: stored_tensor(v) for k, v in sd.items()}
         if owns_head_copy(part):
             sd = {canonical_key(k): v for k, v in sd.items()}
         state.update(sd)

@@ -210,7 +210,9 @@ def check_run(config: Config, world_size: int, device: torch.device | str = "cpu
     present and, with metrics.wandb, the wandb package installed and, unless W&B runs offline,
     its API key where wandb looks for one, and the library optimizer.state_dtype needs."""
     run = resolve_run(config, world_size, device)
-    check_float8(config.quantize, config.compile.enable, torch.device(device), _log.warning)
+    check_float8(
+        config.quantize, config.compile.enable, torch.device(device), _log.warning, run.fsdp
+    )
     check_lora_base(config)
     check_quantize_base(run.config, run.model_args, run.dims.fsdp_shards)
     check_data_files(config)

@@ -9,6 +9,7 @@ other.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.tensor import DTensor
+
+# torchao's FP8 all-gather weight (`fsdp_float8_all_gather`, parallel/float8.py), found by its
+# module so that this file does not import torchao.
+_FLOAT8_WEIGHT = ("torchao.float8.fsdp_utils", "WeightWithDynamicFloat8CastTensor")
 
 EMBEDDING = "word_embeddings.weight"
 TIED_HEAD = "lm_head.weight"
@@ -38,14 +44,37 @@ def canonical_key(key: str, to_canonical: bool = True) -> str:
     return key.replace(f".{src}.", f".{dst}.")
 
 
+def stored_tensor(value: Any) -> Any:
+    """`value` as a state dict hands it to a checkpoint: a tensor (or a DTensor's local
+    tensor) of torchao's FP8 all-gather class is the plain tensor it wraps, sharing its
+    storage, so a checkpoint holds plain tensors (nothing to unpickle) and loading into it
+    writes the weight. Anything else is `value` itself."""
+    module = sys.modules.get(_FLOAT8_WEIGHT[0])
+    if module is None or not isinstance(value, torch.Tensor):
+        return value
+    wrapper = getattr(module, _FLOAT8_WEIGHT[1])
+    if isinstance(value, DTensor) and isinstance(value._local_tensor, wrapper):
+        return DTensor.from_local(
+            value._local_tensor._tensor,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    return value._tensor if isinstance(value, wrapper) else value
+
+
 def model_state(parts: Sequence[nn.Module], frozen: bool = True) -> dict[str, torch.Tensor]:
-    """Model state of the parts (whole model or pipeline stages) under canonical names: the
-    tied head is stored once, as the embedding. `frozen`: with the parameters that do not
-    train (requires_grad False), else without them."""
+    """Model state of the parts (whole model or pipeline stages) under canonical names, plain
+    tensors (`stored_tensor`): the tied head is stored once, as the embedding. `frozen`: with
+    the parameters that do not train (requires_grad False), else without them."""
     options = StateDictOptions(ignore_frozen_params=not frozen)
     state: dict[str, torch.Tensor] = {}
     for part in parts:
-        sd: dict[str, Any] = get_model_state_dict(part, options=options)
+        sd: dict[str, Any] = {
+            k: stored_tensor(v) for k, v in get_model_state_dict(part, options=options).items()
+        }
         if owns_head_copy(part) and TIED_HEAD in sd:
             sd[EMBEDDING] = sd.pop(TIED_HEAD)
         else:

@@ -12,7 +12,7 @@ from bloomnative.parallel.activation_offload import apply_activation_offload
 from bloomnative.parallel.compile import apply_compile
 from bloomnative.parallel.context_parallel import apply_context_parallel, shard_sequence
 from bloomnative.parallel.dims import LayoutError, ParallelDims
-from bloomnative.parallel.float8 import apply_float8
+from bloomnative.parallel.float8 import apply_float8, precompute_float8_scales
 from bloomnative.parallel.fsdp import apply_fsdp
 from bloomnative.parallel.grad_clip import clip_grad_norm_
 from bloomnative.parallel.init import init_weights
@@ -43,6 +43,7 @@ __all__ = [
     "build_pipeline",
     "clip_grad_norm_",
     "init_weights",
+    "precompute_float8_scales",
     "shard_sequence",
     "split_for_pipeline",
 ]

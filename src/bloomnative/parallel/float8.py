@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -71,13 +71,20 @@ def check_float8(
     compiled: bool,
     device: torch.device,
     warn: Callable[[str], None],
+    fsdp: bool,
 ) -> None:
     """Raises ConfigError (one line) when `quantize` asks for FP8 linears that cannot run here:
-    torchao missing, or a device without FP8 matmuls and no emulation
-    (`float8_device_problem`); `warn`s in one line when they would run uncompiled (`compiled`
-    false), where the scaling and casts are kernels of their own and may cost more than the FP8
-    matmuls save."""
+    torchao missing, a device without FP8 matmuls and no emulation (`float8_device_problem`),
+    or FP8 all-gathers where FSDP2 does not wrap the model (`fsdp` false); `warn`s in one line
+    when they would run uncompiled (`compiled` false), where the scaling and casts are kernels
+    of their own and may cost more than the FP8 matmuls save."""
     linear = quantize.linear
+    if quantize.fsdp_float8_all_gather and not fsdp:
+        raise ConfigError(
+            "quantize.fsdp_float8_all_gather = true, but FSDP2 does not wrap this run's model "
+            '(one data-parallel rank in fp32): nothing is gathered; set training.dtype = "bf16", '
+            "use data parallelism, or set quantize.fsdp_float8_all_gather = false"
+        )
     if linear == "none":
         return
     if float8_missing():
@@ -110,7 +117,11 @@ def _is_block_linear(name: str, module: nn.Module) -> bool:
 
 
 def apply_float8(
-    part: Bloom, recipe: str, emulate: bool, log: Callable[[str], None] | None = None
+    part: Bloom,
+    recipe: str,
+    emulate: bool,
+    log: Callable[[str], None] | None = None,
+    fsdp_all_gather: bool = False,
 ) -> list[str]:
     """Converts the block linears of `part` (a model or pipeline stage, on any device, meta
     included) to FP8 training with torchao's recipe `recipe` ("rowwise" or "tensorwise"), in
@@ -118,7 +129,12 @@ def apply_float8(
     stay as they are; their names are returned and, when there are any, listed in one `log`
     line. Apply it before adapters (`adapters.apply_lora`, which keeps the FP8 matmul of the
     layers it adapts): it would replace an adapted layer by one without its adapter, so a block
-    linear with modules of its own is refused (ValueError)."""
+    linear with modules of its own is refused (ValueError).
+
+    `fsdp_all_gather` (tensorwise only): each converted weight becomes torchao's
+    `WeightWithDynamicFloat8CastTensor`, which FSDP2 (applied after) casts to FP8 before its
+    all-gather; call `precompute_float8_scales` before each step's first forward, and a
+    checkpoint stores the plain tensor inside (`model.state.stored_tensor`)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     for name, module in part.named_modules():
@@ -137,7 +153,11 @@ def apply_float8(
             f"FP8: {len(skipped)} block linear(s) stay in the run's dtype, their dimensions not "
             f"multiples of {FLOAT8_DIM_MULTIPLE}: {', '.join(skipped)}"
         )
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(recipe),
+        emulate=emulate,
+        enable_fsdp_float8_all_gather=fsdp_all_gather,
+    )
     convert_to_float8_training(
         part,
         config=config,
@@ -150,3 +170,15 @@ def apply_float8(
         if name.endswith(".mlp") and name + ".dense_h_to_4h" not in skipped:
             module.fused_bias_gelu = False
     return skipped
+
+
+def precompute_float8_scales(parts: Sequence[nn.Module]) -> None:
+    """The FP8 scale of every weight that FSDP2 gathers in FP8 (`apply_float8` with
+    `fsdp_all_gather`), from the weights as they are now, in one all-reduce per part (without
+    it, each weight's all-gather would all-reduce its own amax). Call it after the weights
+    change and before they are gathered: at the start of each step and evaluation, which also
+    covers a checkpoint loaded or rolled back to."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    for part in parts:
+        precompute_float8_dynamic_scale_for_fsdp(part)

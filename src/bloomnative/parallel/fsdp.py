@@ -80,13 +80,16 @@ def apply_fsdp(
 
 def gathered_wrong_on_one_rank(model: nn.Module, dp_mesh: DeviceMesh) -> set[nn.Parameter]:
     """The parameters FSDP2 must leave alone when it shards over one rank (a one-process bf16
-    run): tensor subclasses with their own all-gather (`fsdp_pre_all_gather`: torchao's NF4, a
-    QLoRA run's frozen base), which torch's one-rank shortcut gathers wrong (it keeps the first
-    of their all-gather inputs only). They are frozen, so no gradient needs reducing; left out,
-    they stay whole on the rank, which is all FSDP would hold anyway."""
+    run): frozen tensor subclasses with their own all-gather (`fsdp_pre_all_gather`: torchao's
+    NF4, a QLoRA run's frozen base), which torch's one-rank shortcut gathers wrong (it keeps the
+    first of their all-gather inputs only). Frozen, no gradient needs reducing; left out, they
+    stay whole on the rank, which is all FSDP would hold anyway. Trained ones (FP8 all-gather
+    weights, `parallel.float8`) gather one input, which the shortcut keeps, and stay in."""
     if dp_mesh.size(dp_mesh.ndim - 1) > 1:
         return set()
-    return {p for p in model.parameters() if hasattr(p, "fsdp_pre_all_gather")}
+    return {
+        p for p in model.parameters() if hasattr(p, "fsdp_pre_all_gather") and not p.requires_grad
+    }
 
 
 def sum_gradients(model: nn.Module) -> None:

@@ -87,6 +87,7 @@ def workload_from_config(
         offload=config.activation_checkpoint.offload,
         adapters=adapters_from_config(config),
         float8=config.quantize.linear.removeprefix("float8_"),
+        float8_all_gather=config.quantize.fsdp_float8_all_gather,
     )
 
 

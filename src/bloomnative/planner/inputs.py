@@ -139,6 +139,9 @@ class Workload:
     or "tensorwise", torchao's float8 training), or "none". It keeps for backward what the
     linear it replaces keeps (`activations.block_activation_terms`); its backward holds FP8
     copies of its operands and their scales (`activations.float8_backward_casts`)."""
+    float8_all_gather: bool = False
+    """`quantize.fsdp_float8_all_gather`: FSDP2 gathers the FP8 block linears' weights in e4m3,
+    one byte an element instead of the compute dtype's (`model_states.unit_gathered_bytes`)."""
 
 
 @dataclass(frozen=True)

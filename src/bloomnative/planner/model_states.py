@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from bloomnative.adapters.quantize import nf4_bytes
 from bloomnative.model.args import BloomArgs
+from bloomnative.parallel.float8 import FLOAT8_DIM_MULTIPLE
 from bloomnative.parallel.schedules import stage_ids_of_rank, stage_layer_counts
 from bloomnative.planner.inputs import (
     BF16,
@@ -160,6 +161,25 @@ def unit_numels(params: Iterable[ParamTensor]) -> dict[str, int]:
     return sizes
 
 
+def unit_gathered_bytes(
+    params: Iterable[ParamTensor], compute: int, workload: Workload
+) -> dict[str, int]:
+    """Bytes of each FSDP unit's all-gather output: `compute` per element, one for a block
+    linear's weight that FSDP2 gathers in FP8 (`workload.float8_all_gather`), counted where the
+    rank's shape of it is a multiple of 16 both ways, the FP8 kernels' condition, which its whole
+    shape then meets too (its one fp32 scale is not counted)."""
+    linear = tuple(f".{path}.weight" for path in _LINEAR_LAYERS.values())
+    sizes: dict[str, int] = {}
+    for p in params:
+        fp8 = (
+            workload.float8_all_gather
+            and p.name.endswith(linear)
+            and all(dim % FLOAT8_DIM_MULTIPLE == 0 for dim in p.shape)
+        )
+        sizes[p.unit] = sizes.get(p.unit, 0) + p.numel * (1 if fp8 else compute)
+    return sizes
+
+
 def split_nf4_base(
     params: list[ParamTensor], adapters: Adapters | None
 ) -> tuple[list[ParamTensor], list[ParamTensor]]:
@@ -270,17 +290,20 @@ def _fsdp_states(
     # A frozen base is stored in the compute dtype (adapters.lora.store_frozen_in): no master.
     stored = sum(p.shard_numel(shards) * (FP32 if p.trainable else prec.compute) for p in params)
     trained = [p.shard_numel(shards) for p in params if p.trainable]
-    units = unit_numels(params)
+    units = unit_gathered_bytes(params, prec.compute, workload)
     root = units.get("root", 0)
     blocks = sorted((n for u, n in units.items() if u != "root"), reverse=True)
+    fp8 = " (1 x FP8-gathered block linear weights)" if workload.float8_all_gather else ""
     if not layout.reshards_after_forward:
         gathered = root + sum(blocks)
-        gathered_formula = f"{prec.compute} x all units (zero 2 keeps blocks gathered to backward)"
+        gathered_formula = (
+            f"{prec.compute} x all units{fp8} (zero 2 keeps blocks gathered to backward)"
+        )
     else:
         gathered = root
         gathered_formula = (
             f"{prec.compute} x root unit (embedding/head, kept gathered); zero 3 reshards blocks "
-            "after forward and re-gathers two in backward (see the backward working set)"
+            f"after forward and re-gathers two{fp8} in backward (see the backward working set)"
         )
     states = "host" if layout.parallelism.cpu_offload else "resident"
     step = _optimizer_step_temporary(workload, sum(trained), max(trained))
@@ -306,7 +329,7 @@ def _fsdp_states(
         ),
         Component(
             "gathered weights (FSDP all-gather outputs)",
-            prec.compute * gathered,
+            gathered,
             "fwd_bwd",
             gathered_formula,
         ),

@@ -52,6 +52,7 @@ from bloomnative.planner.model_states import (
     rank_stage_ids,
     split_nf4_base,
     stage_blocks,
+    unit_gathered_bytes,
     unit_numels,
 )
 from bloomnative.planner.pipeline_buffers import (
@@ -228,7 +229,8 @@ def backward_transient(
         working += (prec.compute + FP32) * largest_block
         parts.append("one block's unsharded grad + fp32 reduce-scatter input")
         if layout.reshards_after_forward:
-            working += 2 * prec.compute * largest_block
+            gathered = unit_gathered_bytes(params, prec.compute, workload)
+            working += 2 * max((n for u, n in gathered.items() if u != "root"), default=0)
             parts.append("current + prefetched block re-gathered")
     candidates = [Component("backward working set", working, "fwd_bwd", " + ".join(parts))]
     if layout.num_stages - 1 in stage_ids:
@@ -322,6 +324,8 @@ def validate_plan(args: BloomArgs, layout: Layout, workload: Workload) -> None:
         raise PlanError("zero_stage 1 (Megatron-DeepSpeed) is planned without context parallelism")
     if workload.float8 not in FLOAT8_RECIPES:
         raise PlanError(f"float8 = {workload.float8!r}; valid: {', '.join(FLOAT8_RECIPES)}")
+    if workload.float8_all_gather and workload.float8 != "tensorwise":
+        raise PlanError(f"float8_all_gather with float8 = {workload.float8!r}: tensorwise only")
     if workload.adapters is not None:
         _check_adapters(workload.adapters, layout)
 

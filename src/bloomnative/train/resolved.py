@@ -31,6 +31,7 @@ from bloomnative.model.attention import (
     backends_with,
 )
 from bloomnative.parallel.dims import ParallelDims
+from bloomnative.parallel.fsdp import uses_fsdp
 from bloomnative.parallel.layout_check import check_layout
 from bloomnative.planner import (
     Layout,
@@ -93,6 +94,11 @@ class ResolvedRun:
     "auto" on CPU without a memory budget, which recomputes nothing)."""
     batch_size: BatchSizeSchedule
     data: DataShaping
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 wraps the model (`parallel.fsdp.uses_fsdp`)."""
+        return uses_fsdp(self.dims.dp * self.dims.cp, bf16=self.config.training.dtype == "bf16")
 
     def planner_layout(self) -> Layout:
         """The memory planner's description of this run's layout."""

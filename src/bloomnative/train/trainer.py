@@ -45,7 +45,7 @@ from bloomnative.model.state import load_model_state
 from bloomnative.parallel import clip_grad_norm_, init_weights
 from bloomnative.parallel.context_parallel import shard_sequence
 from bloomnative.parallel.dropout_rng import seed_dropout_rng
-from bloomnative.parallel.float8 import apply_float8, check_float8
+from bloomnative.parallel.float8 import apply_float8, check_float8, precompute_float8_scales
 from bloomnative.parallel.fsdp import OneRankAccumulation
 from bloomnative.parallel.layout_check import pipeline_microbatches
 from bloomnative.parallel.parallelize import parallelize_part
@@ -169,6 +169,7 @@ class Trainer:
             config.compile.enable,
             self.device,
             _log.warning if self.rank == 0 else lambda line: None,
+            fsdp=self.resolved.fsdp,
         )
         check_data_files(config)
         check_wandb(config.metrics)
@@ -278,6 +279,7 @@ class Trainer:
                     cfg.quantize.linear.removeprefix("float8_"),
                     cfg.quantize.emulate,
                     _log.info if self.rank == 0 else None,
+                    fsdp_all_gather=cfg.quantize.fsdp_float8_all_gather,
                 )
             if lora.rank:
                 apply_lora(part, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
@@ -552,6 +554,8 @@ class Trainer:
         rank's micro batches, with gradients accumulated when `train`. Under pipeline
         parallelism training runs the schedule and evaluation a forward-only pass through the
         stages (`pipeline_forward_loss`), which works for every schedule and sequence length."""
+        if self.config.quantize.fsdp_float8_all_gather:  # the weights changed since
+            precompute_float8_scales(self.model_parts)
         with self.loss_context():
             if self.dims.pp > 1 and train:
                 return self._pipeline_forward_backward(micro_batches, loss_fn)

@@ -89,10 +89,11 @@ def _own_step(name: str) -> Callable[[bool, Path], list[str]]:
 
 
 def _train_args(tiny: bool, micro_batch: int) -> list[str]:
-    """bench_train's flags: BLOOM-1b7 at seq 2048, or the debug model on CPU."""
+    """bench_train's flags: BLOOM-1b7 at seq 2048, or two blocks of the debug model on CPU
+    (few tokens: Triton's interpreter runs the attention)."""
     if tiny:
-        return ["--config", "configs/debug.toml", "--training.seq_len=64",
-                f"--training.micro_batch_size={micro_batch}", "--training.global_batch_size=4",
+        return ["--config", "configs/debug.toml", "--model.n_layer=2", "--training.seq_len=32",
+                f"--training.micro_batch_size={micro_batch}", "--training.global_batch_size=2",
                 "--data.prefetch=false", "--matmul-size=128",
                 "--warmup=1", "--steps=2"]  # fmt: skip
     # The recipe warms the learning rate up over 183,105 samples: its 144 here would train at

@@ -209,8 +209,8 @@ def _run_train(args: list[str], dump: Path, log: Path) -> list[dict]:
 def check_training(out: Path, tiny: bool) -> dict:
     model = (
         ["--model.n_layer=2", "--model.hidden_size=64", "--model.n_head=4",
-         "--model.vocab_size=8192", "--training.seq_len=64", "--training.micro_batch_size=2",
-         "--training.global_batch_size=4", "--training.dtype=fp32", "--optimizer.lr=1e-2"]
+         "--model.vocab_size=8192", "--training.seq_len=32", "--training.micro_batch_size=2",
+         "--training.global_batch_size=2", "--training.dtype=fp32", "--optimizer.lr=1e-2"]
         if tiny
         else ["--model.n_layer=4", "--training.seq_len=2048", "--training.micro_batch_size=4",
               "--training.global_batch_size=8"]
@@ -219,7 +219,7 @@ def check_training(out: Path, tiny: bool) -> dict:
     common = [
         "--config", "configs/bloom-560m.toml", *model, "--training.rampup_batch_size=",
         # warm up over 2 steps, not BLOOM's 183,105 samples: the loss must move in 20 steps
-        "--lr_scheduler.warmup_samples=8" if tiny else "--lr_scheduler.warmup_samples=16",
+        "--lr_scheduler.warmup_samples=4" if tiny else "--lr_scheduler.warmup_samples=16",
         "--model.attention=triton", "--model.fused_kernels=true",
         f"--training.steps={steps}", f"--checkpoint.interval={save_at}",
         "--checkpoint.keep_latest_k=0", "--metrics.log_freq=1", "--metrics.tensorboard=false",

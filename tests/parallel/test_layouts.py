@@ -186,10 +186,8 @@ for world in [*LAYOUTS.values(), DP_TP_PP]:
 # Measured: at most 1e-7 relative. Activation checkpointing recomputes each block's forward,
 # FP8 casts included, from its input: the same losses, evaluation and weights bit for bit.
 # FSDP2 (dp2) with FP8: tests/train/test_float8_training.py; compile on and off: FP8_COMPILED
-# below, and one linear in tests/parallel/test_float8.py. tp 2 (with
-# sequence and loss parallelism) runs under dp 2 x tp 2, its plan under FSDP2 too: alone it cost
-# as much again (15 CPU seconds, DTensor's dispatch of every FP8 cast). Checked once but not
-# kept (CI time): tp2 alone (1e-7), tp2 tensorwise (3e-7).
+# below, and one linear in tests/parallel/test_float8.py. tp 2 (with sequence and loss
+# parallelism) alone, its weights DTensors over tp only, and under dp 2 x tp 2, over both.
 FP8 = "-fp8"
 # Every pipeline schedule: one stage per rank (GPipe, 1F1B), two (Interleaved1F1B) and the
 # zero-bubble ones, whose backward runs as an input pass and a weight pass.
@@ -212,6 +210,7 @@ FP8_LAYOUTS = {
     },
     2: {
         "cp2" + FP8: [*CP2, *FP8_RUN],
+        "tp2" + FP8: ["--parallelism.tp=2", *FP8_RUN],
         **{name + FP8: [*LAYOUTS[2][name], *FP8_RUN] for name in PP_SCHEDULES},
     },
     4: {

@@ -6,7 +6,8 @@ parallelism, what the pipeline stages hold.
 A layout named `*-resumed` trains to its `checkpoint.interval` and stops, then a second trainer
 resumes from that checkpoint (which must verify) to the end; resumed.json records where it
 resumed and which checkpoints it verified. `resume_layout` trains a layout from a copy of
-another run's checkpoint (saved under another layout earlier in the same world).
+another run's checkpoint (saved under another layout earlier in the same world);
+`loaded_state` saves what a layout resumed from a checkpoint holds before its first step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining.stage import _PipelineStageBase, _RecvInfo
 from torch.distributed.tensor import DTensor
 
+from bloomnative.checkpoint.checkpointer import optimizer_state
 from bloomnative.config import parse_args
 from bloomnative.model.state import model_state
 from bloomnative.train.trainer import Trainer
@@ -37,14 +39,19 @@ def gathered_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     }
 
 
+def writes_for_its_stage(trainer: Trainer) -> bool:
+    """Whether this rank is its pipeline stage's first in every other dimension."""
+    mesh = trainer.mesh
+    return trainer.dp_mesh.get_local_rank() == 0 and all(
+        mesh[dim].get_local_rank() == 0 for dim in ("cp", "tp")
+    )
+
+
 def save_params(trainer: Trainer, out: Path) -> None:
     """The gathered parameters (collective), saved once per pipeline stage: by the rank of the
     stage that is first in every other dimension, as `out`/params_pp<stage>.pt."""
     params = gathered_params(trainer)
-    mesh = trainer.mesh
-    if trainer.dp_mesh.get_local_rank() == 0 and all(
-        mesh[dim].get_local_rank() == 0 for dim in ("cp", "tp")
-    ):
+    if writes_for_its_stage(trainer):
         torch.save(params, out / f"params_pp{trainer.pp_rank}.pt")
 
 
@@ -101,3 +108,22 @@ def resume_layout(checkpoint: str, argv: list[str]) -> None:
         shutil.copytree(source, target)
     dist.barrier()
     train_layout(argv)
+
+
+def loaded_state(argv: list[str]) -> None:
+    """The trainer of `argv` resumed from the checkpoint in its dump folder, before any step:
+    its model and optimizer tensors, whole and under the checkpoint's keys (`model.<name>`,
+    `optimizer.state.<name>.<moment>`), saved once per pipeline stage as
+    <dump folder>/loaded_pp<stage>.pt."""
+    trainer = Trainer(parse_args(argv))
+    state = {f"model.{k}": v for k, v in model_state(trainer.model_parts).items()}
+    optimizer = optimizer_state(trainer.trained_parts, trainer.optimizers)
+    state |= {f"optimizer.{k}": v for k, v in optimizer.items() if isinstance(v, torch.Tensor)}
+    whole = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+        for k, v in state.items()
+    }
+    if writes_for_its_stage(trainer):
+        torch.save(whole, Path(trainer.config.job.dump_folder) / f"loaded_pp{trainer.pp_rank}.pt")
+    del trainer
+    dist.barrier()

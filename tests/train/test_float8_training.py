@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.launching import REPO
+from harness.launching import REPO, SCENARIO_DIR
+from harness.shared_world import SharedWorld
 from harness.training import checkpoint_entries, losses_by_step, run_training
 
 pytestmark = pytest.mark.multiprocess
 pytest.importorskip("torchao.float8")
 
 FP8 = ["--quantize.linear=float8_rowwise", "--quantize.emulate=true"]
+LOADED_STATE = f"{SCENARIO_DIR / 'layout_scenario.py'}:loaded_state"
 STEPS, SAVE_AT = 10, 5
 # configs/debug.toml shrunk: 2 blocks of hidden 64 (every block linear FP8-convertible) on the
 # bundled corpus at a higher learning rate, 10 steps of 4 x 64 tokens, a checkpoint at step 5.
@@ -88,6 +90,36 @@ def _resumed(runs: dict[str, Path], source: str, tmp: Path, extra: list[str]) ->
     return dump
 
 
+def test_a_checkpoint_loads_bit_for_bit_across_fp8_on_and_off_under_another_layout(runs, tmp_path):
+    """The one-process runs' step-SAVE_AT checkpoints, the FP8 run's loaded without FP8 under
+    FSDP2 on two ranks and the plain run's with FP8 under two pipeline stages: before their
+    first step, the model and AdamW's state they hold are the stored tensors bit for bit."""
+    world = SharedWorld(tmp_path / "world", 2)
+    layouts = {
+        "fp8": ("dp2", ["--training.micro_batch_size=2"]),
+        "plain": ("pp2", [*FP8, "--parallelism.pp=2", "--training.micro_batch_size=2"]),
+    }
+    for source, (name, layout) in layouts.items():
+        step = f"step-{SAVE_AT}"
+        shutil.copytree(runs[source] / "checkpoints" / step, tmp_path / name / "checkpoints" / step)
+        argv = [*DEBUG_RUN, f"--job.dump_folder={tmp_path / name}", *layout]
+        world.add(name, LOADED_STATE, argv)
+    world.run().results()
+    for source, (name, _) in layouts.items():
+        stored = checkpoint_entries(runs[source] / "checkpoints" / f"step-{SAVE_AT}")
+        tensors = {
+            key: value
+            for key, value in stored.items()
+            if key.startswith(("model.", "optimizer.state.")) and isinstance(value, torch.Tensor)
+        }
+        loaded: dict[str, torch.Tensor] = {}
+        for stage in sorted((tmp_path / name).glob("loaded_pp*.pt")):
+            loaded.update(torch.load(stage, weights_only=True))
+        assert loaded.keys() == tensors.keys(), name
+        for key, value in tensors.items():
+            assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+
+
 @pytest.mark.parametrize("source, extra", [("fp8", []), ("plain", FP8)], ids=["fp8 off", "fp8 on"])
 def test_a_checkpoint_resumes_across_fp8_on_and_off(runs, source, extra, tmp_path):
     # The checkpoints of both runs store the same entries, plain fp32 tensors.
@@ -112,18 +144,19 @@ TENSORWISE_BF16_DP2 = [
     "--quantize.linear=float8_tensorwise",
     "--quantize.emulate=true",
     "--training.dtype=bf16",
+    "--optimizer.state_dtype=bf16",  # AdamW's moments in bf16 (train/bf16_adamw.py)
     "--training.micro_batch_size=2",
 ]
 GATHER = "--quantize.fsdp_float8_all_gather=true"
 
 
 def test_fsdp_fp8_all_gather_trains_like_gathering_bf16_and_resumes_under_a_pipeline(tmp_path):
-    """quantize.fsdp_float8_all_gather under FSDP2 on two ranks in bf16: FSDP gathers each
-    weight cast to e4m3 from its fp32 shard instead of cast to bf16 and then to e4m3, one
-    rounding fewer, so the losses follow the run that gathers bf16 within FP8's tolerance. Its
-    checkpoint stores what that run's does (plain fp32 tensors, the same entries), and resumed
-    under two pipeline stages (each gathering FP8 on its one-rank FSDP mesh) it continues the
-    run within the same tolerance."""
+    """quantize.fsdp_float8_all_gather under FSDP2 on two ranks in bf16 (AdamW's moments in
+    bf16 too): FSDP gathers each weight cast to e4m3 from its fp32 shard instead of cast to bf16
+    and then to e4m3, one rounding fewer, so the losses follow the run that gathers bf16 within
+    FP8's tolerance. Its checkpoint stores what that run's does (plain tensors, the same
+    entries), and resumed under two pipeline stages (each gathering FP8 on its one-rank FSDP
+    mesh) it continues the run within the same tolerance."""
     bf16 = _dump(tmp_path, "tensorwise", TENSORWISE_BF16_DP2, nproc=2)
     gathered = _dump(tmp_path, "gathered", [*TENSORWISE_BF16_DP2, GATHER], nproc=2)
     want, got = losses_by_step(bf16), losses_by_step(gathered)

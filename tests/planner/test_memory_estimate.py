@@ -237,6 +237,18 @@ def test_fp8_all_gather_gathers_block_linear_weights_in_one_byte_hand_computed()
         for wl in (tensorwise, gathered)
     )
     assert before - after == 2 * 3072
+    # A LoRA run's frozen FP8 base: gathered in FP8 over two shards; on one, FSDP2 leaves it out
+    # of its units (parallel.fsdp.gathered_wrong_on_one_rank) and it stays in bf16.
+    adapters = planner.Adapters(2, ("query_key_value",))
+    lora, lora_gathered = (
+        dataclasses.replace(wl, adapters=adapters) for wl in (tensorwise, gathered)
+    )
+    for layout, saved in ((zero2, 2 * 3072), (layout_of(zero_stage=2), 0)):
+        before, after = (
+            planner.estimate_rank(args, layout, wl).component(name).bytes
+            for wl in (lora, lora_gathered)
+        )
+        assert before - after == saved
     with pytest.raises(planner.PlanError, match="float8_all_gather with float8 = 'rowwise'"):
         planner.estimate_rank(args, zero2, workload(float8="rowwise", float8_all_gather=True))
 

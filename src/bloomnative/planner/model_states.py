@@ -162,17 +162,20 @@ def unit_numels(params: Iterable[ParamTensor]) -> dict[str, int]:
 
 
 def unit_gathered_bytes(
-    params: Iterable[ParamTensor], compute: int, workload: Workload
+    params: Iterable[ParamTensor], compute: int, workload: Workload, shards: int
 ) -> dict[str, int]:
-    """Bytes of each FSDP unit's all-gather output: `compute` per element, one for a block
-    linear's weight that FSDP2 gathers in FP8 (`workload.float8_all_gather`), counted where the
-    rank's shape of it is a multiple of 16 both ways, the FP8 kernels' condition, which its whole
-    shape then meets too (its one fp32 scale is not counted)."""
+    """Bytes of each FSDP unit's all-gather output over `shards` (dp_shard x cp) ranks:
+    `compute` per element, one for a block linear's weight that FSDP2 gathers in FP8
+    (`workload.float8_all_gather`), counted where the rank's shape of it is a multiple of 16 both
+    ways, the FP8 kernels' condition, which its whole shape then meets too (its one fp32 scale is
+    not counted). On one shard a frozen FP8 weight stays out of FSDP2's units
+    (`parallel.fsdp.gathered_wrong_on_one_rank`) and is cast in its forward: `compute`."""
     linear = tuple(f".{path}.weight" for path in _LINEAR_LAYERS.values())
     sizes: dict[str, int] = {}
     for p in params:
         fp8 = (
             workload.float8_all_gather
+            and (p.trainable or shards > 1)
             and p.name.endswith(linear)
             and all(dim % FLOAT8_DIM_MULTIPLE == 0 for dim in p.shape)
         )
@@ -290,7 +293,7 @@ def _fsdp_states(
     # A frozen base is stored in the compute dtype (adapters.lora.store_frozen_in): no master.
     stored = sum(p.shard_numel(shards) * (FP32 if p.trainable else prec.compute) for p in params)
     trained = [p.shard_numel(shards) for p in params if p.trainable]
-    units = unit_gathered_bytes(params, prec.compute, workload)
+    units = unit_gathered_bytes(params, prec.compute, workload, shards)
     root = units.get("root", 0)
     blocks = sorted((n for u, n in units.items() if u != "root"), reverse=True)
     fp8 = " (1 x FP8-gathered block linear weights)" if workload.float8_all_gather else ""

@@ -229,7 +229,8 @@ def backward_transient(
         working += (prec.compute + FP32) * largest_block
         parts.append("one block's unsharded grad + fp32 reduce-scatter input")
         if layout.reshards_after_forward:
-            gathered = unit_gathered_bytes(params, prec.compute, workload)
+            shards = layout.dims.fsdp_shards
+            gathered = unit_gathered_bytes(params, prec.compute, workload, shards)
             working += 2 * max((n for u, n in gathered.items() if u != "root"), default=0)
             parts.append("current + prefetched block re-gathered")
     candidates = [Component("backward working set", working, "fwd_bwd", " + ".join(parts))]

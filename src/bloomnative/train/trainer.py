@@ -554,7 +554,7 @@ class Trainer:
         rank's micro batches, with gradients accumulated when `train`. Under pipeline
         parallelism training runs the schedule and evaluation a forward-only pass through the
         stages (`pipeline_forward_loss`), which works for every schedule and sequence length."""
-        if self.config.quantize.fsdp_float8_all_gather:  # the weights changed since
+        if self.config.quantize.fsdp_float8_all_gather:  # scales of the weights as they are now
             precompute_float8_scales(self.model_parts)
         with self.loss_context():
             if self.dims.pp > 1 and train:
